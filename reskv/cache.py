@@ -1,0 +1,2 @@
+"""Placeholder while the compressed cache is written."""
+ATTENTION_NAME = "sdpa"

@@ -1,0 +1,109 @@
+"""What a base method sees of a prefilled layer, and the interface its scoring rule implements.
+
+Shapes use ``H`` query heads, ``H_kv`` KV heads, group size ``G = H // H_kv`` (query head ``h``
+belongs to KV head ``h // G``, the ``repeat_kv`` convention), ``s`` prompt tokens, head dim ``d``.
+Queries and keys are post-RoPE, as they sit in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Query chunk for attention statistics over long prompts: bounds memory at H * chunk * s floats.
+QUERY_CHUNK = 512
+
+
+@dataclass
+class LayerObservation:
+    """One layer right after prefill: its cache and the queries the scorers may use."""
+
+    layer_idx: int
+    keys: Tensor  # [H_kv, s, d]
+    values: Tensor  # [H_kv, s, d]
+    queries: Tensor  # [H, n, d]: the last n prompt queries, n = min(s, observation window)
+    accumulated: Tensor | None  # [H_kv, s] fp32: H2O column sums over all prompt queries, or None
+    scaling: float
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.queries.shape[0] // self.keys.shape[0]
+
+    @property
+    def query_positions(self) -> Tensor:
+        """Positions of ``queries`` in the prompt: the last n positions."""
+        n = self.queries.shape[1]
+        return torch.arange(self.seq_len - n, self.seq_len, device=self.keys.device)
+
+
+def group_mean(per_query_head: Tensor, num_kv_heads: int) -> Tensor:
+    """Reduce a ``[H, ...]`` tensor to ``[H_kv, ...]`` by the mean over each GQA group (reskv.md, GQA)."""
+    return per_query_head.reshape(num_kv_heads, -1, *per_query_head.shape[1:]).mean(dim=1)
+
+
+def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: Tensor, scaling: float) -> Tensor:
+    """fp32 softmax attention ``[H, n, s]`` of queries at ``query_positions`` over keys ``0..s-1``.
+
+    Causal: a query at position ``t`` gives zero weight to keys after ``t``. Memory is
+    ``H * n * s`` floats, so callers pass observation-sized query sets (or chunks).
+    """
+    num_kv_heads, seq_len, head_dim = keys.shape
+    grouped = queries.float().reshape(num_kv_heads, -1, head_dim)  # [H_kv, G*n, d]
+    logits = grouped @ keys.float().transpose(1, 2) * scaling  # [H_kv, G*n, s]
+    logits = logits.reshape(queries.shape[0], queries.shape[1], seq_len)
+    future = torch.arange(seq_len, device=keys.device)[None, :] > query_positions[:, None]
+    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+
+
+def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: Tensor, scaling: float) -> Tensor:
+    """H2O's heavy-hitter statistic: column sums of causal attention over the given queries.
+
+    Returns ``[H_kv, s]`` (mean over each group of query heads). Computed in query chunks so no
+    ``s x s`` tensor is materialised. Reference: FMInference/H2O ``modify_llama.py``
+    (``_update_hh_score``): plain sums, no normalisation by how many queries see a token.
+    """
+    total = torch.zeros(queries.shape[0], keys.shape[1], device=keys.device, dtype=torch.float32)
+    for start in range(0, queries.shape[1], QUERY_CHUNK):
+        chunk = slice(start, start + QUERY_CHUNK)
+        total += causal_attention_probs(queries[:, chunk], keys, query_positions[chunk], scaling).sum(dim=1)
+    return group_mean(total, keys.shape[0])
+
+
+class TokenScorer:
+    """A base method's rule: token scores, the protected window and the per-head allocation.
+
+    Subclasses (one file each in ``baselines/``) implement ``score`` and ``fit_score``; the
+    shared compressor (``reskv.compress``) does the selection, so every method keeps the
+    protected window plus the top-scored tokens before it, ties broken toward lower positions.
+    Scores are ``[H_kv, s]`` fp32; entries inside the protected window are ignored.
+    """
+
+    name: str = "base"
+    window: int = 0  # the protected recent tokens P, always kept
+    needs_accumulated_attention: bool = False  # H2O: capture column sums during prefill
+
+    def score(self, obs: LayerObservation) -> Tensor:
+        """Scores for the final selection, from the method's own observation window."""
+        raise NotImplementedError
+
+    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
+        """The same rule applied to the validation proxy's fit queries only (reskv.md, validation)."""
+        raise NotImplementedError
+
+    def head_budgets(self, scores: Tensor, budget: int) -> Tensor:
+        """Slots each KV head keeps (protected window included): ``[H_kv]`` long, ``budget`` each."""
+        return torch.full((scores.shape[0],), budget, dtype=torch.long, device=scores.device)
+
+    def adjust_values(self, obs: LayerObservation, kept: Tensor) -> Tensor:
+        """Values after selection; ``kept`` is ``[H_kv, s]`` bool. Merging methods (CaM) override."""
+        return obs.values
