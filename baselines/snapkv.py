@@ -1,0 +1,79 @@
+"""SnapKV: keep the prefix tokens the last ``window`` queries attend to most, smoothed by pooling.
+
+References: FasterDecoding/SnapKV ``snapkv/monkeypatch/snapkv_utils.py`` (``SnapKVCluster``) and
+NVIDIA kvpress ``kvpress/presses/snapkv_press.py``. Fixed by baselines.md (SnapKV): window 64,
+kernel 5, fp32 causal softmax of the window queries over all keys, columns ``[0, s - window)``
+only, mean over the window queries, mean over the GQA group *before* pooling (kvpress pools
+first; pooling is linear, so only rounding differs), ``avg_pool1d(kernel, stride 1,
+padding kernel // 2)`` with PyTorch's default ``count_include_pad``. The selection itself
+(top ``b - window`` prefix tokens plus the window, ties toward lower positions) is the shared
+``reskv.selection.select_main``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs, group_mean
+
+# Score given to the protected window. Pooled attention is a mean of probabilities, at most 1,
+# so 2 ranks the window above every prefix token (kvpress pads with max + 1) while staying
+# finite for any consumer that reduces whole rows; the shared selection ignores it anyway.
+WINDOW_FILL = 2.0
+
+
+def observation_queries(obs: LayerObservation, window: int) -> tuple[Tensor, Tensor]:
+    """The last ``window`` observed queries ``[H, n, d]`` and their prompt positions ``[n]``.
+
+    When fewer queries were observed (short prompts: the engine observes ``min(s, ...)``), all of
+    them are used; the protected window is unaffected.
+    """
+    return obs.queries[:, -window:], obs.query_positions[-window:]
+
+
+def window_attention(queries: Tensor, positions: Tensor, keys: Tensor, scaling: float) -> Tensor:
+    """Un-pooled SnapKV statistic ``[H_kv, s]`` fp32: causal attention of ``queries`` on every key,
+    averaged over the queries, then over each GQA group.
+
+    Columns inside the window are kept (CaM's merge targets may lie there); a query gives zero
+    weight to keys after it, and the mean still divides by all queries, as upstream does.
+    """
+    probs = causal_attention_probs(queries, keys, positions, scaling)  # [H, n, s]
+    return group_mean(probs.mean(dim=1), keys.shape[0])
+
+
+def window_scores(
+    queries: Tensor, positions: Tensor, keys: Tensor, scaling: float, protected: int, kernel_size: int
+) -> Tensor:
+    """SnapKV scores ``[H_kv, s]``: ``window_attention`` on the columns before the last
+    ``protected`` tokens, average-pooled; the protected columns hold ``WINDOW_FILL``.
+
+    ``queries`` are the method's window (``score``) or the validation proxy's fit queries
+    (``fit_score``, reskv.md: the fit queries act as the window, pooled).
+    """
+    seq_len = keys.shape[1]
+    prefix_len = seq_len - min(protected, seq_len)
+    scores = torch.full((keys.shape[0], seq_len), WINDOW_FILL, dtype=torch.float32, device=keys.device)
+    if prefix_len > 0:  # a prompt no longer than the window has nothing to rank
+        prefix = window_attention(queries, positions, keys, scaling)[:, :prefix_len]
+        scores[:, :prefix_len] = F.avg_pool1d(prefix, kernel_size, stride=1, padding=kernel_size // 2)
+    return scores
+
+
+class SnapKV(TokenScorer):
+    """SnapKV scoring with a protected window of the last ``window`` tokens (baselines.md, SnapKV)."""
+
+    name = "snapkv"
+
+    def __init__(self, window: int = 64, kernel_size: int = 5):
+        self.window = window
+        self.kernel_size = kernel_size
+
+    def score(self, obs: LayerObservation) -> Tensor:
+        queries, positions = observation_queries(obs, self.window)
+        return window_scores(queries, positions, obs.keys, obs.scaling, self.window, self.kernel_size)
+
+    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
+        return window_scores(fit_queries, fit_positions, obs.keys, obs.scaling, self.window, self.kernel_size)

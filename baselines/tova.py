@@ -1,0 +1,35 @@
+"""TOVA: keep the tokens the last query attends to most, one selection per layer.
+
+Reference: schwartz-lab-NLP/TOVA ``src/tova_cache.py`` (``TOVACache.reduce``: mean of the last
+query's attention over the heads, one top-k shared by every head). Fixed by baselines.md (TOVA):
+protect only the last token; fp32 softmax of the last query over all keys averaged over *all*
+query heads of the layer, so its KV heads share one selection; selection happens once after
+prefill, not again during decoding.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
+
+
+def last_query_scores(queries: Tensor, positions: Tensor, keys: Tensor, scaling: float) -> Tensor:
+    """Attention ``[H_kv, s]`` of the last of ``queries``, averaged over all query heads; the same
+    row for every KV head, so the shared per-head selection picks one token set for the layer."""
+    probs = causal_attention_probs(queries[:, -1:], keys, positions[-1:], scaling)  # [H, 1, s]
+    return probs.mean(dim=(0, 1)).repeat(keys.shape[0], 1)
+
+
+class TOVA(TokenScorer):
+    """TOVA scoring with the last token protected (baselines.md, TOVA)."""
+
+    name = "tova"
+    window = 1
+
+    def score(self, obs: LayerObservation) -> Tensor:
+        return last_query_scores(obs.queries, obs.query_positions, obs.keys, obs.scaling)
+
+    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
+        """reskv.md (validation proxy): the same rule with the last fit query."""
+        return last_query_scores(fit_queries, fit_positions, obs.keys, obs.scaling)
