@@ -1,0 +1,68 @@
+"""AdaKV: SnapKV scores with the layer's budget spread over its KV heads by where the top scores fall.
+
+Reference: FFY0/AdaKV ``adaptive_snapkv/monkeypatch/snapkv_utils.py`` (``AdaptiveSnapKVCluster``,
+``update_kv_gqa``: GQA scores by the group mean, a floor of ``alpha`` times the base capacity per
+head). Fixed by baselines.md (AdaKV): SnapKV scores per KV head (window 64, kernel 5), safeguard
+``alpha = 0.2``, ``B = b - window``, ``c_h`` = head ``h``'s share of the layer's top ``H*B`` prefix
+scores, ``cap_h = c_h (1 - alpha) + alpha B`` rounded by largest remainder (ties to the lower head
+index) so that the caps sum to ``H*B`` exactly; each head keeps its top ``cap_h`` plus the window.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+from torch import Tensor
+
+from baselines.snapkv import SnapKV
+from reskv.selection import score_ranks
+
+# alpha becomes the nearest fraction with at most this denominator (0.2 -> 1/5), so caps and
+# their remainders are exact integers: no float noise decides which head gets a rounded slot.
+ALPHA_DENOMINATOR = 10_000
+
+
+def safeguarded_caps(prefix_scores: Tensor, per_head: int, alpha: float) -> Tensor:
+    """Prefix slots ``[H]`` (long) per head, summing to ``H * per_head``; ``prefix_scores`` is ``[H, n]``.
+
+    ``c_h`` counts head ``h`` among the top ``H * per_head`` of the flattened scores; ties go to the
+    lower head index, then the lower position (a stable sort of the head-major flattening). With
+    ``per_head < n`` every cap stays within the head's ``n`` tokens: ``cap_h`` is a convex
+    combination of ``c_h <= n`` and ``per_head < n``, and the extra unit only goes to a
+    fractional ``cap_h < n`` (remainders sum to the number of units handed out, each below 1).
+    """
+    num_heads = prefix_scores.shape[0]
+    total = num_heads * per_head
+    in_top = score_ranks(prefix_scores.reshape(1, -1))[0] < total
+    counts = in_top.reshape(num_heads, -1).sum(dim=-1)
+    num, den = Fraction(alpha).limit_denominator(ALPHA_DENOMINATOR).as_integer_ratio()
+    scaled = counts * (den - num) + num * per_head  # den * cap_h
+    caps, remainders = scaled // den, scaled % den
+    largest_first = torch.sort(remainders, descending=True, stable=True).indices
+    caps[largest_first[: int(total - caps.sum())]] += 1
+    return caps
+
+
+class AdaKV(SnapKV):
+    """SnapKV scoring with per-head budgets (baselines.md, AdaKV); heads hold ragged lengths."""
+
+    name = "adakv"
+
+    def __init__(self, window: int = 64, kernel_size: int = 5, alpha: float = 0.2):
+        super().__init__(window, kernel_size)
+        self.alpha = alpha
+
+    def head_budgets(self, scores: Tensor, budget: int) -> Tensor:
+        """Per-head slots ``cap_h + window``, summing to ``H_kv * budget``.
+
+        Uniform ``budget`` when there is nothing to reallocate: ``budget <= window`` (each head
+        keeps its last ``budget`` tokens, the shared fallback) or ``budget - window`` covers the
+        whole prefix (each head keeps everything; the selection clamps to ``s``).
+        """
+        seq_len = scores.shape[1]
+        window = min(self.window, seq_len)
+        per_head, prefix_len = budget - window, seq_len - window
+        if per_head <= 0 or per_head >= prefix_len:
+            return super().head_budgets(scores, budget)
+        return safeguarded_caps(scores[:, :prefix_len], per_head, self.alpha) + window
