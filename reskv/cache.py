@@ -1,2 +1,198 @@
-"""Placeholder while the compressed cache is written."""
-ATTENTION_NAME = "sdpa"
+"""KV caches that plug into transformers through its public extension points.
+
+``ResKVCache`` is a ``transformers.Cache`` whose layers are either
+
+- ``ObservedLayer``: an exact, growing cache (a ``DynamicLayer``) that can record, while the
+  prompt is prefilled, what the scorers need: the last observation-window queries and, for
+  H2O, column sums of attention (computed in query chunks, never an ``s x s`` tensor); or
+- ``CompressedLayer``: the exact main cache (ragged heads padded with masked slots) plus the
+  residual entries, attended with the shared-softmax rule of ``reskv.attention``.
+
+The attention function registered as ``"reskv"`` with transformers' ``AttentionInterface``
+hands every call to the layer that holds the state; the model code is used unchanged. Masks
+are built here, not by transformers: a custom attention name gets ``attention_mask=None``.
+Batch size 1 throughout: each prompt is compressed on its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from reskv.attention import DecodeRule, residual_attention
+from reskv.compress import CompressedLayerState
+from reskv.scoring import LayerObservation, accumulated_attention
+
+ATTENTION_NAME = "reskv"
+CACHE_KWARG = "reskv_cache"  # the forward kwarg that carries the cache to the attention function
+
+
+def _uses_flash_attention(query: Tensor) -> bool:
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("flash_attn") is not None)
+
+
+def causal_attention(module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """Exact causal attention of the last ``q`` positions over all ``k`` keys: ``[1, q, H, d]``.
+
+    FlashAttention-2 when installed on a GPU (its causal mask aligns to the bottom right, as
+    needed when a suffix continues a cache); PyTorch SDPA otherwise, with an explicit mask when
+    queries continue a longer cache (SDPA's ``is_causal`` aligns to the top left).
+    """
+    if _uses_flash_attention(query):
+        return ALL_ATTENTION_FUNCTIONS["flash_attention_2"](module, query, key, value, None, scaling=scaling)[0]
+    query_len, key_len = query.shape[2], key.shape[2]
+    mask = None
+    if 1 < query_len < key_len:
+        query_positions = torch.arange(key_len - query_len, key_len, device=query.device)
+        mask = torch.arange(key_len, device=query.device)[None, :] <= query_positions[:, None]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=query_len == key_len and query_len > 1,
+        scale=scaling, enable_gqa=True,
+    )
+    return output.transpose(1, 2).contiguous()
+
+
+class ObservedLayer(DynamicLayer):
+    """An exact layer; while ``observation_window > 0`` it records queries (and H2O statistics)."""
+
+    def __init__(self, observation_window: int = 0, accumulate: bool = False):
+        super().__init__()
+        self.observation_window = observation_window
+        self.accumulate = accumulate
+        self.queries: Tensor | None = None  # [H, n, d]: the last observed queries
+        self.accumulated: Tensor | None = None  # [H_kv, s] fp32
+
+    def fork(self, observation_window: int = 0, accumulate: bool = False) -> ObservedLayer:
+        """A new layer over the same tensors: ``update`` concatenates, so the original never changes."""
+        twin = ObservedLayer(observation_window, accumulate)
+        twin.keys, twin.values, twin.is_initialized = self.keys, self.values, self.is_initialized
+        if self.is_initialized:
+            twin.dtype, twin.device = self.dtype, self.device
+        twin.queries, twin.accumulated = self.queries, self.accumulated
+        return twin
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        if self.observation_window:
+            self._observe(query[0], key[0], scaling)
+        return causal_attention(module, query, key, value, scaling)
+
+    def _observe(self, query: Tensor, key: Tensor, scaling: float) -> None:
+        recent = query if self.queries is None else torch.cat([self.queries, query], dim=1)
+        self.queries = recent[:, -self.observation_window:]
+        if not self.accumulate:
+            return
+        key_len = key.shape[1]
+        positions = torch.arange(key_len - query.shape[1], key_len, device=key.device)
+        new_sums = accumulated_attention(query, key, positions, scaling)
+        if self.accumulated is not None:
+            new_sums[:, : self.accumulated.shape[1]] += self.accumulated
+        self.accumulated = new_sums
+
+    def observation(self, layer_idx: int, scaling: float) -> LayerObservation:
+        return LayerObservation(layer_idx, self.keys[0], self.values[0], self.queries, self.accumulated, scaling)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """Main cache + residual entries after compression; new tokens are appended to main, exact.
+
+    ``get_seq_length`` reports the uncompressed length so positions continue from it (no
+    re-rotation of cached keys).
+    """
+
+    is_sliding = False
+
+    def __init__(self, state: CompressedLayerState, seq_len: int, rule: DecodeRule):
+        super().__init__()
+        self.keys, self.values = state.main_keys[None], state.main_values[None]
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+        self.main_bias = state.main_bias
+        self.residual = state.residual
+        self.evicted_fraction = state.evicted_fraction
+        self.rule = rule
+        self.seq_len = seq_len
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise RuntimeError("a compressed layer is built from a prefilled one, never lazily")
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.main_bias is not None:
+            appended = self.main_bias.new_zeros(*self.main_bias.shape[:2], key_states.shape[-2])
+            self.main_bias = torch.cat([self.main_bias, appended], dim=-1)
+        self.seq_len += key_states.shape[-2]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2] + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        _, num_heads, query_len, head_dim = query.shape
+        num_kv_heads, key_len = key.shape[1], key.shape[2]
+        bias = self.main_bias
+        if query_len > 1:
+            # Tokens fed together (the question suffix) see each other causally.
+            future = (torch.arange(key_len, device=key.device)[None, :]
+                      > torch.arange(key_len - query_len, key_len, device=key.device)[:, None])
+            causal = torch.zeros(future.shape, device=key.device).masked_fill(future, float("-inf"))
+            causal = causal.repeat(num_heads // num_kv_heads, 1)[None]  # grouped query order
+            bias = causal if bias is None else bias + causal
+        output = residual_attention(
+            query[0].reshape(num_kv_heads, -1, head_dim), key[0], value[0], bias, self.residual.keys,
+            self.residual.values, self.residual.log_counts, scaling, self.rule, self.evicted_fraction,
+        )
+        return output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
+
+
+class ResKVCache(Cache):
+    """A cache of ``ObservedLayer`` / ``CompressedLayer`` objects, one per model layer."""
+
+    def __init__(self, layers: list[CacheLayerMixin]):
+        super().__init__(layers=layers)
+
+    @classmethod
+    def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> ResKVCache:
+        return cls([ObservedLayer(observation_window, accumulate) for _ in range(num_layers)])
+
+    def fork(self, observation_window: int = 0, accumulate: bool = False) -> ResKVCache:
+        """An exact copy to extend (more prompt tokens or decoding) without touching this one."""
+        return ResKVCache([layer.fork(observation_window, accumulate) for layer in self.layers])
+
+    def slots(self) -> list[list[int]]:
+        """Attended slots per layer and KV head (main, padding excluded, plus residual entries)."""
+        counts = []
+        for layer in self.layers:
+            num_kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
+            main = torch.full((num_kv_heads,), length, device=layer.keys.device)
+            if isinstance(layer, CompressedLayer):
+                if layer.main_bias is not None:
+                    main = torch.isfinite(layer.main_bias[:, 0]).sum(-1)
+                main = main + layer.residual.entries_per_head
+            counts.append(main.tolist())
+        return counts
+
+
+def reskv_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
+                    dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """The registered attention function: delegates to the cache layer, or plain causal attention."""
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None:
+        return causal_attention(module, query, key, value, scaling), None
+    return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, reskv_attention)

@@ -1,0 +1,193 @@
+"""Prefill once, then compress copies and decode greedily: the engine's public API.
+
+    prefill = Prefill(backbone, prompt_ids, context_length, methods)
+    for method in methods:
+        for setting in SETTINGS:
+            generation = prefill.generate(method, setting, max_new_tokens=64)
+
+The context prefix is prefilled once. The query-aware setting extends a copy of that cache
+with the question suffix (one more exact forward over the suffix only), then compresses; the
+query-agnostic setting compresses the context cache and feeds the suffix on top of the
+compressed cache. Compression always builds a new cache, so one prefill serves every
+(method, ratio, setting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from reskv.backbones import Backbone
+from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
+from reskv.compress import ResidualConfig, compress_layer
+from reskv.prompting import tokenize_prompt
+from reskv.scoring import TokenScorer
+
+SETTINGS = ("aware", "agnostic")
+# Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
+# the validation proxy (96 fit + 32 validation).
+DEFAULT_OBSERVATION_WINDOW = 128
+
+
+@dataclass(frozen=True)
+class Method:
+    """A compression method: a base scorer at a ratio, optionally with a residual cache.
+
+    ``scorer is None`` is the full cache (the ratio is then ignored).
+    """
+
+    name: str
+    ratio: float | None = None
+    scorer: TokenScorer | None = None
+    residual: ResidualConfig | None = None
+
+    @property
+    def observation_window(self) -> int:
+        needed = [DEFAULT_OBSERVATION_WINDOW]
+        if self.scorer is not None:
+            needed.append(self.scorer.window)
+        if self.residual is not None:
+            needed.append(self.residual.observation_window)
+        return max(needed)
+
+    @property
+    def needs_accumulated_attention(self) -> bool:
+        return self.scorer is not None and self.scorer.needs_accumulated_attention
+
+    def compress(self, cache: ResKVCache, scaling: float) -> tuple[ResKVCache, dict]:
+        """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged."""
+        if self.scorer is None:
+            return cache.fork(), {"compressed": False}
+        rule = (self.residual or ResidualConfig()).decode_rule
+        layers, per_layer = [], []
+        for layer_idx, layer in enumerate(cache.layers):
+            observation = layer.observation(layer_idx, scaling)
+            state = compress_layer(observation, self.scorer, self.ratio, self.residual)
+            if state is None:
+                layers.append(layer.fork())
+                continue
+            layers.append(CompressedLayer(state, observation.seq_len, rule))
+            per_layer.append(state.stats)
+        stats = {"compressed": bool(per_layer)}
+        if per_layer:
+            stats["budget"] = per_layer[0]["budget"]
+            for key in ("main_slots", "residual_entries", "residual_slots"):
+                stats[key] = [layer_stats[key] for layer_stats in per_layer]
+        return ResKVCache(layers), stats
+
+
+@dataclass
+class Generation:
+    """One greedy answer and what it cost."""
+
+    token_ids: list[int]
+    text: str
+    cache_stats: dict
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class _PrefilledState:
+    cache: ResKVCache
+    last_logits: Tensor
+
+
+class Prefill:
+    """One prompt prefilled once, serving any number of (method, setting) generations."""
+
+    def __init__(self, backbone: Backbone, prompt_ids: Sequence[int], context_length: int,
+                 methods: Sequence[Method] = ()):
+        if not 0 < context_length <= len(prompt_ids):
+            raise ValueError(f"context_length {context_length} outside (0, {len(prompt_ids)}]")
+        self.backbone = backbone
+        self.prompt_ids = list(prompt_ids)
+        self.context_length = context_length
+        self.observation_window = max([DEFAULT_OBSERVATION_WINDOW] + [m.observation_window for m in methods])
+        self.accumulate = any(m.needs_accumulated_attention for m in methods)
+        config = backbone.model.config
+        self.scaling = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.scaling**-0.5
+        self.timings: dict[str, float] = {}
+        start = time.perf_counter()
+        cache = ResKVCache.for_prefill(config.num_hidden_layers, self.observation_window, self.accumulate)
+        self._context = _PrefilledState(cache, self._forward(self.prompt_ids[:context_length], cache))
+        self.timings["prefill_s"] = time.perf_counter() - start
+        self._whole_prompt: _PrefilledState | None = None
+
+    @torch.inference_mode()
+    def _forward(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
+        ids = torch.tensor([list(token_ids)], device=self.backbone.device)
+        output = self.backbone.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                     **{CACHE_KWARG: cache})
+        return output.logits[0, -1]
+
+    def _prompt_state(self) -> _PrefilledState:
+        """The whole prompt, exact: the context cache extended with the question (computed once)."""
+        if self._whole_prompt is None:
+            start = time.perf_counter()
+            cache = self._context.cache.fork(self.observation_window, self.accumulate)
+            question = self.prompt_ids[self.context_length:]
+            logits = self._forward(question, cache) if question else self._context.last_logits
+            self._whole_prompt = _PrefilledState(cache, logits)
+            self.timings["question_prefill_s"] = time.perf_counter() - start
+        return self._whole_prompt
+
+    def generate(self, method: Method, setting: str = "aware", max_new_tokens: int = 32,
+                 stop_token_ids: Sequence[int] = ()) -> Generation:
+        """Compress a copy of the prefilled cache for ``method`` and decode greedily."""
+        if setting not in SETTINGS:
+            raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
+        timings = {}
+        start = time.perf_counter()
+        source = self._prompt_state() if setting == "aware" else self._context
+        cache, stats = method.compress(source.cache, self.scaling)
+        timings["compress_s"] = time.perf_counter() - start
+        stats["prompt_tokens"] = len(self.prompt_ids)
+        stats["compressed_tokens"] = source.cache.layers[0].get_seq_length()
+        stats["slots"] = cache.slots()
+        logits = source.last_logits
+        question = self.prompt_ids[self.context_length:]
+        if setting == "agnostic" and question:
+            start = time.perf_counter()
+            logits = self._forward(question, cache)
+            timings["question_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        token_ids = self._decode(cache, logits, max_new_tokens, set(stop_token_ids) | set(self.backbone.stop_token_ids))
+        timings["decode_s"] = time.perf_counter() - start
+        timings["decode_tokens"] = len(token_ids)
+        text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return Generation(token_ids, text, stats, timings)
+
+    def _decode(self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+        """Greedy decoding; the stop token itself is not part of the answer."""
+        token_ids: list[int] = []
+        while len(token_ids) < max_new_tokens:
+            next_id = int(logits.argmax())
+            if next_id in stop_ids:
+                break
+            token_ids.append(next_id)
+            if len(token_ids) < max_new_tokens:
+                logits = self._forward([next_id], cache)
+        return token_ids
+
+
+def generate(backbone: Backbone, method: Method, context: str, question: str, setting: str = "aware",
+             max_new_tokens: int = 32, chat_template: bool = True) -> Generation:
+    """Answer ``question`` about ``context`` (plain text) with one method in one setting.
+
+    With ``chat_template`` the two are wrapped as one user turn of the backbone's template; the
+    context prefix ends where the question starts, and both settings see identical tokens.
+    """
+    tokenizer = backbone.tokenizer
+    prompt = context + question
+    if chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    context_end = prompt.index(context) + len(context)
+    prompt_ids, context_length = tokenize_prompt(tokenizer, prompt[:context_end], prompt[context_end:])
+    prefill = Prefill(backbone, prompt_ids, context_length, [method])
+    return prefill.generate(method, setting, max_new_tokens)
