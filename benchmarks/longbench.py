@@ -92,16 +92,14 @@ def _local_candidates(task: str, data_dir: str | Path | None) -> list[Path]:
     return [Path(root) / "data" / f"{task}.jsonl", Path(root) / f"{task}.jsonl"]
 
 
-def _hub_reachable() -> bool:
-    # A plain connection probe: huggingface_hub itself retries for ~20 s before giving up.
-    from huggingface_hub import constants
-
-    url = urlsplit(constants.ENDPOINT)
+def _probe_hub(endpoint: str) -> None:
+    """Raise ``OSError`` unless the hub accepts a connection: huggingface_hub itself retries ~20 s."""
+    url = urlsplit(endpoint)
     try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=HUB_TIMEOUT):
-            return True
-    except OSError:
-        return False
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=HUB_TIMEOUT).close()
+    except OSError as error:
+        raise OSError(f"{endpoint} unreachable ({error})") from error
 
 
 def _hub_data_zip() -> Path:
@@ -118,8 +116,7 @@ def _hub_data_zip() -> Path:
         pass
     if constants.HF_HUB_OFFLINE:
         raise OSError("HF_HUB_OFFLINE is set")
-    if not _hub_reachable():
-        raise OSError(f"{constants.ENDPOINT} unreachable within {HUB_TIMEOUT:g} s")
+    _probe_hub(constants.ENDPOINT)
     try:
         return Path(hf_hub_download(HUB_DATASET, "data.zip", repo_type="dataset", etag_timeout=HUB_TIMEOUT))
     except Exception as error:  # HTTP errors of huggingface_hub are not OSErrors
