@@ -281,4 +281,4 @@ def score_item(item: Item, prediction: str) -> float:
     metric = METRICS[item.metric]
     all_classes = item.metadata.get("all_classes")
     scores = (metric(prediction, reference, all_classes=all_classes) for reference in item.references)
-    return float(max(0.0, *scores)) if item.references else 0.0
+    return float(max([0.0, *scores]))
