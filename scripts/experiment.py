@@ -1,0 +1,376 @@
+"""What run.py runs: a validated plan, its grid of configurations, and the shared-prefill loop.
+
+A plan is one backbone, one benchmark at one length, some tasks, and a grid of (method, ratio,
+setting) configurations. Per sample the prompt is prefilled once and every configuration that
+still lacks that sample compresses a copy of the prefilled cache and decodes (``reskv.engine``).
+Each configuration's samples go to its own resumable result file (``scripts.results_store``).
+Everything that can be wrong in a plan is checked before the model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import benchmarks
+from baselines import METHODS, RESIDUAL_SUFFIX, build_method
+from benchmarks.item import Item
+from reskv.backbones import Backbone
+from reskv.compress import ResidualConfig
+from reskv.engine import SETTINGS, Method, Prefill
+from scripts.results_store import (
+    FULL_METHOD,
+    ResultFile,
+    ResultKey,
+    ResultStoreError,
+    prompt_digest,
+    write_unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+# Task-list keywords of the benchmark config (`benchmark.tasks`), besides an explicit list.
+TASK_KEYWORDS = {"all": lambda benchmark: benchmarks.tasks(benchmark),
+                 "english": lambda benchmark: _english_tasks(benchmark)}
+
+
+class PlanError(ValueError):
+    """A bad run configuration; the message names the bad value and the valid choices."""
+
+
+def _english_tasks(benchmark: str) -> tuple[str, ...]:
+    if benchmark != "longbench":
+        raise PlanError(f"tasks 'english' exists for longbench only; for {benchmark} use 'all' or a list")
+    from benchmarks.longbench import ENGLISH_TASKS
+
+    return tuple(ENGLISH_TASKS)
+
+
+def as_list(value: Any) -> list:
+    """A config value that may be one item or a list of them, as a list."""
+    if value is None:
+        return []
+    if isinstance(value, str | int | float | bool):
+        return [value]
+    return list(value)
+
+
+def residual_config(options: Mapping[str, Any]) -> ResidualConfig:
+    """ResidualConfig from the ``reskv`` config node (lists become tuples), with a clear error."""
+    names = [spec.name for spec in fields(ResidualConfig)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise PlanError(f"unknown reskv option(s) {unknown}; valid options: {names}")
+    values = {name: tuple(value) if isinstance(value, list | tuple) else value
+              for name, value in options.items()}
+    try:
+        return ResidualConfig(**values)
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"bad reskv options: {error}") from error
+
+
+def _option_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple | list):
+        return "-".join(_option_text(part) for part in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def method_options(method: str, residual: ResidualConfig, h2o_window_only: bool) -> dict[str, Any]:
+    """The options that change what ``method`` computes (ResKV's for ``+reskv``, H2O's query set)."""
+    options: dict[str, Any] = {}
+    if method.endswith(RESIDUAL_SUFFIX):
+        options.update({spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)})
+    if method.removesuffix(RESIDUAL_SUFFIX) == "h2o":
+        options["h2o_window_only"] = h2o_window_only
+    return options
+
+
+def method_label(method: str, residual: ResidualConfig, h2o_window_only: bool) -> str:
+    """Method name plus its non-default options: what the result paths and the tables call it.
+
+    Ablations and hyper-parameter changes thus never overwrite the default method's results:
+    ``snapkv+reskv~validate=false``, ``snapkv+reskv~alpha=8,tau=0.3``, ``h2o~h2o_window_only=true``.
+    """
+    defaults = method_options(method, ResidualConfig(), False)
+    changed = {name: value for name, value in method_options(method, residual, h2o_window_only).items()
+               if value != defaults[name]}
+    if not changed:
+        return method
+    return method + "~" + ",".join(f"{name}={_option_text(changed[name])}" for name in sorted(changed))
+
+
+@dataclass(frozen=True)
+class GridEntry:
+    """One configuration of the grid; ``setting`` and ``ratio`` are None for the full cache."""
+
+    method: str
+    ratio: float | None
+    setting: str | None
+    label: str
+
+    def key(self, plan: Plan, task: str) -> ResultKey:
+        return ResultKey(plan.backbone, plan.benchmark, plan.length, task, self.setting, self.label,
+                         self.ratio)
+
+    def describe(self) -> str:
+        if self.method == FULL_METHOD:
+            return FULL_METHOD
+        return f"{self.setting} {self.label} {self.ratio:g}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated run: everything needed to load, run and file a grid."""
+
+    backbone: str
+    dtype: str
+    device: str
+    benchmark: str
+    length: int
+    tasks: tuple[str, ...]
+    benchmark_options: dict[str, Any]
+    num_samples: int | None
+    seed: int
+    methods: tuple[str, ...]
+    ratios: tuple[float, ...]
+    settings: tuple[str, ...]
+    residual: ResidualConfig
+    h2o_window_only: bool
+    shard_index: int
+    shard_count: int
+    share_prefill: bool
+    max_new_tokens: int | None
+    results_dir: Path
+    grid: tuple[GridEntry, ...] = field(default=())
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.results_dir / "runs"
+
+    def shard_range(self, total: int) -> tuple[int, int]:
+        """This job's contiguous block of a task's ``total`` samples."""
+        start = self.shard_index * total // self.shard_count
+        return start, (self.shard_index + 1) * total // self.shard_count
+
+    def identity(self, entry: GridEntry, dtype: str) -> dict[str, Any]:
+        """What a result file must agree on to be resumed (stored as its ``config``)."""
+        options = method_options(entry.method, self.residual, self.h2o_window_only)
+        return {
+            "backbone": {"name": self.backbone, "dtype": dtype},
+            "benchmark": {"name": self.benchmark, "length": self.length, "options": self.benchmark_options},
+            "method": entry.method,
+            "method_options": {name: list(value) if isinstance(value, tuple) else value
+                               for name, value in options.items()},
+            "ratio": entry.ratio,
+            "setting": entry.setting,
+            "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+    def answer_length(self, item: Item) -> int:
+        if self.max_new_tokens is None:
+            return item.max_new_tokens
+        return min(item.max_new_tokens, self.max_new_tokens)
+
+
+def _choose(kind: str, values: Iterable, choices: Sequence) -> None:
+    for value in values:
+        if value not in choices:
+            raise PlanError(f"unknown {kind} {value!r}; choose from {list(choices)}")
+
+
+def _ratio(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise PlanError(f"ratio {value!r} must be a number strictly between 0 and 1 (the fraction of the "
+                        "prompt's KV cache evicted; the paper uses 0.6, 0.7, 0.8, 0.9)")
+    return float(value)
+
+
+def build_grid(methods: Sequence[str], ratios: Sequence[float], settings: Sequence[str],
+               residual: ResidualConfig, h2o_window_only: bool) -> tuple[GridEntry, ...]:
+    """Every (method, ratio, setting); the full cache once (it compresses nothing and its two
+    settings are the same computation, see ``reskv.engine``)."""
+    entries = []
+    for method in methods:
+        label = method_label(method, residual, h2o_window_only)
+        if method == FULL_METHOD:
+            entries.append(GridEntry(method, None, None, label))
+            continue
+        entries.extend(GridEntry(method, ratio, setting, label) for setting in settings for ratio in ratios)
+    return tuple(dict.fromkeys(entries))
+
+
+def make_plan(config: Mapping[str, Any]) -> Plan:
+    """Validate a run configuration (the resolved Hydra config as plain containers)."""
+    backbone, benchmark = config["backbone"], config["benchmark"]
+    if benchmark["name"] not in benchmarks.BENCHMARKS:
+        raise PlanError(f"unknown benchmark {benchmark['name']!r}; choose from {list(benchmarks.BENCHMARKS)}")
+    methods = tuple(as_list(config["method"]))
+    settings = tuple(as_list(config["setting"]))
+    if not methods or not settings:
+        raise PlanError("method and setting need at least one value each")
+    _choose("method", methods, METHODS)
+    _choose("setting", settings, SETTINGS)
+    ratios = tuple(_ratio(value) for value in as_list(config["ratio"]))
+    if not ratios and set(methods) != {FULL_METHOD}:
+        raise PlanError("ratio needs at least one value for a compressing method")
+    task_spec = benchmark["tasks"]
+    available = benchmarks.tasks(benchmark["name"])
+    if isinstance(task_spec, str) and task_spec in TASK_KEYWORDS:
+        tasks = tuple(TASK_KEYWORDS[task_spec](benchmark["name"]))
+    else:
+        tasks = tuple(as_list(task_spec))
+        _choose(f"{benchmark['name']} task", tasks, [*TASK_KEYWORDS, *available])
+    if not tasks:
+        raise PlanError(f"no tasks selected; choose from {list(TASK_KEYWORDS)} or {list(available)}")
+    num_samples = config["num_samples"]
+    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                    or num_samples < 1):
+        raise PlanError(f"num_samples {num_samples!r} must be a positive integer or null (every sample)")
+    length = benchmark["length"]
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise PlanError(f"benchmark.length {length!r} must be a positive number of tokens")
+    shard = config["shard"]
+    if not 0 <= shard["index"] < shard["count"]:
+        raise PlanError(f"shard.index {shard['index']} must lie in [0, shard.count={shard['count']})")
+    max_new_tokens = config["max_new_tokens"]
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                       or max_new_tokens < 1):
+        raise PlanError(f"max_new_tokens {max_new_tokens!r} must be a positive integer or null "
+                        "(the benchmark's own)")
+    residual = residual_config(config["reskv"])
+    h2o_window_only = bool(config["h2o_window_only"])
+    return Plan(
+        backbone=backbone["name"], dtype=backbone["dtype"], device=backbone["device"],
+        benchmark=benchmark["name"], length=length, tasks=tasks,
+        benchmark_options=dict(benchmark.get("options") or {}), num_samples=num_samples,
+        seed=int(config["seed"]), methods=methods, ratios=ratios, settings=settings, residual=residual,
+        h2o_window_only=h2o_window_only, shard_index=shard["index"], shard_count=shard["count"],
+        share_prefill=bool(config["share_prefill"]), max_new_tokens=max_new_tokens,
+        results_dir=Path(config["results_dir"]),
+        grid=build_grid(methods, ratios, settings, residual, h2o_window_only),
+    )
+
+
+def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:
+    """Items of every task of the plan; a task whose data is missing here is marked unavailable."""
+    items = {}
+    for task in plan.tasks:
+        try:
+            items[task] = benchmarks.load_items(plan.benchmark, task, tokenizer, length=plan.length,
+                                                num_samples=plan.num_samples, **plan.benchmark_options)
+        except benchmarks.TaskUnavailable as error:
+            key = ResultKey(plan.backbone, plan.benchmark, plan.length, task, None, FULL_METHOD, None)
+            path = write_unavailable(plan.runs_dir, key, str(error))
+            log.warning("%s/%s unavailable, excluded from averages: %s (marked in %s)",
+                        plan.benchmark, task, error, path)
+    return items
+
+
+def sample_record(index: int, item: Item, max_new_tokens: int, generation, score: float,
+                  prefill_timings: dict[str, float], shared_by: int) -> dict[str, Any]:
+    """One sample's entry of a result file. Wall-clock values go under ``timings`` only."""
+    return {
+        "index": index,
+        "prompt_digest": prompt_digest(item.prompt_ids),
+        "prompt_tokens": item.length,
+        "context_tokens": item.context_length,
+        "question_tokens": item.length - item.context_length,
+        "max_new_tokens": max_new_tokens,
+        "prediction": generation.text,
+        "prediction_token_ids": list(generation.token_ids),
+        "generated_tokens": len(generation.token_ids),
+        "references": list(item.references),
+        "metric": item.metric,
+        "score": score,
+        "cache_stats": generation.cache_stats,
+        "timings": {**prefill_timings, **generation.timings, "prefill_shared_by": shared_by},
+    }
+
+
+@dataclass
+class GridRun:
+    """The open result files of a plan and the methods they need; ``run`` fills them.
+
+    ``on_sample`` is called after every generation (progress bars), ``on_finished`` with the entry,
+    task and final document whenever a configuration completes its sample range.
+    """
+
+    plan: Plan
+    backbone: Backbone
+    items: dict[str, list[Item]]
+    on_sample: Callable[[], None] = lambda: None
+    on_finished: Callable[[GridEntry, str, dict[str, Any] | None], None] = lambda entry, task, document: None
+    files: dict[tuple[str, GridEntry], ResultFile] = field(default_factory=dict)
+    methods: dict[tuple[str, float | None], Method] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        plan = self.plan
+        for entry in plan.grid:
+            if (entry.method, entry.ratio) not in self.methods:
+                residual = plan.residual if entry.method.endswith(RESIDUAL_SUFFIX) else None
+                self.methods[entry.method, entry.ratio] = build_method(
+                    entry.method, entry.ratio, residual=residual, seed=plan.seed,
+                    h2o_window_only=plan.h2o_window_only)
+
+    def open(self) -> int:
+        """Open (lock, resume) every result file; returns the number of generations still to do."""
+        dtype = str(self.backbone.model.dtype).removeprefix("torch.")
+        for task, items in self.items.items():
+            sample_range = self.plan.shard_range(len(items))
+            for entry in self.plan.grid:
+                result = ResultFile(self.plan.runs_dir, entry.key(self.plan, task), sample_range, len(items),
+                                    self.plan.identity(entry, dtype), benchmarks.task_score)
+                try:
+                    result.open()
+                except ResultStoreError as error:
+                    log.warning("skipping %s %s: %s", task, entry.describe(), error)
+                    continue
+                self.files[task, entry] = result
+                self._check_resumed_samples(result, items)
+        return sum(len(result.pending) for result in self.files.values())
+
+    @staticmethod
+    def _check_resumed_samples(result: ResultFile, items: list[Item]) -> None:
+        for index, record in result.records.items():
+            if index < len(items) and record["prompt_digest"] != prompt_digest(items[index].prompt_ids):
+                raise ResultStoreError(
+                    f"sample {index} of {result.path} was made from another prompt than the benchmark gives "
+                    "now (other data, tokenizer or sample count); use another results_dir")
+
+    def run(self) -> None:
+        """Every pending (task, sample, configuration); files are closed (and finished) even on error."""
+        try:
+            for task, items in self.items.items():
+                entries = [entry for entry in self.plan.grid if (task, entry) in self.files]
+                for index in range(*self.plan.shard_range(len(items))):
+                    pending = [entry for entry in entries if index not in self.files[task, entry].records]
+                    if pending:
+                        self._run_sample(task, index, items[index], pending)
+                for entry in entries:
+                    self.on_finished(entry, task, self.files.pop((task, entry)).close())
+        finally:
+            for result in self.files.values():
+                result.close()
+            self.files.clear()
+
+    def _run_sample(self, task: str, index: int, item: Item, pending: list[GridEntry]) -> None:
+        methods = [self.methods[entry.method, entry.ratio] for entry in pending]
+        prefill = None
+        for entry, method in zip(pending, methods, strict=True):
+            if prefill is None or not self.plan.share_prefill:
+                prefill = Prefill(self.backbone, item.prompt_ids, item.context_length,
+                                  methods if self.plan.share_prefill else [method])
+            max_new_tokens = self.plan.answer_length(item)
+            generation = prefill.generate(method, entry.setting or "aware", max_new_tokens=max_new_tokens,
+                                          stop_token_ids=item.stop_token_ids)
+            score = benchmarks.score_item(item, generation.text)
+            shared_by = len(pending) if self.plan.share_prefill else 1
+            self.files[task, entry].append(
+                sample_record(index, item, max_new_tokens, generation, score, prefill.timings, shared_by))
+            self.on_sample()

@@ -1,0 +1,358 @@
+"""Result files: one JSON per (backbone, benchmark, length, task, setting, method, ratio).
+
+Layout under ``<results_dir>/runs`` (``<ratio>`` written with ``:g``, e.g. ``0.9``)::
+
+    <backbone>/<benchmark>-<length>/<task>/full[.samples-A-B].json
+    <backbone>/<benchmark>-<length>/<task>/<setting>/<method>/<ratio>[.samples-A-B].json
+    <backbone>/<benchmark>-<length>/<task>/unavailable.json
+
+Full cache compresses nothing, so it has neither setting nor ratio: one file serves every
+ratio column and both settings (it runs query-aware, the single-prefill computation). A file
+covers the task's samples ``[A, B)``; the suffix is present only for a shard of the sample
+range, and the aggregators merge the files of one configuration by sample index.
+
+Crash safety: while a configuration runs, each finished sample is appended as one line to a
+journal ``<file>.jsonl`` (flushed and fsynced); a line cut short by ``kill -9`` is dropped on
+the next start. When every sample of the range is in, the final JSON is written to a temporary
+file and renamed over the target (atomic), then the journal is deleted. The final JSON is a
+pure function of the configuration and the sample records, sorted by index, so an interrupted
+and resumed run ends with the same file as an uninterrupted one, except for the wall-clock
+values kept under the keys named ``timings`` (see ``deterministic_view``). A journal is locked
+(``flock``) while a process writes it, so two launcher jobs never write one file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "reskv-task-result/1"
+UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
+FULL_METHOD = "full"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Packages whose versions change predictions or scores; recorded in every result file.
+RECORDED_PACKAGES = ("torch", "transformers", "numpy", "tokenizers", "wonderwords", "nltk", "rouge",
+                     "fuzzywuzzy", "jieba", "hydra-core")
+
+
+class ResultStoreError(RuntimeError):
+    """A result file that cannot be resumed as asked (other configuration, other samples, locked)."""
+
+
+@dataclass(frozen=True)
+class ResultKey:
+    """What one result file holds. ``setting`` and ``ratio`` are None for the full cache.
+
+    ``method`` is the method label: the engine's method name, followed for non-default method
+    options by ``~`` and the differing options (``snapkv+reskv~validate=false``).
+    """
+
+    backbone: str
+    benchmark: str
+    length: int
+    task: str
+    setting: str | None
+    method: str
+    ratio: float | None
+
+    def __post_init__(self) -> None:
+        if (self.method == FULL_METHOD) != (self.setting is None and self.ratio is None):
+            raise ValueError(f"setting and ratio must be None exactly for the full cache: {self}")
+
+    @property
+    def task_dir(self) -> Path:
+        """Relative directory of the task; backbone ids with '/' (hub ids, local paths) are flattened."""
+        backbone = self.backbone.strip("/").replace("/", "--")
+        return Path(backbone, f"{self.benchmark}-{self.length}", self.task)
+
+    def path(self, runs_dir: Path, sample_range: tuple[int, int] | None = None) -> Path:
+        """Final JSON path; ``sample_range`` names a shard of the task's samples."""
+        if self.method == FULL_METHOD:
+            directory, stem = runs_dir / self.task_dir, FULL_METHOD
+        else:
+            directory, stem = runs_dir / self.task_dir / self.setting / self.method, f"{self.ratio:g}"
+        suffix = "" if sample_range is None else f".samples-{sample_range[0]}-{sample_range[1]}"
+        return directory / f"{stem}{suffix}.json"
+
+    @property
+    def sort_key(self) -> tuple:
+        return (self.backbone, self.benchmark, self.length, self.task, self.setting or "", self.method,
+                self.ratio or 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResultKey:
+        return cls(**data)
+
+
+def prompt_digest(prompt_ids: Iterable[int]) -> str:
+    """Fingerprint of a prompt, stored per sample so a resume never mixes different samples."""
+    return hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:16]
+
+
+def provenance() -> dict[str, Any]:
+    """Package versions and the git commit of the code that produced a result."""
+    versions = {"python": platform.python_version()}
+    for package in RECORDED_PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = None, None
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty}
+
+
+def deterministic_view(data: Any) -> Any:
+    """``data`` without the wall-clock ``timings`` entries: what two runs of one configuration share."""
+    if isinstance(data, dict):
+        return {name: deterministic_view(value) for name, value in data.items() if name != "timings"}
+    if isinstance(data, list):
+        return [deterministic_view(value) for value in data]
+    return data
+
+
+def _write_atomically(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with staging.open("w") as handle:
+        json.dump(data, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, path)
+
+
+def _read_journal(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], int]:
+    """Header, sample records and the byte length of the intact part of a journal.
+
+    A last line without its newline (or not valid JSON) is what ``kill -9`` leaves mid-write:
+    it is excluded and its bytes are cut off before the journal grows again.
+    """
+    header, records, intact = None, [], 0
+    with path.open("rb") as handle:
+        for line in handle:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            intact += len(line)
+            if header is None:
+                header = entry
+            else:
+                records.append(entry)
+    return header, records, intact
+
+
+def summarize(samples: list[dict[str, Any]], score) -> dict[str, Any]:
+    """Score and token counts of a set of sample records (``score`` maps sample scores to the task score)."""
+    def mean(name: str) -> float | None:
+        return round(sum(sample[name] for sample in samples) / len(samples), 2) if samples else None
+
+    return {
+        "score": score([sample["score"] for sample in samples]) if samples else None,
+        "num_samples": len(samples),
+        "prompt_tokens_mean": mean("prompt_tokens"),
+        "generated_tokens_mean": mean("generated_tokens"),
+    }
+
+
+def total_timings(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Sums of the per-sample wall-clock timings (kept apart from the deterministic content)."""
+    totals: dict[str, float] = {}
+    for sample in samples:
+        for name, value in sample.get("timings", {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                totals[name] = totals.get(name, 0) + value
+    return {name: round(value, 6) for name, value in sorted(totals.items())}
+
+
+@dataclass
+class ResultFile:
+    """The results of one configuration over one sample range, resumable after any interruption.
+
+    ``header`` holds ``config`` (the identity: a resume with another config is refused) and
+    ``provenance``; ``sample_range`` is ``[start, stop)`` of the task's ``samples_total`` samples.
+    """
+
+    runs_dir: Path
+    key: ResultKey
+    sample_range: tuple[int, int]
+    samples_total: int
+    config: dict[str, Any]
+    score: Any  # callable: list of sample scores -> task score
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _journal: Any = None
+    _header: dict[str, Any] | None = None
+    _finished_before: bool = False
+
+    @property
+    def path(self) -> Path:
+        whole = self.sample_range == (0, self.samples_total)
+        return self.key.path(self.runs_dir, None if whole else self.sample_range)
+
+    @property
+    def journal_path(self) -> Path:
+        return self.path.with_suffix(".jsonl")
+
+    @property
+    def pending(self) -> list[int]:
+        return [index for index in range(*self.sample_range) if index not in self.records]
+
+    def open(self) -> ResultFile:
+        """Lock the journal and load what an earlier run finished. Returns self."""
+        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+        self._journal = self.journal_path.open("a+b")
+        try:
+            fcntl.flock(self._journal, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as error:
+            self._journal.close()
+            raise ResultStoreError(f"{self.journal_path} is being written by another process") from error
+        if self.path.exists():
+            finished = json.loads(self.path.read_text())
+            self._adopt(finished, finished["samples"])
+        header, records, intact = _read_journal(self.journal_path)
+        if header is not None:
+            self._adopt(header, records)
+        self._finished_before = header is None and self.path.exists() and not self.pending
+        if not self._finished_before:
+            self._journal.truncate(intact)
+            if header is None or header["sample_range"] != list(self.sample_range):
+                self._rewrite_journal()
+        return self
+
+    def _adopt(self, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
+        if header["config"] != self.config:
+            differing = sorted(set(header["config"]) ^ set(self.config) | {
+                name for name in set(header["config"]) & set(self.config)
+                if header["config"][name] != self.config[name]})
+            raise ResultStoreError(
+                f"{self.path} holds results of another configuration (differs in {differing}); "
+                "use another results_dir or remove the file")
+        if self._header is None:
+            self._header = {"provenance": header["provenance"]}
+        for record in records:
+            self.records.setdefault(record["index"], record)
+
+    def _rewrite_journal(self) -> None:
+        """Start the journal afresh: header (first run's provenance) plus every record kept so far."""
+        if self._header is None:
+            self._header = {"provenance": provenance()}
+        lines = [self._header_line(), *(self.records[index] for index in sorted(self.records))]
+        self._journal.truncate(0)
+        self._journal.write(b"".join(json.dumps(line, sort_keys=True).encode() + b"\n" for line in lines))
+        self._sync()
+
+    def _header_line(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "key": self.key.to_json(), "config": self.config,
+                "provenance": self._header["provenance"], "sample_range": list(self.sample_range),
+                "samples_total": self.samples_total}
+
+    def _sync(self) -> None:
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Persist one finished sample (a journal line, flushed to disk before returning)."""
+        if record["index"] in self.records:
+            raise ResultStoreError(f"sample {record['index']} is already in {self.path}")
+        self.records[record["index"]] = record
+        self._journal.write(json.dumps(record, sort_keys=True).encode() + b"\n")
+        self._sync()
+
+    def final_document(self) -> dict[str, Any]:
+        samples = [self.records[index] for index in range(*self.sample_range) if index in self.records]
+        return {**self._header_line(), "complete": not self.pending,
+                "summary": summarize(samples, self.score), "timings": total_timings(samples),
+                "samples": samples}
+
+    def close(self) -> dict[str, Any] | None:
+        """Write the final JSON when the range is complete (then drop the journal); release the lock.
+
+        Returns the final document, or None while samples are still missing.
+        """
+        document = None
+        if self._finished_before:
+            self.journal_path.unlink(missing_ok=True)
+        elif not self.pending:
+            document = self.final_document()
+            _write_atomically(self.path, document)
+            self.journal_path.unlink(missing_ok=True)
+        fcntl.flock(self._journal, fcntl.LOCK_UN)
+        self._journal.close()
+        return document
+
+
+def write_unavailable(runs_dir: Path, key: ResultKey, reason: str) -> Path:
+    """Mark a task whose data is missing here; the tables show it as unavailable, never as 0."""
+    path = runs_dir / key.task_dir / "unavailable.json"
+    _write_atomically(path, {"schema": UNAVAILABLE_SCHEMA, "backbone": key.backbone,
+                             "benchmark": key.benchmark, "length": key.length, "task": key.task,
+                             "reason": reason})
+    return path
+
+
+@dataclass
+class TaskResult:
+    """All samples of one configuration found on disk, merged over shard files and journals."""
+
+    key: ResultKey
+    samples: dict[int, dict[str, Any]]
+    samples_total: int
+
+    @property
+    def complete(self) -> bool:
+        return all(index in self.samples for index in range(self.samples_total))
+
+
+def _result_documents(runs_dir: Path) -> Iterator[tuple[Path, dict[str, Any], list[dict[str, Any]]]]:
+    for path in sorted(runs_dir.rglob("*.json")):
+        if path.name.startswith("."):
+            continue
+        document = json.loads(path.read_text())
+        if document.get("schema") == SCHEMA:
+            yield path, document, document["samples"]
+    for path in sorted(runs_dir.rglob("*.jsonl")):
+        header, records, _ = _read_journal(path)
+        if header is not None and header.get("schema") == SCHEMA:
+            yield path, header, records
+
+
+def load_results(runs_dir: Path) -> tuple[list[TaskResult], list[dict[str, Any]], list[str]]:
+    """Every configuration under ``runs_dir``, the unavailable-task markers, and warnings.
+
+    Samples of one configuration found in several files (shards, a journal beside its final
+    file) are merged by index; two different records for one index are reported as a warning
+    and the first (in path order) is kept.
+    """
+    merged: dict[ResultKey, TaskResult] = {}
+    warnings = []
+    for path, header, records in _result_documents(runs_dir):
+        key = ResultKey.from_json(header["key"])
+        result = merged.setdefault(key, TaskResult(key, {}, header["samples_total"]))
+        result.samples_total = max(result.samples_total, header["samples_total"])
+        for record in records:
+            kept = result.samples.setdefault(record["index"], record)
+            if deterministic_view(kept) != deterministic_view(record):
+                warnings.append(f"{path}: sample {record['index']} differs from an earlier file; "
+                                "kept the first")
+    unavailable = [json.loads(path.read_text()) for path in sorted(runs_dir.rglob("unavailable.json"))]
+    return sorted(merged.values(), key=lambda result: result.key.sort_key), unavailable, warnings
