@@ -34,36 +34,40 @@ from reskv.scoring import LayerObservation
 LAYER_SEED_STRIDE = 1000  # more than any model's layer count: (seed, layer) pairs never collide
 
 
+def running_sums(rows: Tensor, width: int, ahead: bool) -> Tensor:
+    """Sums of ``width`` consecutive entries along dim 0, zeros outside: entries ``r .. r + width - 1``
+    when ``ahead``, else ``r - width + 1 .. r``. Sliding views, so no cancellation as with cumsums."""
+    pad = rows.new_zeros(width - 1, *rows.shape[1:])
+    return torch.cat([rows, pad] if ahead else [pad, rows]).unfold(0, width, 1).sum(dim=-1)
+
+
 def merge_evicted(
     values: Tensor, scores: Tensor, kept: Tensor, uniforms: Tensor, merge_targets: int
 ) -> Tensor:
     """Values ``[H_kv, s, d]`` after merging the evicted tokens of ``kept`` (``[H_kv, s]`` bool).
 
     ``scores`` are the un-pooled window scores ``[H_kv, s]``, ``uniforms`` the ``[H_kv, s]`` draws.
-    Vectorised over tokens: evicted token ``i``'s targets are retained ranks ``start_i,
-    start_i + 1, ...`` with ``start_i`` = the number of retained tokens before ``i`` (a cumulative
-    count); the scatter loops over the ``merge_targets`` offsets, never over tokens.
+    Vectorised over tokens, as ranks among a head's retained tokens: evicted token ``i``'s targets
+    are ranks ``start_i .. start_i + |T_i| - 1`` with ``start_i`` the number retained before ``i``
+    (a cumulative count), so ``mean(s_T_i)`` is a forward window sum, and retained rank ``r``
+    receives the weighted values of all ``i`` with ``start_i`` in ``r - merge_targets + 1 .. r``:
+    a backward window sum of the values grouped by ``start_i``.
     """
     merged = values.to(torch.float32, copy=True)
-    offsets = torch.arange(merge_targets, device=values.device)
     for head in range(values.shape[0]):
         retained = kept[head].nonzero().squeeze(1)
-        evicted = (~kept[head]).nonzero().squeeze(1)
-        if retained.numel() == 0 or evicted.numel() == 0:
+        if retained.numel() == 0:  # nothing to merge into
             continue
-        start = kept[head].cumsum(0)[evicted]  # retained tokens before i (i itself is not retained)
-        ranks = start[:, None] + offsets  # [E, merge_targets] ranks among retained tokens
-        valid = ranks < retained.numel()
-        targets = retained[ranks.clamp(max=retained.numel() - 1)]
-        count = valid.sum(dim=1)
-        target_mean = (scores[head, targets] * valid).sum(dim=1) / count.clamp(min=1)
+        evicted = (~kept[head]).nonzero().squeeze(1)
+        start = kept[head].cumsum(0)[evicted]  # i itself is not retained; == |retained| if none follow
+        count = (retained.numel() - start).clamp(max=merge_targets)  # |T_i|
+        retained_scores = torch.cat([scores[head, retained], scores.new_zeros(1)])  # rank |retained|: none
+        target_mean = running_sums(retained_scores, merge_targets, ahead=True)[start] / count.clamp(min=1)
         ratio = (scores[head, evicted] / target_mean).nan_to_num(nan=0.0, posinf=1.0).clamp(0, 1)
-        merge = (uniforms[head, evicted] < ratio) & (count > 0)
-        weight = merge / count.clamp(min=1)  # m_i / |T_i|
-        contribution = values[head, evicted].float() * weight[:, None]
-        for offset in range(merge_targets):
-            rows = valid[:, offset]
-            merged[head].index_add_(0, targets[rows, offset], contribution[rows])
+        weight = ((uniforms[head, evicted] < ratio) & (count > 0)) / count.clamp(min=1)  # m_i / |T_i|
+        by_start = merged.new_zeros(retained.numel() + 1, values.shape[2])
+        by_start.index_add_(0, start, values[head, evicted].float() * weight[:, None])
+        merged[head, retained] += running_sums(by_start[:-1], merge_targets, ahead=False)
     return merged.to(values.dtype)
 
 
