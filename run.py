@@ -36,9 +36,11 @@ def summary_line(entry: GridEntry, task: str, document: dict | None) -> str:
         return f"{task} {entry.describe()}: already complete, skipped"
     summary, timings = document["summary"], document["timings"]
     decode_rate = timings.get("decode_tokens", 0) / timings["decode_s"] if timings.get("decode_s") else 0.0
-    return (f"{task} {entry.describe()}: score {summary['score']:.2f} over {summary['num_samples']} samples "
-            f"(compress {timings.get('compress_s', 0):.1f} s, decode {timings.get('decode_s', 0):.1f} s, "
-            f"{decode_rate:.1f} tok/s)")
+    return (
+        f"{task} {entry.describe()}: score {summary['score']:.2f} over {summary['num_samples']} samples "
+        f"(compress {timings.get('compress_s', 0):.1f} s, decode {timings.get('decode_s', 0):.1f} s, "
+        f"{decode_rate:.1f} tok/s)"
+    )
 
 
 def result_table(plan: Plan) -> Table:
@@ -54,8 +56,11 @@ def result_table(plan: Plan) -> Table:
         for task in plan.tasks:
             found = [result for result in results if result.key == entry.key(plan, task)]
             samples = list(found[0].samples.values()) if found else []
-            row.append(f"{sum(s['score'] for s in samples) * 100 / len(samples):.2f} ({len(samples)})"
-                       if samples else "–")
+            row.append(
+                f"{sum(s['score'] for s in samples) * 100 / len(samples):.2f} ({len(samples)})"
+                if samples
+                else "–"
+            )
         table.add_row(*row)
     return table
 
@@ -67,9 +72,17 @@ def run(plan: Plan) -> None:
     grid = GridRun(plan, backbone, items)
     with logging_redirect_tqdm():
         total = grid.open()
-        log.info("%s on %s-%d: %d tasks x %d configurations, %d generations to do (shard %d/%d)",
-                 plan.backbone, plan.benchmark, plan.length, len(items), len(plan.grid), total,
-                 plan.shard_index, plan.shard_count)
+        log.info(
+            "%s on %s-%d: %d tasks x %d configurations, %d generations to do (shard %d/%d)",
+            plan.backbone,
+            plan.benchmark,
+            plan.length,
+            len(items),
+            len(plan.grid),
+            total,
+            plan.shard_index,
+            plan.shard_count,
+        )
         with tqdm(total=total, desc="grid", unit="gen", dynamic_ncols=True) as progress:
             grid.on_sample = lambda: progress.update()
             grid.on_finished = lambda entry, task, document: log.info(summary_line(entry, task, document))

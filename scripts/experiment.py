@@ -33,8 +33,10 @@ from scripts.results_store import (
 log = logging.getLogger(__name__)
 
 # Task-list keywords of the benchmark config (`benchmark.tasks`), besides an explicit list.
-TASK_KEYWORDS = {"all": lambda benchmark: benchmarks.tasks(benchmark),
-                 "english": lambda benchmark: _english_tasks(benchmark)}
+TASK_KEYWORDS = {
+    "all": lambda benchmark: benchmarks.tasks(benchmark),
+    "english": lambda benchmark: _english_tasks(benchmark),
+}
 
 
 class PlanError(ValueError):
@@ -64,8 +66,9 @@ def residual_config(options: Mapping[str, Any]) -> ResidualConfig:
     unknown = sorted(set(options) - set(names))
     if unknown:
         raise PlanError(f"unknown reskv option(s) {unknown}; valid options: {names}")
-    values = {name: tuple(value) if isinstance(value, list | tuple) else value
-              for name, value in options.items()}
+    values = {
+        name: tuple(value) if isinstance(value, list | tuple) else value for name, value in options.items()
+    }
     try:
         return ResidualConfig(**values)
     except (TypeError, ValueError) as error:
@@ -97,8 +100,11 @@ def method_label(method: str, residual: ResidualConfig, h2o_window_only: bool) -
     ``snapkv+reskv~validate=false``, ``snapkv+reskv~alpha=8,tau=0.3``, ``h2o~h2o_window_only=true``.
     """
     defaults = method_options(method, ResidualConfig(), False)
-    changed = {name: value for name, value in method_options(method, residual, h2o_window_only).items()
-               if value != defaults[name]}
+    changed = {
+        name: value
+        for name, value in method_options(method, residual, h2o_window_only).items()
+        if value != defaults[name]
+    }
     if not changed:
         return method
     return method + "~" + ",".join(f"{name}={_option_text(changed[name])}" for name in sorted(changed))
@@ -114,8 +120,9 @@ class GridEntry:
     label: str
 
     def key(self, plan: Plan, task: str) -> ResultKey:
-        return ResultKey(plan.backbone, plan.benchmark, plan.length, task, self.setting, self.label,
-                         self.ratio)
+        return ResultKey(
+            plan.backbone, plan.benchmark, plan.length, task, self.setting, self.label, self.ratio
+        )
 
     def describe(self) -> str:
         if self.method == FULL_METHOD:
@@ -164,8 +171,9 @@ class Plan:
             "backbone": {"name": self.backbone, "dtype": dtype},
             "benchmark": {"name": self.benchmark, "length": self.length, "options": self.benchmark_options},
             "method": entry.method,
-            "method_options": {name: list(value) if isinstance(value, tuple) else value
-                               for name, value in options.items()},
+            "method_options": {
+                name: list(value) if isinstance(value, tuple) else value for name, value in options.items()
+            },
             "ratio": entry.ratio,
             "setting": entry.setting,
             "seed": self.seed,
@@ -186,13 +194,20 @@ def _choose(kind: str, values: Iterable, choices: Sequence) -> None:
 
 def _ratio(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
-        raise PlanError(f"ratio {value!r} must be a number strictly between 0 and 1 (the fraction of the "
-                        "prompt's KV cache evicted; the paper uses 0.6, 0.7, 0.8, 0.9)")
+        raise PlanError(
+            f"ratio {value!r} must be a number strictly between 0 and 1 (the fraction of the "
+            "prompt's KV cache evicted; the paper uses 0.6, 0.7, 0.8, 0.9)"
+        )
     return float(value)
 
 
-def build_grid(methods: Sequence[str], ratios: Sequence[float], settings: Sequence[str],
-               residual: ResidualConfig, h2o_window_only: bool) -> tuple[GridEntry, ...]:
+def build_grid(
+    methods: Sequence[str],
+    ratios: Sequence[float],
+    settings: Sequence[str],
+    residual: ResidualConfig,
+    h2o_window_only: bool,
+) -> tuple[GridEntry, ...]:
     """Every (method, ratio, setting); the full cache once (it compresses nothing and its two
     settings are the same computation, see ``reskv.engine``)."""
     entries = []
@@ -229,8 +244,9 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not tasks:
         raise PlanError(f"no tasks selected; choose from {list(TASK_KEYWORDS)} or {list(available)}")
     num_samples = config["num_samples"]
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
-                                    or num_samples < 1):
+    if num_samples is not None and (
+        isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1
+    ):
         raise PlanError(f"num_samples {num_samples!r} must be a positive integer or null (every sample)")
     length = benchmark["length"]
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
@@ -239,19 +255,33 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not 0 <= shard["index"] < shard["count"]:
         raise PlanError(f"shard.index {shard['index']} must lie in [0, shard.count={shard['count']})")
     max_new_tokens = config["max_new_tokens"]
-    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                       or max_new_tokens < 1):
-        raise PlanError(f"max_new_tokens {max_new_tokens!r} must be a positive integer or null "
-                        "(the benchmark's own)")
+    if max_new_tokens is not None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+    ):
+        raise PlanError(
+            f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
+        )
     residual = residual_config(config["reskv"])
     h2o_window_only = bool(config["h2o_window_only"])
     return Plan(
-        backbone=backbone["name"], dtype=backbone["dtype"], device=backbone["device"],
-        benchmark=benchmark["name"], length=length, tasks=tasks,
-        benchmark_options=dict(benchmark.get("options") or {}), num_samples=num_samples,
-        seed=int(config["seed"]), methods=methods, ratios=ratios, settings=settings, residual=residual,
-        h2o_window_only=h2o_window_only, shard_index=shard["index"], shard_count=shard["count"],
-        share_prefill=bool(config["share_prefill"]), max_new_tokens=max_new_tokens,
+        backbone=backbone["name"],
+        dtype=backbone["dtype"],
+        device=backbone["device"],
+        benchmark=benchmark["name"],
+        length=length,
+        tasks=tasks,
+        benchmark_options=dict(benchmark.get("options") or {}),
+        num_samples=num_samples,
+        seed=int(config["seed"]),
+        methods=methods,
+        ratios=ratios,
+        settings=settings,
+        residual=residual,
+        h2o_window_only=h2o_window_only,
+        shard_index=shard["index"],
+        shard_count=shard["count"],
+        share_prefill=bool(config["share_prefill"]),
+        max_new_tokens=max_new_tokens,
         results_dir=Path(config["results_dir"]),
         grid=build_grid(methods, ratios, settings, residual, h2o_window_only),
     )
@@ -262,18 +292,36 @@ def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:
     items = {}
     for task in plan.tasks:
         try:
-            items[task] = benchmarks.load_items(plan.benchmark, task, tokenizer, length=plan.length,
-                                                num_samples=plan.num_samples, **plan.benchmark_options)
+            items[task] = benchmarks.load_items(
+                plan.benchmark,
+                task,
+                tokenizer,
+                length=plan.length,
+                num_samples=plan.num_samples,
+                **plan.benchmark_options,
+            )
         except benchmarks.TaskUnavailable as error:
             key = ResultKey(plan.backbone, plan.benchmark, plan.length, task, None, FULL_METHOD, None)
             path = write_unavailable(plan.runs_dir, key, str(error))
-            log.warning("%s/%s unavailable, excluded from averages: %s (marked in %s)",
-                        plan.benchmark, task, error, path)
+            log.warning(
+                "%s/%s unavailable, excluded from averages: %s (marked in %s)",
+                plan.benchmark,
+                task,
+                error,
+                path,
+            )
     return items
 
 
-def sample_record(index: int, item: Item, max_new_tokens: int, generation, score: float,
-                  prefill_timings: dict[str, float], shared_by: int) -> dict[str, Any]:
+def sample_record(
+    index: int,
+    item: Item,
+    max_new_tokens: int,
+    generation,
+    score: float,
+    prefill_timings: dict[str, float],
+    shared_by: int,
+) -> dict[str, Any]:
     """One sample's entry of a result file. Wall-clock values go under ``timings`` only."""
     return {
         "index": index,
@@ -315,8 +363,12 @@ class GridRun:
             if (entry.method, entry.ratio) not in self.methods:
                 residual = plan.residual if entry.method.endswith(RESIDUAL_SUFFIX) else None
                 self.methods[entry.method, entry.ratio] = build_method(
-                    entry.method, entry.ratio, residual=residual, seed=plan.seed,
-                    h2o_window_only=plan.h2o_window_only)
+                    entry.method,
+                    entry.ratio,
+                    residual=residual,
+                    seed=plan.seed,
+                    h2o_window_only=plan.h2o_window_only,
+                )
 
     def open(self) -> int:
         """Open (lock, resume) every result file; returns the number of generations still to do."""
@@ -324,8 +376,14 @@ class GridRun:
         for task, items in self.items.items():
             sample_range = self.plan.shard_range(len(items))
             for entry in self.plan.grid:
-                result = ResultFile(self.plan.runs_dir, entry.key(self.plan, task), sample_range, len(items),
-                                    self.plan.identity(entry, dtype), benchmarks.task_score)
+                result = ResultFile(
+                    self.plan.runs_dir,
+                    entry.key(self.plan, task),
+                    sample_range,
+                    len(items),
+                    self.plan.identity(entry, dtype),
+                    benchmarks.task_score,
+                )
                 try:
                     result.open()
                 except ResultStoreError as error:
@@ -341,7 +399,8 @@ class GridRun:
             if index < len(items) and record["prompt_digest"] != prompt_digest(items[index].prompt_ids):
                 raise ResultStoreError(
                     f"sample {index} of {result.path} was made from another prompt than the benchmark gives "
-                    "now (other data, tokenizer or sample count); use another results_dir")
+                    "now (other data, tokenizer or sample count); use another results_dir"
+                )
 
     def run(self) -> None:
         """Every pending (task, sample, configuration); files are closed (and finished) even on error."""
@@ -364,13 +423,22 @@ class GridRun:
         prefill = None
         for entry, method in zip(pending, methods, strict=True):
             if prefill is None or not self.plan.share_prefill:
-                prefill = Prefill(self.backbone, item.prompt_ids, item.context_length,
-                                  methods if self.plan.share_prefill else [method])
+                prefill = Prefill(
+                    self.backbone,
+                    item.prompt_ids,
+                    item.context_length,
+                    methods if self.plan.share_prefill else [method],
+                )
             max_new_tokens = self.plan.answer_length(item)
-            generation = prefill.generate(method, entry.setting or "aware", max_new_tokens=max_new_tokens,
-                                          stop_token_ids=item.stop_token_ids)
+            generation = prefill.generate(
+                method,
+                entry.setting or "aware",
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=item.stop_token_ids,
+            )
             score = benchmarks.score_item(item, generation.text)
             shared_by = len(pending) if self.plan.share_prefill else 1
             self.files[task, entry].append(
-                sample_record(index, item, max_new_tokens, generation, score, prefill.timings, shared_by))
+                sample_record(index, item, max_new_tokens, generation, score, prefill.timings, shared_by)
+            )
             self.on_sample()

@@ -40,8 +40,18 @@ UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
 FULL_METHOD = "full"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Packages whose versions change predictions or scores; recorded in every result file.
-RECORDED_PACKAGES = ("torch", "transformers", "numpy", "tokenizers", "wonderwords", "nltk", "rouge",
-                     "fuzzywuzzy", "jieba", "hydra-core")
+RECORDED_PACKAGES = (
+    "torch",
+    "transformers",
+    "numpy",
+    "tokenizers",
+    "wonderwords",
+    "nltk",
+    "rouge",
+    "fuzzywuzzy",
+    "jieba",
+    "hydra-core",
+)
 
 
 class ResultStoreError(RuntimeError):
@@ -85,8 +95,15 @@ class ResultKey:
 
     @property
     def sort_key(self) -> tuple:
-        return (self.backbone, self.benchmark, self.length, self.task, self.setting or "", self.method,
-                self.ratio or 0.0)
+        return (
+            self.backbone,
+            self.benchmark,
+            self.length,
+            self.task,
+            self.setting or "",
+            self.method,
+            self.ratio or 0.0,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,10 +127,18 @@ def provenance() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[package] = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                                    capture_output=True, text=True, check=True).stdout.strip())
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = None, None
     return {"versions": versions, "git_commit": commit, "git_dirty": dirty}
@@ -164,6 +189,7 @@ def _read_journal(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any
 
 def summarize(samples: list[dict[str, Any]], score) -> dict[str, Any]:
     """Score and token counts of a set of sample records (``score`` maps sample scores to the task score)."""
+
     def mean(name: str) -> float | None:
         return round(sum(sample[name] for sample in samples) / len(samples), 2) if samples else None
 
@@ -241,12 +267,18 @@ class ResultFile:
 
     def _adopt(self, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
         if header["config"] != self.config:
-            differing = sorted(set(header["config"]) ^ set(self.config) | {
-                name for name in set(header["config"]) & set(self.config)
-                if header["config"][name] != self.config[name]})
+            differing = sorted(
+                set(header["config"]) ^ set(self.config)
+                | {
+                    name
+                    for name in set(header["config"]) & set(self.config)
+                    if header["config"][name] != self.config[name]
+                }
+            )
             raise ResultStoreError(
                 f"{self.path} holds results of another configuration (differs in {differing}); "
-                "use another results_dir or remove the file")
+                "use another results_dir or remove the file"
+            )
         if self._header is None:
             self._header = {"provenance": header["provenance"]}
         for record in records:
@@ -262,9 +294,14 @@ class ResultFile:
         self._sync()
 
     def _header_line(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "key": self.key.to_json(), "config": self.config,
-                "provenance": self._header["provenance"], "sample_range": list(self.sample_range),
-                "samples_total": self.samples_total}
+        return {
+            "schema": SCHEMA,
+            "key": self.key.to_json(),
+            "config": self.config,
+            "provenance": self._header["provenance"],
+            "sample_range": list(self.sample_range),
+            "samples_total": self.samples_total,
+        }
 
     def _sync(self) -> None:
         self._journal.flush()
@@ -280,9 +317,13 @@ class ResultFile:
 
     def final_document(self) -> dict[str, Any]:
         samples = [self.records[index] for index in range(*self.sample_range) if index in self.records]
-        return {**self._header_line(), "complete": not self.pending,
-                "summary": summarize(samples, self.score), "timings": total_timings(samples),
-                "samples": samples}
+        return {
+            **self._header_line(),
+            "complete": not self.pending,
+            "summary": summarize(samples, self.score),
+            "timings": total_timings(samples),
+            "samples": samples,
+        }
 
     def close(self) -> dict[str, Any] | None:
         """Write the final JSON when the range is complete (then drop the journal); release the lock.
@@ -304,9 +345,17 @@ class ResultFile:
 def write_unavailable(runs_dir: Path, key: ResultKey, reason: str) -> Path:
     """Mark a task whose data is missing here; the tables show it as unavailable, never as 0."""
     path = runs_dir / key.task_dir / "unavailable.json"
-    _write_atomically(path, {"schema": UNAVAILABLE_SCHEMA, "backbone": key.backbone,
-                             "benchmark": key.benchmark, "length": key.length, "task": key.task,
-                             "reason": reason})
+    _write_atomically(
+        path,
+        {
+            "schema": UNAVAILABLE_SCHEMA,
+            "backbone": key.backbone,
+            "benchmark": key.benchmark,
+            "length": key.length,
+            "task": key.task,
+            "reason": reason,
+        },
+    )
     return path
 
 
@@ -352,7 +401,8 @@ def load_results(runs_dir: Path) -> tuple[list[TaskResult], list[dict[str, Any]]
         for record in records:
             kept = result.samples.setdefault(record["index"], record)
             if deterministic_view(kept) != deterministic_view(record):
-                warnings.append(f"{path}: sample {record['index']} differs from an earlier file; "
-                                "kept the first")
+                warnings.append(
+                    f"{path}: sample {record['index']} differs from an earlier file; kept the first"
+                )
     unavailable = [json.loads(path.read_text()) for path in sorted(runs_dir.rglob("unavailable.json"))]
     return sorted(merged.values(), key=lambda result: result.key.sort_key), unavailable, warnings
