@@ -400,11 +400,13 @@ class ResultIndex:
             tasks = [task for task in tasks if task in ENGLISH_TASKS]
         return tasks
 
-    def has(self, backbone, benchmark, length, setting, method) -> bool:
+    def has(self, backbone, benchmark, length, setting, method, ratio=None) -> bool:
+        """Whether any result matches; None for length, setting or ratio matches any."""
         return any(
             (key.backbone, key.benchmark, key.method) == (backbone, benchmark, method)
             and length in (None, key.length)
             and setting in (None, key.setting)
+            and (ratio is None or (key.ratio is not None and round(key.ratio, 6) == round(ratio, 6)))
             for key in self.keys()
         )
 
@@ -460,13 +462,16 @@ def _method_blocks(
     length: int | None,
     setting: str,
     bases: Sequence[str],
+    ratio: float | None = None,
 ) -> list[list[str]]:
     """Row groups of a setting: [base, base+reskv] pairs, then unpaired methods, those with any result."""
     blocks = []
     for base in bases:
         members = [base, base + RESIDUAL_SUFFIX] if base in PAIRED_BASES else [base]
         backbones = [backbone] if backbone else index.backbones(benchmark)
-        if any(index.has(b, benchmark, length, setting, method) for b in backbones for method in members):
+        if any(
+            index.has(b, benchmark, length, setting, method, ratio) for b in backbones for method in members
+        ):
             blocks.append(members)
     return blocks
 
@@ -590,7 +595,7 @@ def task_table(
     table.body.append(row(["Full Cache"], None, FULL_METHOD, None))
     for ratio in index.ratios(backbone, benchmark, length):
         for setting in SETTING_NAMES:
-            blocks = _method_blocks(index, backbone, benchmark, length, setting, bases)
+            blocks = _method_blocks(index, backbone, benchmark, length, setting, bases, ratio)
             for number, block in enumerate(blocks):
                 table.body.append(CMIDRULE if number else MIDRULE)
                 rows = [

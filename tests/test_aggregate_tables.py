@@ -1,0 +1,150 @@
+"""The aggregators on hand-written result files: every cell, bold mark and average is known exactly.
+
+The files are written here as JSON by hand (not by the runner), with the fields the aggregators
+read; per-sample scores are chosen so every task score and average has an exact two-decimal value.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.results_store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
+from scripts.tables import ResultIndex, all_tables, main, to_csv, to_latex, to_markdown
+
+BACKBONE = "llama3.1-8b-instruct"
+
+# (setting, method, ratio): {task: per-sample scores}; samples_total is 4 for every task.
+RUNS = {
+    (None, "full", None): {"niah_single_1": [1, 1, 1, 0], "vt": [1, 1, 0.5, 0.5]},  # 75, 75 -> 75
+    ("aware", "snapkv", 0.9): {"niah_single_1": [1, 0, 0, 0], "vt": [1, 0.5, 0, 0]},  # 25, 37.5 -> 31.25
+    ("aware", "snapkv+reskv", 0.9): {"niah_single_1": [1, 1, 0, 0], "vt": [1, 0, 0, 0]},  # 50, 25 -> 37.5
+    ("aware", "snapkv", 0.6): {"niah_single_1": [1, 1, 1, 1], "vt": [1, 1, 1, 0]},  # 100, 75 -> 87.5
+    ("aware", "snapkv+reskv", 0.6): {"niah_single_1": [1, 1, 1, 1]},  # vt missing -> average missing
+    ("aware", "adakv", 0.9): {"niah_single_1": [1, 1], "vt": [0, 0, 0, 0]},  # partial: 100+, 0 -> 50+
+    ("agnostic", "snapkv", 0.9): {"niah_single_1": [0.5, 0, 0, 0], "vt": [0, 0, 0, 0]},  # 12.5, 0 -> 6.25
+    ("agnostic", "snapkv+reskv", 0.9): {"niah_single_1": [0.5, 0, 0, 0], "vt": [0, 0, 0, 0]},  # tie 6.25
+    ("agnostic", "cam", 0.9): {"niah_single_1": [0.5, 0.5, 0, 0], "vt": [0, 0, 0, 0]},  # 25, 0 -> 12.5
+    ("agnostic", "snapkv+reskv~validate=false", 0.9): {"niah_single_1": [0, 0, 0, 0]},  # 0 (-12.50)
+    ("agnostic", "snapkv+reskv~gate=false", 0.9): {"niah_single_1": [0.5, 0.5, 0, 0]},  # 25 (+12.50)
+}
+
+
+def write_result(runs_dir: Path, key: ResultKey, scores: list[float], samples_total: int = 4) -> None:
+    samples = [{"index": index, "score": score, "prediction": f"answer {index}"} for index, score in
+               enumerate(scores)]
+    path = key.path(runs_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": samples_total,
+                                "samples": samples}))
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("results")
+    runs_dir = root / "runs"
+    for (setting, method, ratio), tasks in RUNS.items():
+        for task, scores in tasks.items():
+            write_result(runs_dir, ResultKey(BACKBONE, "ruler", 4096, task, setting, method, ratio), scores)
+    marker = runs_dir / BACKBONE / "ruler-4096" / "qa_1" / "unavailable.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"schema": UNAVAILABLE_SCHEMA, "backbone": BACKBONE, "benchmark": "ruler",
+                                  "length": 4096, "task": "qa_1", "reason": "SQuAD not found"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tables(results_dir) -> dict:
+    index, warnings = ResultIndex.from_directory(results_dir / "runs")
+    assert warnings == []
+    return {table.name: table for table in all_tables(index)}
+
+
+def body_lines(latex: str) -> list[str]:
+    return latex[latex.index(r"\midrule"):latex.index(r"\bottomrule")].splitlines()
+
+
+def test_table_set(tables):
+    assert sorted(tables) == ["ablation_llama3.1-8b-instruct_snapkv_0.9_agnostic",
+                              "cam_llama3.1-8b-instruct_0.9_agnostic", "ruler_averages",
+                              "tasks_llama3.1-8b-instruct_ruler-4096"]
+
+
+def test_ruler_averages_latex(tables):
+    latex = to_latex(tables["ruler_averages"])
+    assert r"\multicolumn{2}{c}{\textbf{LLaMA-3.1-8B}}" in latex
+    assert r"\textbf{Setting} & \textbf{Method} & \textbf{10\%} & \textbf{40\%} \\" in latex
+    assert body_lines(latex) == [
+        r"\midrule",
+        r"\multicolumn{2}{@{}l}{Full Cache} & \multicolumn{2}{c}{75.00} \\",
+        r"\midrule",
+        r"q-Aware & AdaKV & 50.00$^\dagger$ & -- \\",
+        r" & +ResKV & -- & -- \\",
+        r"\cmidrule(lr){2-4}",
+        r" & SnapKV & 31.25 & 87.50 \\",
+        r" & +ResKV & \textbf{37.50} & -- \\",
+        r"\midrule",
+        r"q-Agnostic & SnapKV & \textbf{6.25} & -- \\",
+        r" & +ResKV & \textbf{6.25} & -- \\",
+        r"\cmidrule(lr){2-4}",
+        r" & CaM & 12.50 & -- \\",
+    ]
+    # Averages cover the two tasks that ran; qa_1 is unavailable and named in the caption.
+    assert "averages over 2 of 13 tasks (niah\\_single\\_1, vt)" in latex
+    assert "qa\\_1 unavailable (data missing), excluded from averages" in latex
+    assert r"--: not run" in latex and r"$^\dagger$: partial" in latex
+
+
+def test_task_table_latex(tables):
+    latex = to_latex(tables["tasks_llama3.1-8b-instruct_ruler-4096"])
+    stub_heads = r"\textbf{Budget} & \textbf{Setting} & \textbf{Method}"
+    assert stub_heads + r" & \textbf{S-1} & \textbf{VT} & \textbf{QA-1} & \textbf{Avg.} \\" in latex
+    lines = body_lines(latex)
+    assert r"\multicolumn{3}{@{}l}{Full Cache} & 75.00 & 75.00 & n/a & 75.00 \\" in lines
+    assert r" &  & SnapKV & 25.00 & 37.50 & n/a & 31.25 \\" in lines
+    assert r" &  & +ResKV & 50.00 & 25.00 & n/a & \textbf{37.50} \\" in lines
+    assert r"10\% & q-Aware & AdaKV & 100.00$^\dagger$ & 0.00 & n/a & 50.00$^\dagger$ \\" in lines
+    assert r"40\% & q-Aware & SnapKV & 100.00 & 75.00 & n/a & 87.50 \\" in lines
+    assert r" &  & +ResKV & 100.00 & -- & n/a & -- \\" in lines
+    # Only (budget, setting) groups with results: 40% has q-Aware SnapKV rows and nothing more.
+    forty = lines.index(r"40\% & q-Aware & SnapKV & 100.00 & 75.00 & n/a & 87.50 \\")
+    assert lines[forty + 1:] == [r" &  & +ResKV & 100.00 & -- & n/a & -- \\"]
+    assert r"10\% & q-Agnostic & SnapKV & 12.50 & 0.00 & n/a & \textbf{6.25} \\" in lines
+
+
+def test_cam_table(tables):
+    table = tables["cam_llama3.1-8b-instruct_0.9_agnostic"]
+    lines = body_lines(to_latex(table))
+    assert lines[1:] == [r"SnapKV & 12.50 & \textbf{0.00} \\", r"+CaM & \textbf{25.00} & \textbf{0.00} \\",
+                         r"+ResKV & 12.50 & \textbf{0.00} \\"]
+    assert r"\multicolumn{2}{c}{\textbf{RULER-4K}}" in to_latex(table)
+
+
+def test_ablation_table(tables):
+    lines = body_lines(to_latex(tables["ablation_llama3.1-8b-instruct_snapkv_0.9_agnostic"]))
+    assert lines[1:] == [r"ResKV & 12.50 \\", r"w/o validation & 0.00 {\scriptsize (-12.50)} \\",
+                         r"w/o dynamic gate & \textbf{25.00} {\scriptsize (+12.50)} \\",
+                         r"w/o shared softmax & -- \\"]
+
+
+def test_markdown_and_csv(tables):
+    table = tables["ruler_averages"]
+    markdown = to_markdown(table)
+    assert "| Setting | Method | LLaMA-3.1-8B 4K 10% | LLaMA-3.1-8B 4K 40% |" in markdown
+    assert "| Full Cache |  | 75.00 | 75.00 |" in markdown
+    assert "|  | +ResKV | **37.50** | -- |" in markdown
+    rows = list(csv.reader(to_csv(table).splitlines()))
+    assert rows[0] == ["Setting", "Method", "LLaMA-3.1-8B 4K 10%", "LLaMA-3.1-8B 4K 40%"]
+    assert ["q-Aware", "AdaKV", "50.00\u2020", ""] in rows
+    assert ["q-Aware", "+ResKV", "37.50", ""] in rows
+
+
+def test_cli_writes_every_format(results_dir, tmp_path):
+    main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])
+    for name in ("ruler_averages", "tasks_llama3.1-8b-instruct_ruler-4096"):
+        for suffix in (".tex", ".md", ".csv"):
+            assert (tmp_path / f"{name}{suffix}").is_file()
+    assert r"\input{ruler_averages.tex}" in (tmp_path / "tables.tex").read_text()
