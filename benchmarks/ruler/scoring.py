@@ -1,0 +1,39 @@
+"""RULER's per-sample metrics.
+
+Upstream (NVIDIA/RULER, see ``templates.UPSTREAM_COMMIT``): the prediction cleaning is
+``postprocess_pred`` in ``scripts/eval/evaluate.py``; the metrics are ``string_match_all`` and
+``string_match_part`` in ``scripts/eval/synthetic/constants.py``. Upstream writes them over a whole
+task (mean x 100, rounded); here they score one sample in [0, 1] and ``benchmarks.task_score``
+takes the mean, x 100 and rounding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f]")
+
+
+def postprocess_pred(prediction: str) -> str:
+    """Strip, turn every control character into a newline, strip again (evaluate.py)."""
+    return _CONTROL_CHARS.sub("\n", prediction.strip()).strip()
+
+
+def _found(prediction: str, references: Sequence[str]) -> list[float]:
+    """1.0 for each reference contained in the prediction, case-insensitively."""
+    lowered = prediction.lower()
+    return [1.0 if reference.lower() in lowered else 0.0 for reference in references]
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """Fraction of the references found in the prediction (partial credit)."""
+    return sum(_found(prediction, references)) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """1.0 when any reference is found in the prediction."""
+    return max(_found(prediction, references))
+
+
+METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
