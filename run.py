@@ -23,9 +23,10 @@ from rich.table import Table
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from benchmarks import BenchmarkError, task_score
 from reskv.backbones import BackboneError, load_backbone
 from scripts.experiment import GridEntry, GridRun, Plan, PlanError, load_task_items, make_plan
-from scripts.results_store import load_results
+from scripts.results_store import ResultStoreError, load_results
 
 log = logging.getLogger("run")
 
@@ -55,12 +56,8 @@ def result_table(plan: Plan) -> Table:
         row = [entry.describe()]
         for task in plan.tasks:
             found = [result for result in results if result.key == entry.key(plan, task)]
-            samples = list(found[0].samples.values()) if found else []
-            row.append(
-                f"{sum(s['score'] for s in samples) * 100 / len(samples):.2f} ({len(samples)})"
-                if samples
-                else "–"
-            )
+            scores = [sample["score"] for sample in found[0].samples.values()] if found else []
+            row.append(f"{task_score(scores):.2f} ({len(scores)})" if scores else "–")
         table.add_row(*row)
     return table
 
@@ -96,7 +93,7 @@ def main(config: DictConfig) -> None:
     try:
         plan = make_plan(OmegaConf.to_container(config, resolve=True))
         run(plan)
-    except (PlanError, BackboneError) as error:
+    except (PlanError, BackboneError, BenchmarkError, ResultStoreError) as error:
         log.error("%s", error)
         sys.exit(2)
 

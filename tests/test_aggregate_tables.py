@@ -34,12 +34,17 @@ RUNS = {
 
 
 def write_result(runs_dir: Path, key: ResultKey, scores: list[float], samples_total: int = 4) -> None:
-    samples = [{"index": index, "score": score, "prediction": f"answer {index}"} for index, score in
-               enumerate(scores)]
+    samples = [
+        {"index": index, "score": score, "prediction": f"answer {index}"}
+        for index, score in enumerate(scores)
+    ]
     path = key.path(runs_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": samples_total,
-                                "samples": samples}))
+    path.write_text(
+        json.dumps(
+            {"schema": SCHEMA, "key": key.to_json(), "samples_total": samples_total, "samples": samples}
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +56,18 @@ def results_dir(tmp_path_factory) -> Path:
             write_result(runs_dir, ResultKey(BACKBONE, "ruler", 4096, task, setting, method, ratio), scores)
     marker = runs_dir / BACKBONE / "ruler-4096" / "qa_1" / "unavailable.json"
     marker.parent.mkdir(parents=True)
-    marker.write_text(json.dumps({"schema": UNAVAILABLE_SCHEMA, "backbone": BACKBONE, "benchmark": "ruler",
-                                  "length": 4096, "task": "qa_1", "reason": "SQuAD not found"}))
+    marker.write_text(
+        json.dumps(
+            {
+                "schema": UNAVAILABLE_SCHEMA,
+                "backbone": BACKBONE,
+                "benchmark": "ruler",
+                "length": 4096,
+                "task": "qa_1",
+                "reason": "SQuAD not found",
+            }
+        )
+    )
     return root
 
 
@@ -64,13 +79,16 @@ def tables(results_dir) -> dict:
 
 
 def body_lines(latex: str) -> list[str]:
-    return latex[latex.index(r"\midrule"):latex.index(r"\bottomrule")].splitlines()
+    return latex[latex.index(r"\midrule") : latex.index(r"\bottomrule")].splitlines()
 
 
 def test_table_set(tables):
-    assert sorted(tables) == ["ablation_llama3.1-8b-instruct_snapkv_0.9_agnostic",
-                              "cam_llama3.1-8b-instruct_0.9_agnostic", "ruler_averages",
-                              "tasks_llama3.1-8b-instruct_ruler-4096"]
+    assert sorted(tables) == [
+        "ablation_llama3.1-8b-instruct_snapkv_0.9_agnostic",
+        "cam_llama3.1-8b-instruct_0.9_agnostic",
+        "ruler_averages",
+        "tasks_llama3.1-8b-instruct_ruler-4096",
+    ]
 
 
 def test_ruler_averages_latex(tables):
@@ -111,23 +129,29 @@ def test_task_table_latex(tables):
     assert r" &  & +ResKV & 100.00 & -- & n/a & -- \\" in lines
     # Only (budget, setting) groups with results: 40% has q-Aware SnapKV rows and nothing more.
     forty = lines.index(r"40\% & q-Aware & SnapKV & 100.00 & 75.00 & n/a & 87.50 \\")
-    assert lines[forty + 1:] == [r" &  & +ResKV & 100.00 & -- & n/a & -- \\"]
+    assert lines[forty + 1 :] == [r" &  & +ResKV & 100.00 & -- & n/a & -- \\"]
     assert r"10\% & q-Agnostic & SnapKV & 12.50 & 0.00 & n/a & \textbf{6.25} \\" in lines
 
 
 def test_cam_table(tables):
     table = tables["cam_llama3.1-8b-instruct_0.9_agnostic"]
     lines = body_lines(to_latex(table))
-    assert lines[1:] == [r"SnapKV & 12.50 & \textbf{0.00} \\", r"+CaM & \textbf{25.00} & \textbf{0.00} \\",
-                         r"+ResKV & 12.50 & \textbf{0.00} \\"]
+    assert lines[1:] == [
+        r"SnapKV & 12.50 & \textbf{0.00} \\",
+        r"+CaM & \textbf{25.00} & \textbf{0.00} \\",
+        r"+ResKV & 12.50 & \textbf{0.00} \\",
+    ]
     assert r"\multicolumn{2}{c}{\textbf{RULER-4K}}" in to_latex(table)
 
 
 def test_ablation_table(tables):
     lines = body_lines(to_latex(tables["ablation_llama3.1-8b-instruct_snapkv_0.9_agnostic"]))
-    assert lines[1:] == [r"ResKV & 12.50 \\", r"w/o validation & 0.00 {\scriptsize (-12.50)} \\",
-                         r"w/o dynamic gate & \textbf{25.00} {\scriptsize (+12.50)} \\",
-                         r"w/o shared softmax & -- \\"]
+    assert lines[1:] == [
+        r"ResKV & 12.50 \\",
+        r"w/o validation & 0.00 {\scriptsize (-12.50)} \\",
+        r"w/o dynamic gate & \textbf{25.00} {\scriptsize (+12.50)} \\",
+        r"w/o shared softmax & -- \\",
+    ]
 
 
 def test_markdown_and_csv(tables):

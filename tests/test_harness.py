@@ -1,0 +1,248 @@
+"""run.py and its runner: config validation, grid expansion, shared prefill, result files.
+
+The end-to-end tests use the tiny random backbone (``tiny-llama``) with short RULER prompts and a
+cap on answer lengths; their predictions are noise, which is all the plumbing needs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from reskv.backbones import load_backbone
+from reskv.compress import ResidualConfig
+from scripts.experiment import GridRun, PlanError, build_grid, load_task_items, make_plan, method_label
+from scripts.results_store import ResultFile, ResultKey, ResultStoreError, deterministic_view
+from scripts.tables import ABLATIONS, ResultIndex
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RULER = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=8"]
+
+
+def plan_for(overrides: list[str], results_dir: Path, ruler_cache: Path | None = None):
+    """The plan run.py would build for these command-line overrides."""
+    extra = [f"results_dir={results_dir}"]
+    if ruler_cache is not None:
+        extra.append(f"benchmark.options.cache_dir={ruler_cache}")
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        config = compose("config", overrides=overrides + extra)
+    return make_plan(OmegaConf.to_container(config, resolve=True))
+
+
+def run_in_process(plan, backbone) -> None:
+    grid = GridRun(plan, backbone, load_task_items(plan, backbone.tokenizer))
+    grid.open()
+    grid.run()
+
+
+def final_files(results_dir: Path) -> dict[str, dict]:
+    runs = results_dir / "runs"
+    return {
+        str(path.relative_to(runs)): json.loads(path.read_text()) for path in sorted(runs.rglob("*.json"))
+    }
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("method=nope", ["unknown method 'nope'", "snapkv+reskv", "adakv"]),
+        ("method=[snapkv,snapkv+resk]", ["unknown method 'snapkv+resk'", "'full'"]),
+        ("ratio=1.5", ["ratio 1.5", "strictly between 0 and 1"]),
+        ("ratio=[0.6,0]", ["ratio 0 ", "strictly between 0 and 1"]),
+        ("benchmark.tasks=[niah_single_1,nope]", ["unknown ruler task 'nope'", "niah_single_1", "fwe"]),
+        ("setting=sideways", ["unknown setting 'sideways'", "aware", "agnostic"]),
+        ("num_samples=0", ["num_samples 0"]),
+        ("reskv.final_selection=best", ["final_selection 'best'", "base", "fit"]),
+    ],
+)
+def test_bad_overrides_fail_with_the_valid_choices(override, expected, tmp_path):
+    with pytest.raises(PlanError) as error:
+        plan_for([override], tmp_path)
+    for text in expected:
+        assert text in str(error.value)
+
+
+def test_cli_fails_fast_on_bad_values(tmp_path):
+    for override, expected in (("method=nope", "choose from ['full'"), ("backbone=nope", "tiny-llama")):
+        result = subprocess.run(
+            [sys.executable, "run.py", override, f"results_dir={tmp_path}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode != 0
+        assert expected in result.stdout + result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_paper_command_lines_make_plans(tmp_path):
+    plan = plan_for(["method=snapkv+reskv", "ratio=0.9"], tmp_path)
+    assert [(entry.method, entry.ratio, entry.setting) for entry in plan.grid] == [
+        ("snapkv+reskv", 0.9, "aware")
+    ]
+    plan = plan_for(["method=[snapkv,snapkv+reskv]", "ratio=[0.6,0.9]", "setting=[aware,agnostic]"], tmp_path)
+    assert len(plan.grid) == 8
+    plan = plan_for(["grid=paper_ruler", "benchmark=ruler-32k", "backbone=llama3.1-8b-instruct"], tmp_path)
+    assert (plan.length, len(plan.tasks), len(plan.grid)) == (32768, 13, 1 + 9 * 4 * 2)
+    plan = plan_for(["grid=paper_longbench", "backbone=qwen2.5-7b-instruct"], tmp_path)
+    assert (plan.benchmark, plan.length, len(plan.tasks)) == ("longbench", 31500, 16)
+
+
+def test_full_cache_is_one_grid_entry():
+    grid = build_grid(["full", "snapkv"], [0.6, 0.9], ["aware", "agnostic"], ResidualConfig(), False)
+    assert [(entry.method, entry.ratio, entry.setting) for entry in grid] == [
+        ("full", None, None),
+        ("snapkv", 0.6, "aware"),
+        ("snapkv", 0.9, "aware"),
+        ("snapkv", 0.6, "agnostic"),
+        ("snapkv", 0.9, "agnostic"),
+    ]
+
+
+def test_method_labels_name_non_default_options(tmp_path):
+    assert method_label("snapkv+reskv", ResidualConfig(), False) == "snapkv+reskv"
+    assert method_label("snapkv", ResidualConfig(validate=False), True) == "snapkv"
+    assert method_label("h2o", ResidualConfig(), True) == "h2o~h2o_window_only=true"
+    assert (
+        method_label("snapkv+reskv", ResidualConfig(tau=0.3, grid=(0.0, 0.1)), False)
+        == "snapkv+reskv~grid=0-0.1,tau=0.3"
+    )
+    # The ablation presets give exactly the labels the ablation table looks for.
+    for preset, (_, suffix) in zip(
+        ("none", "no_validation", "no_gate", "no_shared_softmax"), ABLATIONS, strict=True
+    ):
+        plan = plan_for([f"ablation={preset}", "method=snapkv+reskv"], tmp_path)
+        assert plan.grid[0].label == "snapkv+reskv" + suffix
+
+
+def _result_file(tmp_path: Path, config: dict | None = None, samples_total: int = 3) -> ResultFile:
+    key = ResultKey("tiny-llama", "ruler", 1024, "vt", "aware", "snapkv", 0.9)
+    return ResultFile(
+        tmp_path,
+        key,
+        (0, samples_total),
+        samples_total,
+        config or {"seed": 42},
+        lambda scores: round(100 * sum(scores) / len(scores), 2),
+    )
+
+
+def _record(index: int) -> dict:
+    return {
+        "index": index,
+        "prompt_digest": "d",
+        "prompt_tokens": 10,
+        "generated_tokens": 2,
+        "score": 1.0,
+        "timings": {"decode_s": 0.1 * (index + 1)},
+    }
+
+
+def test_result_file_survives_a_cut_line_and_refuses_duplicates(tmp_path):
+    result = _result_file(tmp_path).open()
+    result.append(_record(0))
+    with pytest.raises(ResultStoreError, match="already"):
+        result.append(_record(0))
+    result.close()
+    with result.journal_path.open("ab") as journal:  # what kill -9 in the middle of a write leaves
+        journal.write(b'{"index": 1, "prompt_dig')
+    resumed = _result_file(tmp_path).open()
+    assert resumed.pending == [1, 2]
+    resumed.append(_record(1))
+    resumed.append(_record(2))
+    document = resumed.close()
+    assert not resumed.journal_path.exists()
+    assert [sample["index"] for sample in document["samples"]] == [0, 1, 2]
+    assert json.loads(resumed.path.read_text()) == document
+    assert document["summary"]["score"] == 100.0 and document["timings"]["decode_s"] == pytest.approx(0.6)
+
+
+def test_result_file_refuses_another_configuration_and_a_second_writer(tmp_path):
+    first = _result_file(tmp_path).open()
+    with pytest.raises(ResultStoreError, match="another process"):
+        _result_file(tmp_path).open()
+    first.close()
+    with pytest.raises(ResultStoreError, match=r"another configuration \(differs in \['seed'\]\)"):
+        _result_file(tmp_path, {"seed": 7}).open()
+
+
+def test_finished_file_is_skipped_and_extended_on_more_samples(tmp_path):
+    result = _result_file(tmp_path, samples_total=2).open()
+    for index in range(2):
+        result.append(_record(index))
+    result.close()
+    text = result.path.read_text()
+    again = _result_file(tmp_path, samples_total=2).open()
+    assert again.pending == [] and again.close() is None
+    assert result.path.read_text() == text and not again.journal_path.exists()
+    more = _result_file(tmp_path, samples_total=3).open()
+    assert more.pending == [2]
+    more.append(_record(2))
+    assert [sample["index"] for sample in more.close()["samples"]] == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def ruler_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ruler-cache")
+
+
+def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_cache):
+    """One shared prefill for the whole grid gives each configuration what its own prefill gives."""
+    backbone = load_backbone("tiny-llama")
+    grid_overrides = [
+        *TINY_RULER,
+        "benchmark.tasks=[vt]",
+        "num_samples=2",
+        "method=[full,snapkv,snapkv+reskv]",
+        "ratio=[0.6,0.9]",
+        "setting=[aware,agnostic]",
+    ]
+    grid_plan = plan_for(grid_overrides, tmp_path / "grid", ruler_cache)
+    run_in_process(grid_plan, backbone)
+    grid_files = final_files(tmp_path / "grid")
+    assert len(grid_files) == 9
+    for method, ratio, setting in (
+        ("snapkv+reskv", 0.9, "agnostic"),
+        ("snapkv", 0.6, "aware"),
+        ("full", 0.6, "aware"),
+    ):
+        single = plan_for(
+            [
+                *TINY_RULER,
+                "benchmark.tasks=[vt]",
+                "num_samples=2",
+                f"method={method}",
+                f"ratio={ratio}",
+                f"setting={setting}",
+                "share_prefill=false",
+            ],
+            tmp_path / "single",
+            ruler_cache,
+        )
+        run_in_process(single, backbone)
+    single_files = final_files(tmp_path / "single")
+    assert len(single_files) == 3
+    for name, document in single_files.items():
+        grid_samples = grid_files[name]["samples"]
+        for sample, grid_sample in zip(document["samples"], grid_samples, strict=True):
+            assert sample["prediction_token_ids"] == grid_sample["prediction_token_ids"]
+            assert deterministic_view(sample) == deterministic_view(grid_sample)
+
+
+def test_unavailable_task_is_marked_not_scored(tmp_path, ruler_cache):
+    plan = plan_for(
+        [*TINY_RULER, "benchmark.tasks=[qa_1]", "benchmark.options.qa_data_dir=" + str(tmp_path)],
+        tmp_path,
+        ruler_cache,
+    )
+    backbone = load_backbone("tiny-llama")
+    assert load_task_items(plan, backbone.tokenizer) == {}
+    index = ResultIndex.from_directory(plan.runs_dir)[0]
+    assert ("tiny-llama", "ruler", 1024, "qa_1") in index.unavailable
