@@ -9,17 +9,30 @@ changes every sample: the version is pinned in pyproject.toml.
 from __future__ import annotations
 
 import random
+import warnings
 from bisect import bisect_right
 from collections.abc import Sequence
+from contextlib import contextmanager
 from functools import cache, lru_cache
 from itertools import accumulate
 
-from wonderwords.random_word import _get_words_from_text_file  # the function upstream calls
+
+@contextmanager
+def _quiet_wonderwords():
+    """wonderwords 2.2.0 reads its word lists with the deprecated ``importlib.resources.open_text``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+with _quiet_wonderwords():
+    from wonderwords.random_word import _get_words_from_text_file  # the function upstream calls
 
 
 @cache
 def _word_file(name: str) -> tuple[str, ...]:
-    return tuple(_get_words_from_text_file(name))
+    with _quiet_wonderwords():
+        return tuple(_get_words_from_text_file(name))
 
 
 class SortedPairs(Sequence):
