@@ -212,6 +212,18 @@ def test_bad_length_or_count_is_rejected(tokenizer):
         generate_items("vt", tokenizer, length=LENGTH, num_samples=0)
 
 
+def test_command_line_shows_items_with_their_token_counts(capsys):
+    from benchmarks.ruler.__main__ import main
+
+    main(["--task", "niah_single_1", "--length", "1024", "--num-samples", "2", "--no-cache",
+          "--show-chars", "80"])
+    shown = capsys.readouterr().out
+    assert shown.count("=== niah_single_1 #") == 2
+    counts = r"#0: \d+ prompt tokens \(context \d+, question \d+\) \+ 128 to generate = \d+ / 1024"
+    assert re.search(counts, shown)
+    assert "characters ...]" in shown and "references: ['" in shown
+
+
 def test_punkt_english_parameters_split_like_nltk():
     assert split_sentences("Dr. Smith paid $5.50 to Mr. Jones at 5 p.m. on Jan. 3. They left.") == [
         "Dr. Smith paid $5.50 to Mr. Jones at 5 p.m. on Jan. 3.", "They left."]

@@ -88,13 +88,24 @@ def test_needle_noise_and_document_strings():
     assert DOCUMENT_PROMPT == "Document {i}:\n{document}"
 
 
+# scripts/synthetic.yaml, in this order:
+NIAH_FIELDS = ("type_haystack", "type_needle_k", "type_needle_v",
+               "num_needle_k", "num_needle_v", "num_needle_q")
+UPSTREAM_NIAH = {
+    "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
+    "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": ("essay", "words", "uuids", 1, 1, 1),
+    "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4),
+}
+
+
 def test_task_configs_follow_synthetic_yaml():
-    assert TASK_CONFIGS["niah_multikey_3"] == ("niah", dict(
-        type_haystack="needle", type_needle_k="uuids", type_needle_v="uuids",
-        num_needle_k=1, num_needle_v=1, num_needle_q=1))  # fmt: skip
-    assert TASK_CONFIGS["niah_multiquery"][1]["num_needle_q"] == 4
-    assert TASK_CONFIGS["niah_multivalue"][1]["num_needle_v"] == 4
-    assert TASK_CONFIGS["niah_multikey_1"][1]["num_needle_k"] == 4
+    for task, values in UPSTREAM_NIAH.items():
+        assert TASK_CONFIGS[task] == ("niah", dict(zip(NIAH_FIELDS, values, strict=True)))
     assert TASK_CONFIGS["vt"] == ("variable_tracking", dict(type_haystack="noise", num_chains=1, num_hops=4))
     assert TASK_CONFIGS["cwe"] == ("common_words_extraction", dict(freq_cw=30, freq_ucw=3, num_cw=10))
     assert TASK_CONFIGS["fwe"] == ("freq_words_extraction", dict(alpha=2.0))

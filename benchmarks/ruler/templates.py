@@ -88,30 +88,28 @@ TEMPLATES = {
     ),
 }
 
+def _niah(type_haystack: str, type_needle_k: str, type_needle_v: str, num_needle_k: int = 1,
+          num_needle_v: int = 1, num_needle_q: int = 1) -> tuple[str, dict[str, Any]]:
+    return "niah", dict(type_haystack=type_haystack, type_needle_k=type_needle_k, type_needle_v=type_needle_v,
+                        num_needle_k=num_needle_k, num_needle_v=num_needle_v, num_needle_q=num_needle_q)
+
+
 # scripts/synthetic.yaml: task name -> (upstream generator, its arguments), in the yaml's order.
 TASK_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "niah_single_1": ("niah", dict(type_haystack="noise", type_needle_k="words", type_needle_v="numbers",
-                                   num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_single_2": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                                   num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_single_3": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="uuids",
-                                   num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_multikey_1": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                                     num_needle_k=4, num_needle_v=1, num_needle_q=1)),
-    "niah_multikey_2": ("niah", dict(type_haystack="needle", type_needle_k="words", type_needle_v="numbers",
-                                     num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_multikey_3": ("niah", dict(type_haystack="needle", type_needle_k="uuids", type_needle_v="uuids",
-                                     num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_multivalue": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                                     num_needle_k=1, num_needle_v=4, num_needle_q=1)),
-    "niah_multiquery": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                                     num_needle_k=1, num_needle_v=1, num_needle_q=4)),
+    "niah_single_1": _niah("noise", "words", "numbers"),
+    "niah_single_2": _niah("essay", "words", "numbers"),
+    "niah_single_3": _niah("essay", "words", "uuids"),
+    "niah_multikey_1": _niah("essay", "words", "numbers", num_needle_k=4),
+    "niah_multikey_2": _niah("needle", "words", "numbers"),
+    "niah_multikey_3": _niah("needle", "uuids", "uuids"),
+    "niah_multivalue": _niah("essay", "words", "numbers", num_needle_v=4),
+    "niah_multiquery": _niah("essay", "words", "numbers", num_needle_q=4),
     "vt": ("variable_tracking", dict(type_haystack="noise", num_chains=1, num_hops=4)),
     "cwe": ("common_words_extraction", dict(freq_cw=30, freq_ucw=3, num_cw=10)),
     "fwe": ("freq_words_extraction", dict(alpha=2.0)),
     "qa_1": ("qa", dict(dataset="squad")),
     "qa_2": ("qa", dict(dataset="hotpotqa")),
-}  # fmt: skip
+}
 
 # niah.py: every needle, and every sentence of the "needle" haystack.
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
