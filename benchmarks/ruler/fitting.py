@@ -64,8 +64,8 @@ def fit_sample(
 ) -> Prompt:
     """Build one sample at ``size``, stepping the haystack down by ``step`` until it fits.
 
-    A build raising one of ``retry_on`` is retried like an
-    oversize sample, as upstream's bare ``except`` does.
+    A build raising one of ``retry_on`` is retried like an oversize sample, as upstream's bare
+    ``except`` does.
     """
     while True:
         try:

