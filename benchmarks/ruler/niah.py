@@ -45,7 +45,7 @@ class NeedleSampler:
 
     def __init__(self, config: NeedleConfig, fmt: PromptFormat, seed: int) -> None:
         self.config = config
-        # niah.py: a query needs its own key
+        # niah.py: every query asks a different key, so there are at least as many keys as queries
         self.num_keys = max(config.num_needle_k, config.num_needle_q)
         self.fmt = fmt
         self.seed = seed
