@@ -522,20 +522,14 @@ def averages_table(
         ["Setting", "Method"],
         heads,
     )
-    table.body.append(
-        Row(
-            ["Full Cache"],
-            [
-                Cell(
-                    **{
-                        **index.average_cell(backbone, benchmark, length, None, FULL_METHOD, None).__dict__,
-                        "span": len(ratios),
-                    }
-                )
-                for backbone, length, ratios in groups
-            ],
-        )
-    )
+    full_cells = [
+        index.average_cell(backbone, benchmark, length, None, FULL_METHOD, None)
+        for backbone, length, _ in groups
+    ]
+    for cell, (_, _, ratios) in zip(full_cells, groups, strict=True):
+        cell.span = len(ratios)
+    if any(index.has(backbone, benchmark, length, None, FULL_METHOD) for backbone, length, _ in groups):
+        table.body.append(Row(["Full Cache"], full_cells))
     for setting in SETTING_NAMES:
         blocks = _method_blocks(index, None, benchmark, None, setting, bases)
         if not blocks:
@@ -592,7 +586,8 @@ def task_table(
         cells = [index.task_cell(backbone, benchmark, length, task, setting, method, ratio) for task in tasks]
         return Row(stub, cells + [index.average_cell(backbone, benchmark, length, setting, method, ratio)])
 
-    table.body.append(row(["Full Cache"], None, FULL_METHOD, None))
+    if index.has(backbone, benchmark, length, None, FULL_METHOD):
+        table.body.append(row(["Full Cache"], None, FULL_METHOD, None))
     for ratio in index.ratios(backbone, benchmark, length):
         for setting in SETTING_NAMES:
             blocks = _method_blocks(index, backbone, benchmark, length, setting, bases, ratio)
