@@ -17,7 +17,7 @@ from torch import Tensor
 from reskv.attention import DecodeRule, residual_attention
 from reskv.residual import ResidualEntries, build_residual
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
-from reskv.selection import select_main
+from reskv.selection import gather_tokens, select_main
 
 FINAL_SELECTIONS = ("base", "fit")
 
@@ -78,17 +78,18 @@ def budget_for(seq_len: int, ratio: float) -> int:
     return math.floor(seq_len * (1 - ratio))
 
 
-def gather_main(obs: LayerObservation, kept: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Kept tokens of each head in position order, padded to the longest head with masked slots."""
+def kept_positions(kept: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions of each head's kept tokens in position order ``[H, n]``, padded to the longest
+    head, and which of them are real ``[H, n]``."""
     counts = kept.sum(dim=-1)
     longest = int(counts.max())
-    order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[:, :longest]
-    gather = order[..., None].expand(-1, -1, obs.keys.shape[-1])
-    bias = None
-    if int(counts.min()) != longest:
-        padding = torch.arange(longest, device=kept.device)[None, :] >= counts[:, None]
-        bias = torch.zeros(padding.shape, device=kept.device).masked_fill(padding, float("-inf"))[:, None, :]
-    return obs.keys.gather(1, gather), values.gather(1, gather), bias
+    positions = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[:, :longest]
+    return positions, torch.arange(longest, device=kept.device)[None, :] < counts[:, None]
+
+
+def additive_mask(visible: Tensor) -> Tensor:
+    """0 where ``visible``, ``-inf`` elsewhere (fp32)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
 def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[slice, slice] | None:
@@ -146,38 +147,50 @@ class ValidationProxy:
         # Full attention o_S over all s tokens, causal (the validation queries lie in the prompt).
         probs = causal_attention_probs(obs.queries[:, validation], obs.keys, validation_positions, obs.scaling)
         self.full_output = grouped(probs, obs.num_kv_heads) @ obs.values.float()
-        query_positions = validation_positions.repeat(obs.group_size)  # matches the grouped order
-        self.causal = torch.arange(obs.seq_len, device=obs.keys.device)[None, :] <= query_positions[:, None]
+        self.query_positions = validation_positions.repeat(obs.group_size)  # matches the grouped order
 
-    def loss(self, budgets: Tensor, sizes: Tensor) -> Tensor:
-        """``L_r`` per head: mean over validation queries and group heads of ``||ô_r - o_S||²``."""
+    def losses(self, budgets: Tensor, sizes: Tensor) -> Tensor:
+        """``L_r`` ``[C, H_kv]`` for ``C`` candidate size rows ``[C, H_kv]``: the mean over validation
+        queries and group heads of ``||ô_r - o_S||²``.
+
+        Candidates are stacked along the head dimension so one batched k-means and one attention
+        evaluate them all.
+        """
         obs = self.obs
-        kept = select_main(self.fit_scores, self.scorer.window, budgets - sizes)
-        residual = build_residual(obs.keys, obs.values, ~kept, self.fit_scores, sizes,
+        num_candidates = sizes.shape[0]
+        stacked_sizes = sizes.reshape(-1)
+        fit_scores = self.fit_scores.repeat(num_candidates, 1)
+        kept = select_main(fit_scores, self.scorer.window, budgets.repeat(num_candidates) - stacked_sizes)
+        residual = build_residual(obs.keys, obs.values, ~kept, fit_scores, stacked_sizes,
                                   self.config.kmeans_iterations)
-        visible = kept[:, None, :] & self.causal[None]
-        bias = torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+        positions, real = kept_positions(kept)
+        visible = real[:, None, :] & (positions[:, None, :] <= self.query_positions[None, :, None])
         output = residual_attention(
-            self.validation_queries, obs.keys, obs.values, bias, residual.keys, residual.values,
+            self.validation_queries.repeat(num_candidates, 1, 1), gather_tokens(obs.keys, positions),
+            gather_tokens(obs.values, positions), additive_mask(visible), residual.keys, residual.values,
             residual.log_counts, obs.scaling, self.config.decode_rule, (~kept).sum(-1) / obs.seq_len,
         )
-        return ((output - self.full_output) ** 2).sum(dim=-1).mean(dim=-1)
+        errors = ((output - self.full_output.repeat(num_candidates, 1, 1)) ** 2).sum(dim=-1).mean(dim=-1)
+        return errors.reshape(num_candidates, -1)
 
     def choose(self, budgets: Tensor) -> Tensor:
-        """``r* = argmin_{r>0} L_r``, kept only where ``L_{r*} < (1 - delta) * L_0``, else 0."""
-        no_residual = torch.zeros_like(budgets)
-        main_only_loss = self.loss(budgets, no_residual)
-        best_loss = torch.full_like(main_only_loss, float("inf"))
-        best_size = no_residual.clone()
-        for sizes in candidate_sizes(self.config, budgets, min(self.scorer.window, self.obs.seq_len)):
-            if not bool((sizes > 0).any()):
-                continue
-            loss = self.loss(budgets, sizes).masked_fill(sizes == 0, float("inf"))
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best_size = torch.where(better, sizes, best_size)
+        """``r* = argmin_{r>0} L_r`` (the first candidate on ties), kept only where
+        ``L_{r*} < (1 - delta) * L_0``, else 0."""
+        window = min(self.scorer.window, self.obs.seq_len)
+        sizes = torch.stack([torch.zeros_like(budgets), *candidate_sizes(self.config, budgets, window)])
+        losses = torch.cat([self.losses(budgets, chunk) for chunk in sizes.split(self._candidates_per_batch(sizes))])
+        main_only_loss = losses[0]
+        candidate_losses = losses[1:].masked_fill(sizes[1:] == 0, float("inf"))
+        best = candidate_losses.argmin(dim=0)
+        best_loss = candidate_losses.gather(0, best[None])[0]
+        best_size = sizes[1:].gather(0, best[None])[0]
         accepted = best_loss < (1 - self.config.delta) * main_only_loss
         return best_size.masked_fill(~accepted, 0)
+
+    def _candidates_per_batch(self, sizes: Tensor) -> int:
+        """Candidates evaluated together, bounding the k-means distance matrix at ~64M floats."""
+        per_candidate = self.obs.num_kv_heads * self.obs.seq_len * max(1, int(sizes.max()))
+        return max(1, (1 << 26) // per_candidate)
 
 
 def fixed_sizes(config: ResidualConfig, budgets: Tensor, window: int) -> Tensor:
@@ -211,9 +224,11 @@ def compress_layer(obs: LayerObservation, scorer: TokenScorer, ratio: float,
                 selection_scores = proxy.fit_scores
     kept = select_main(selection_scores, scorer.window, budgets - sizes)
     values = scorer.adjust_values(obs, kept)
-    main_keys, main_values, main_bias = gather_main(obs, kept, values)
+    positions, real = kept_positions(kept)
+    main_bias = None if bool(real.all()) else additive_mask(real)[:, None, :]
+    main_keys, main_values = gather_tokens(obs.keys, positions), gather_tokens(values, positions)
     entries = (build_residual(obs.keys, obs.values, ~kept, selection_scores, sizes, residual.kmeans_iterations)
-               if residual is not None and bool((sizes > 0).any()) else ResidualEntries.empty(obs.keys))
+               if residual is not None and bool((sizes > 0).any()) else ResidualEntries.empty(obs.num_kv_heads, obs.keys))
     evicted = (~kept).sum(dim=-1)
     stats = {
         "budget": budget,

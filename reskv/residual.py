@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from reskv.selection import gather_tokens
+
 
 @dataclass
 class ResidualEntries:
@@ -26,68 +28,85 @@ class ResidualEntries:
         return torch.isfinite(self.log_counts).sum(dim=-1)
 
     @classmethod
-    def empty(cls, keys: Tensor) -> ResidualEntries:
-        num_heads, _, head_dim = keys.shape
-        none = keys.new_zeros(num_heads, 0, head_dim)
-        return cls(none, none.clone(), torch.zeros(num_heads, 0, device=keys.device))
+    def empty(cls, num_heads: int, like: Tensor) -> ResidualEntries:
+        none = like.new_zeros(num_heads, 0, like.shape[-1])
+        return cls(none, none.clone(), torch.zeros(num_heads, 0, device=like.device))
 
 
-def lloyd_assignments(points: Tensor, point_valid: Tensor, centers: Tensor, center_valid: Tensor,
+def cluster_sums(weighted_points: Tensor, weights: Tensor, assignments: Tensor, num_centers: int
+                 ) -> tuple[Tensor, Tensor]:
+    """Per-cluster sums ``[H, r, d]`` and member counts ``[H, r]``.
+
+    ``weights`` is 1 for valid points and 0 for padding; ``weighted_points`` are the points
+    multiplied by it. ``index_add_`` accumulates in a fixed order on CPU, so results are
+    bit-for-bit reproducible.
+    """
+    num_heads, num_points, dim = weighted_points.shape
+    # One flat index over (head, cluster): index_add_ is far cheaper than a scatter over d.
+    flat_index = (assignments.clamp(max=num_centers - 1)
+                  + num_centers * torch.arange(num_heads, device=assignments.device)[:, None]).reshape(-1)
+    counts = weights.new_zeros(num_heads * num_centers).index_add_(0, flat_index, weights.reshape(-1))
+    sums = weighted_points.new_zeros(num_heads * num_centers, dim)
+    sums.index_add_(0, flat_index, weighted_points.reshape(-1, dim))
+    sums, counts = sums.reshape(num_heads, num_centers, dim), counts.reshape(num_heads, num_centers)
+    return sums, counts
+
+
+def lloyd_assignments(points: Tensor, weights: Tensor, centers: Tensor, center_valid: Tensor,
                       iterations: int) -> Tensor:
     """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to means).
 
-    Squared Euclidean distance; ties go to the lower centre index (``argmin``), so with the init
-    ordered by score the better-scored of two identical centres wins and the other ends empty.
-    A centre that loses all its points keeps its position for the next step. ``points`` is
-    ``[H, E, d]``, ``centers`` ``[H, r, d]``; invalid points get index ``r`` (no cluster).
+    Squared Euclidean distance (``||c||² - 2<p, c>``, the point's own norm does not change the
+    argmin); ties go to the lower centre index, so with the init ordered by score the
+    better-scored of two identical centres wins and the other ends empty. A centre that loses
+    all its points keeps its position. ``points`` ``[H, E, d]`` fp32, zero where ``weights`` is 0;
+    ``centers`` ``[H, r, d]``.
     """
-    points = points.float()
+    unused = torch.zeros(center_valid.shape, device=centers.device).masked_fill(~center_valid, float("inf"))
     centers = centers.float()
-    point_weight = point_valid.float()[..., None]
-    num_centers = centers.shape[1]
     assignments = None
     for _ in range(iterations):
-        distances = (centers * centers).sum(-1)[:, None, :] - 2 * points @ centers.transpose(1, 2)
-        distances = distances.masked_fill(~center_valid[:, None, :], float("inf"))
+        center_norms = (centers * centers).sum(-1) + unused
+        distances = torch.baddbmm(center_norms[:, None, :], points, centers.transpose(1, 2), alpha=-2)
         assignments = distances.argmin(dim=-1)
-        membership = torch.nn.functional.one_hot(assignments, num_centers).float() * point_weight
-        counts = membership.sum(dim=1)  # [H, r]
-        sums = membership.transpose(1, 2) @ points
+        sums, counts = cluster_sums(points, weights, assignments, centers.shape[1])
         centers = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centers)
-    return assignments.masked_fill(~point_valid, num_centers)
+    return assignments
 
 
 def build_residual(keys: Tensor, values: Tensor, evicted: Tensor, scores: Tensor, sizes: Tensor,
                    iterations: int) -> ResidualEntries:
     """Summarise each head's evicted tokens into ``sizes[h]`` entries (reskv.md, Residual entries).
 
+    ``keys``/``values`` are ``[H, s, d]``; ``evicted``, ``scores`` and ``sizes`` have ``R`` rows,
+    ``R`` a multiple of ``H`` when candidate selections are stacked (row ``r`` is head ``r % H``).
+
     Lloyd k-means on keys, initialised deterministically from the ``sizes[h]`` evicted keys with
     the highest scores (ties toward the lower position); ``sizes`` is capped at ``|E|``. Entry
     ``j`` stores the mean key, mean value and ``log(count)`` of its cluster; empty clusters are
     dropped (``log_count = -inf``), so their slot never receives softmax mass.
     """
-    num_heads, seq_len, head_dim = keys.shape
     evicted_counts = evicted.sum(dim=-1)
     sizes = torch.minimum(sizes.to(keys.device), evicted_counts)
-    max_size = int(sizes.max()) if num_heads else 0
+    max_size = int(sizes.max())
     if max_size == 0:
-        return ResidualEntries.empty(keys)
+        return ResidualEntries.empty(evicted.shape[0], keys)
     max_points = int(evicted_counts.max())
     # Evicted tokens first, best score first (stable: ties toward the lower position); the
     # first sizes[h] of them are the initial centres.
     ranked = torch.where(evicted, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :max_points]
-    gather = order[..., None].expand(-1, -1, head_dim)
-    point_keys = keys.gather(1, gather).float()
-    point_values = values.gather(1, gather).float()
-    point_valid = torch.arange(max_points, device=keys.device)[None, :] < evicted_counts[:, None]
+    # Heads without residual entries (batched with others) contribute no points.
+    point_valid = torch.arange(max_points, device=keys.device)[None, :] < (evicted_counts * (sizes > 0))[:, None]
+    weights = point_valid.float()
+    point_keys = gather_tokens(keys, order).float() * weights[..., None]
+    point_values = gather_tokens(values, order).float() * weights[..., None]
     center_valid = torch.arange(max_size, device=keys.device)[None, :] < sizes[:, None]
 
-    assignments = lloyd_assignments(point_keys, point_valid, point_keys[:, :max_size], center_valid, iterations)
-    membership = torch.nn.functional.one_hot(assignments, max_size + 1)[..., :max_size].float()
-    counts = membership.sum(dim=1)
+    assignments = lloyd_assignments(point_keys, weights, point_keys[:, :max_size], center_valid, iterations)
+    key_sums, counts = cluster_sums(point_keys, weights, assignments, max_size)
+    value_sums, _ = cluster_sums(point_values, weights, assignments, max_size)
     denominators = counts.clamp(min=1)[..., None]
-    mean_keys = (membership.transpose(1, 2) @ point_keys) / denominators
-    mean_values = (membership.transpose(1, 2) @ point_values) / denominators
+    mean_keys, mean_values = key_sums / denominators, value_sums / denominators
     log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf")))
     return ResidualEntries(mean_keys.to(keys.dtype), mean_values.to(values.dtype), log_counts)

@@ -37,3 +37,16 @@ def select_main(scores: Tensor, window: int, main_sizes: Tensor) -> Tensor:
     window_kept[:, from_end] = window_rank
     window_kept[:, :prefix_len] = prefix_kept
     return window_kept
+
+
+def gather_tokens(states: Tensor, positions: Tensor) -> Tensor:
+    """``states[r % H, positions[r]]``: ``[R, n, d]`` rows gathered from ``[H, s, d]`` states.
+
+    ``R`` may be a multiple of ``H`` (candidate selections stacked along the head dimension);
+    row ``r`` then reads head ``r % H``. Row gathers by ``index_select`` copy whole head-dim
+    vectors, much faster on CPU than ``gather`` with an expanded index.
+    """
+    num_heads, seq_len, head_dim = states.shape
+    heads = torch.arange(positions.shape[0], device=states.device) % num_heads
+    flat = (heads[:, None] * seq_len + positions).reshape(-1)
+    return states.reshape(num_heads * seq_len, head_dim).index_select(0, flat).reshape(*positions.shape, head_dim)
