@@ -31,6 +31,7 @@ from scripts.results_store import (
 )
 
 log = logging.getLogger(__name__)
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Task-list keywords of the benchmark config (`benchmark.tasks`), besides an explicit list.
 TASK_KEYWORDS = {
@@ -285,6 +286,27 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         results_dir=Path(config["results_dir"]),
         grid=build_grid(methods, ratios, settings, residual, h2o_window_only),
     )
+
+
+def compose_plan(overrides: Sequence[str]) -> Plan:
+    """The plan ``python run.py <overrides>`` runs, for scripts and tests that run grids in-process.
+
+    ``results_dir`` defaults to ``results`` under the current directory here (run.py's default
+    needs a running Hydra application); pass ``results_dir=...`` to choose.
+    """
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        config = compose("config", overrides=[f"results_dir={Path('results').resolve()}", *overrides])
+    return make_plan(OmegaConf.to_container(config, resolve=True))
+
+
+def run_plan(plan: Plan, backbone: Backbone) -> None:
+    """Run a plan in this process, without progress display (the run.py loop minus its reporting)."""
+    grid = GridRun(plan, backbone, load_task_items(plan, backbone.tokenizer))
+    grid.open()
+    grid.run()
 
 
 def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:

@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
-from scripts.experiment import GridRun, PlanError, build_grid, load_task_items, make_plan, method_label
+from scripts.experiment import PlanError, build_grid, compose_plan, load_task_items, method_label, run_plan
 from scripts.results_store import ResultFile, ResultKey, ResultStoreError, deterministic_view
 from scripts.tables import ABLATIONS, ResultIndex
 
@@ -30,15 +28,7 @@ def plan_for(overrides: list[str], results_dir: Path, ruler_cache: Path | None =
     extra = [f"results_dir={results_dir}"]
     if ruler_cache is not None:
         extra.append(f"benchmark.options.cache_dir={ruler_cache}")
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        config = compose("config", overrides=overrides + extra)
-    return make_plan(OmegaConf.to_container(config, resolve=True))
-
-
-def run_in_process(plan, backbone) -> None:
-    grid = GridRun(plan, backbone, load_task_items(plan, backbone.tokenizer))
-    grid.open()
-    grid.run()
+    return compose_plan(overrides + extra)
 
 
 def final_files(results_dir: Path) -> dict[str, dict]:
@@ -205,7 +195,7 @@ def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_c
         "setting=[aware,agnostic]",
     ]
     grid_plan = plan_for(grid_overrides, tmp_path / "grid", ruler_cache)
-    run_in_process(grid_plan, backbone)
+    run_plan(grid_plan, backbone)
     grid_files = final_files(tmp_path / "grid")
     assert len(grid_files) == 9
     for method, ratio, setting in (
@@ -226,7 +216,7 @@ def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_c
             tmp_path / "single",
             ruler_cache,
         )
-        run_in_process(single, backbone)
+        run_plan(single, backbone)
     single_files = final_files(tmp_path / "single")
     assert len(single_files) == 3
     for name, document in single_files.items():

@@ -1,0 +1,125 @@
+"""Peak memory and decode throughput versus context length (fig:analysis (a) and (b)).
+
+    python -m scripts.bench_efficiency [--backbone smollm2-135m] [--lengths 1024 2048 4096 8192]
+        [--methods full snapkv snapkv+reskv] [--ratio 0.9] [--new-tokens 32] [--results-dir results]
+
+For every (context length, method): prefill a random-token prompt of that length, compress,
+decode exactly ``--new-tokens`` tokens (end-of-sequence tokens do not stop it, so every run
+decodes the same amount), and record the peak memory of the whole request and the decode rate.
+Peak memory is CUDA's max allocated bytes on a GPU; on CPU, where no allocator statistics exist,
+it is the process's peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``
+before each request), which includes the model weights. A request that runs out of memory is
+recorded as None (a gap in the figure). Report: ``<results-dir>/runs/_bench/efficiency_<backbone>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from baselines import build_method
+from reskv.backbones import Backbone, load_backbone
+from reskv.engine import Prefill
+
+PROC_STATUS = Path("/proc/self/status")
+PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def memory_kind(backbone: Backbone) -> str:
+    return "CUDA max allocated" if backbone.device.type == "cuda" else "peak RSS"
+
+
+def reset_peak_memory(backbone: Backbone) -> None:
+    if backbone.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(backbone.device)
+    else:
+        PROC_CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def peak_memory(backbone: Backbone) -> int:
+    if backbone.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(backbone.device)
+    line = next(line for line in PROC_STATUS.read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def random_prompt(backbone: Backbone, length: int, seed: int) -> list[int]:
+    """Token ids drawn uniformly from the vocabulary minus special tokens (fixed seed)."""
+    special = set(backbone.tokenizer.all_special_ids)
+    vocabulary = torch.tensor([i for i in range(len(backbone.tokenizer)) if i not in special])
+    generator = torch.Generator().manual_seed(seed)
+    return vocabulary[torch.randint(len(vocabulary), (length,), generator=generator)].tolist()
+
+
+def measure(
+    backbone: Backbone,
+    lengths: Sequence[int],
+    methods: Sequence[str],
+    ratio: float,
+    new_tokens: int,
+    seed: int = 42,
+) -> list[dict]:
+    """One row per (length, method): peak memory of prefill + compression + decoding, decode rate."""
+    unstoppable = dataclasses.replace(backbone, stop_token_ids=())
+    rows = []
+    for length in lengths:
+        prompt = random_prompt(backbone, length, seed)
+        for name in methods:
+            method = build_method(name, ratio, seed=seed)
+            gc.collect()
+            reset_peak_memory(backbone)
+            try:
+                prefill = Prefill(unstoppable, prompt, length, [method])
+                generation = prefill.generate(method, "aware", max_new_tokens=new_tokens)
+                row = {
+                    "peak_memory_bytes": peak_memory(backbone),
+                    "decode_tokens_per_s": generation.timings["decode_tokens"]
+                    / generation.timings["decode_s"],
+                    "prefill_s": prefill.timings["prefill_s"],
+                    **generation.timings,
+                }
+                del prefill, generation
+            except torch.OutOfMemoryError:
+                row = {"peak_memory_bytes": None, "decode_tokens_per_s": None, "error": "out of memory"}
+            rows.append({"method": name, "context_length": length, **row})
+            print(f"{name:>14} @ {length:>6}: {row}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backbone", default="smollm2-135m")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
+    parser.add_argument("--methods", nargs="+", default=["full", "snapkv", "snapkv+reskv"])
+    parser.add_argument("--ratio", type=float, default=0.9)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+    args = parser.parse_args(argv)
+    backbone = load_backbone(args.backbone)
+    rows = measure(backbone, args.lengths, args.methods, args.ratio, args.new_tokens)
+    out = args.results_dir / "runs" / "_bench" / f"efficiency_{args.backbone.replace('/', '--')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "backbone": args.backbone,
+                "ratio": args.ratio,
+                "new_tokens": args.new_tokens,
+                "memory_kind": memory_kind(backbone),
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The paper's analysis figures (fig:analysis) and score-versus-budget plots, as PNG and PDF.
+
+    python -m scripts.figures [--results-dir results] [--out-dir results/figures]
+
+- ``efficiency_<backbone>``: (a) peak memory and (b) decode throughput versus context length for
+  the full cache, a baseline and +ResKV, from ``scripts.bench_efficiency``'s measurements.
+- ``budget_<backbone>_<benchmark>-<length>_<setting>``: average score versus retained budget,
+  one line per method, the full cache as a horizontal line, from the result files.
+- ``evicted_keys_<backbone>``: PCA projections of the keys evicted from the main cache for chosen
+  layers and KV heads, coloured by residual cluster, from ``scripts.evicted_keys``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+from scripts.tables import (  # noqa: E402
+    METHOD_NAMES,
+    PAIRED_BASES,
+    RESIDUAL_SUFFIX,
+    SETTING_NAMES,
+    UNPAIRED_METHODS,
+    ResultIndex,
+    backbone_name,
+    length_name,
+)
+
+FORMATS = ("png", "pdf")
+MEBIBYTE = 2**20
+
+
+def method_name(method: str) -> str:
+    if method.endswith(RESIDUAL_SUFFIX):
+        return METHOD_NAMES[method.removesuffix(RESIDUAL_SUFFIX)] + "+ResKV"
+    return METHOD_NAMES.get(method, method)
+
+
+def save(figure, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.{suffix}" for suffix in FORMATS]
+    for path in paths:
+        figure.savefig(path, bbox_inches="tight", dpi=150)
+    plt.close(figure)
+    return paths
+
+
+def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
+    """Panels (a) peak memory and (b) decode throughput per method versus context length.
+
+    ``measurements`` is bench_efficiency's report: ``backbone``, ``memory_kind`` (what "peak
+    memory" is on that device) and ``rows`` of ``method``, ``context_length``, ``peak_memory_bytes``,
+    ``decode_tokens_per_s`` (None where the run failed, e.g. out of memory: drawn as a gap).
+    """
+    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(9, 3.4))
+    methods = list(dict.fromkeys(row["method"] for row in measurements["rows"]))
+    for method in methods:
+        rows = sorted(
+            (row for row in measurements["rows"] if row["method"] == method),
+            key=lambda row: row["context_length"],
+        )
+        lengths = [row["context_length"] for row in rows]
+        memory = [
+            np.nan if row["peak_memory_bytes"] is None else row["peak_memory_bytes"] / MEBIBYTE
+            for row in rows
+        ]
+        speed = [np.nan if row["decode_tokens_per_s"] is None else row["decode_tokens_per_s"] for row in rows]
+        memory_axis.plot(lengths, memory, marker="o", label=method_name(method))
+        speed_axis.plot(lengths, speed, marker="o", label=method_name(method))
+    for axis, title, unit in (
+        (memory_axis, "(a) Peak memory", f"MiB ({measurements['memory_kind']})"),
+        (speed_axis, "(b) Decode throughput", "tokens / s"),
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("context length (tokens)")
+        axis.set_ylabel(unit)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    speed_axis.legend()
+    figure.suptitle(f"{backbone_name(measurements['backbone'])}: efficiency versus context length")
+    return save(figure, out_dir, f"efficiency_{measurements['backbone'].replace('/', '--')}")
+
+
+def budget_figures(index: ResultIndex, out_dir: Path) -> list[Path]:
+    """Average score versus retained budget per method, one figure per backbone x benchmark x setting."""
+    paths = []
+    methods = [m for base in PAIRED_BASES for m in (base, base + RESIDUAL_SUFFIX)] + list(UNPAIRED_METHODS)
+    for benchmark in ("ruler", "longbench"):
+        for backbone in index.backbones(benchmark):
+            for length in index.lengths(backbone, benchmark):
+                ratios = index.ratios(backbone, benchmark, length)
+                full = index.average_cell(backbone, benchmark, length, None, "full", None).value
+                for setting in SETTING_NAMES:
+                    curves = {
+                        method: [
+                            index.average_cell(backbone, benchmark, length, setting, method, ratio).value
+                            for ratio in ratios
+                        ]
+                        for method in methods
+                    }
+                    curves = {
+                        method: values
+                        for method, values in curves.items()
+                        if any(value is not None for value in values)
+                    }
+                    if not curves:
+                        continue
+                    figure, axis = plt.subplots(figsize=(4.5, 3.4))
+                    budgets = [round((1 - ratio) * 100, 1) for ratio in ratios]
+                    for method, values in curves.items():
+                        axis.plot(
+                            budgets,
+                            [np.nan if v is None else v for v in values],
+                            marker="o",
+                            linestyle="--" if method.endswith(RESIDUAL_SUFFIX) else "-",
+                            label=method_name(method),
+                        )
+                    if full is not None:
+                        axis.axhline(full, color="black", linewidth=1, label="Full Cache")
+                    axis.set_xlabel("retained KV budget (%)")
+                    axis.set_ylabel("average score")
+                    axis.set_title(
+                        f"{backbone_name(backbone)} {benchmark}-{length_name(benchmark, length)} "
+                        f"{SETTING_NAMES[setting]}"
+                    )
+                    axis.grid(alpha=0.3)
+                    axis.legend(fontsize=7)
+                    name = f"budget_{backbone.replace('/', '--')}_{benchmark}-{length}_{setting}"
+                    paths += save(figure, out_dir, name)
+    return paths
+
+
+def pca_projection(points: np.ndarray) -> np.ndarray:
+    """The first two principal components of ``points`` ([n, d]) by SVD of the centred data."""
+    centred = points - points.mean(axis=0, keepdims=True)
+    _, _, components = np.linalg.svd(centred, full_matrices=False)
+    return centred @ components[:2].T
+
+
+def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) -> list[Path]:
+    """PCA of evicted keys per panel (``layer``, ``head``, ``keys`` [n, d], ``clusters`` [n])."""
+    figure, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+    for axis, panel in zip(axes[0], panels, strict=True):
+        projected = pca_projection(np.asarray(panel["keys"], dtype=np.float64))
+        axis.scatter(projected[:, 0], projected[:, 1], c=panel["clusters"], cmap="tab20", s=6)
+        axis.set_title(
+            f"layer {panel['layer']}, KV head {panel['head']} ({len(set(panel['clusters']))} clusters)",
+            fontsize=9,
+        )
+        axis.set_xlabel("PC 1")
+        axis.set_ylabel("PC 2")
+    figure.suptitle(f"{backbone_name(backbone)}: evicted keys, coloured by residual cluster")
+    return save(figure, out_dir, f"evicted_keys_{backbone.replace('/', '--')}")
+
+
+def all_figures(results_dir: Path, out_dir: Path) -> list[Path]:
+    """Every figure whose data is present under ``results_dir``."""
+    runs_dir = results_dir / "runs"
+    index, _ = ResultIndex.from_directory(runs_dir)
+    paths = budget_figures(index, out_dir)
+    for path in sorted((runs_dir / "_bench").glob("efficiency_*.json")):
+        paths += efficiency_figure(json.loads(path.read_text()), out_dir)
+    for path in sorted((runs_dir / "_bench").glob("evicted_keys_*.json")):
+        data = json.loads(path.read_text())
+        paths += evicted_keys_figure(data["panels"], data["backbone"], out_dir)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/figures")
+    args = parser.parse_args(argv)
+    out_dir = args.out_dir or args.results_dir / "figures"
+    paths = all_figures(args.results_dir, out_dir)
+    print(f"{len(paths)} figure files written to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
