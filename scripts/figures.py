@@ -60,7 +60,7 @@ def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
     memory" is on that device) and ``rows`` of ``method``, ``context_length``, ``peak_memory_bytes``,
     ``decode_tokens_per_s`` (None where the run failed, e.g. out of memory: drawn as a gap).
     """
-    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(9, 3.4))
+    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
     methods = list(dict.fromkeys(row["method"] for row in measurements["rows"]))
     for method in methods:
         rows = sorted(
@@ -113,7 +113,7 @@ def budget_figures(index: ResultIndex, out_dir: Path) -> list[Path]:
                     }
                     if not curves:
                         continue
-                    figure, axis = plt.subplots(figsize=(4.5, 3.4))
+                    figure, axis = plt.subplots(figsize=(4.5, 3.4), layout="constrained")
                     budgets = [round((1 - ratio) * 100, 1) for ratio in ratios]
                     for method, values in curves.items():
                         axis.plot(
@@ -147,7 +147,9 @@ def pca_projection(points: np.ndarray) -> np.ndarray:
 
 def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) -> list[Path]:
     """PCA of evicted keys per panel (``layer``, ``head``, ``keys`` [n, d], ``clusters`` [n])."""
-    figure, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, layout="constrained"
+    )
     for axis, panel in zip(axes[0], panels, strict=True):
         projected = pca_projection(np.asarray(panel["keys"], dtype=np.float64))
         axis.scatter(projected[:, 0], projected[:, 1], c=panel["clusters"], cmap="tab20", s=6)

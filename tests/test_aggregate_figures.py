@@ -1,0 +1,106 @@
+"""Figures on synthetic data: each written as PNG and PDF; the PCA and cluster helpers are exact."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from scripts.evicted_keys import evicted_with_clusters
+from scripts.figures import all_figures, efficiency_figure, evicted_keys_figure, pca_projection
+from scripts.results_store import SCHEMA, ResultKey
+
+
+def test_pca_projection_finds_the_main_direction():
+    direction = np.array([3.0, 4.0, 0.0]) / 5
+    points = np.outer(np.linspace(-2, 2, 9), direction) + np.array([1.0, 1.0, 1.0])
+    projected = pca_projection(points)
+    assert np.allclose(np.abs(projected[:, 0]), np.abs(np.linspace(-2, 2, 9)))
+    assert np.allclose(projected[:, 1], 0)
+
+
+def test_evicted_keys_are_the_rows_outside_the_main_cache_with_their_nearest_entry():
+    keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [10.0, 10.0], [11.0, 10.0], [5.0, 5.0]])
+    evicted, clusters = evicted_with_clusters(keys, keys[[4]], torch.tensor([[10.5, 10.0], [0.5, 0.0]]))
+    assert evicted.tolist() == keys[:4].tolist()
+    assert clusters.tolist() == [1, 1, 0, 0]
+    _, no_entries = evicted_with_clusters(keys, keys[[4]], torch.zeros(0, 2))
+    assert no_entries.tolist() == [0, 0, 0, 0]
+
+
+def test_every_figure_is_written_from_the_results_directory(tmp_path):
+    runs = tmp_path / "runs"
+    for method, ratio, setting, scores in (
+        ("full", None, None, [1, 1]),
+        ("snapkv", 0.9, "aware", [1, 0]),
+        ("snapkv", 0.6, "aware", [1, 1]),
+        ("snapkv+reskv", 0.9, "aware", [1, 0.5]),
+    ):
+        key = ResultKey("smollm2-135m", "ruler", 4096, "vt", setting, method, ratio)
+        key.path(runs).parent.mkdir(parents=True, exist_ok=True)
+        samples = [{"index": index, "score": score} for index, score in enumerate(scores)]
+        key.path(runs).write_text(
+            json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 2, "samples": samples})
+        )
+    bench = runs / "_bench"
+    bench.mkdir()
+    rows = [
+        {
+            "method": method,
+            "context_length": length,
+            "peak_memory_bytes": None if oom else length * 2**20,
+            "decode_tokens_per_s": None if oom else 1e4 / length,
+        }
+        for method in ("full", "snapkv", "snapkv+reskv")
+        for length in (1024, 2048, 4096)
+        for oom in [method == "full" and length == 4096]
+    ]
+    (bench / "efficiency_smollm2-135m.json").write_text(
+        json.dumps({"backbone": "smollm2-135m", "memory_kind": "peak RSS", "rows": rows})
+    )
+    generator = np.random.default_rng(0)
+    panels = [
+        {
+            "layer": layer,
+            "head": 0,
+            "keys": generator.normal(size=(40, 8)).tolist(),
+            "clusters": [index % 4 for index in range(40)],
+        }
+        for layer in (3, 7)
+    ]
+    (bench / "evicted_keys_smollm2-135m.json").write_text(
+        json.dumps({"backbone": "smollm2-135m", "panels": panels})
+    )
+    paths = all_figures(tmp_path, tmp_path / "figures")
+    names = sorted(path.name for path in paths)
+    assert names == sorted(
+        f"{stem}.{suffix}"
+        for suffix in ("png", "pdf")
+        for stem in (
+            "budget_smollm2-135m_ruler-4096_aware",
+            "efficiency_smollm2-135m",
+            "evicted_keys_smollm2-135m",
+        )
+    )
+    assert all(path.stat().st_size > 1000 for path in paths)
+
+
+@pytest.mark.parametrize("panel_count", [1, 3])
+def test_evicted_keys_figure_takes_any_number_of_panels(tmp_path, panel_count):
+    panels = [
+        {"layer": 0, "head": head, "keys": np.eye(6)[:5].tolist(), "clusters": [0, 0, 1, 1, 2]}
+        for head in range(panel_count)
+    ]
+    assert [path.suffix for path in evicted_keys_figure(panels, "tiny-llama", tmp_path)] == [".png", ".pdf"]
+
+
+def test_efficiency_figure_needs_no_results_directory(tmp_path):
+    rows = [
+        {"method": "full", "context_length": 1024, "peak_memory_bytes": 2**30, "decode_tokens_per_s": 12.0}
+    ]
+    paths = efficiency_figure(
+        {"backbone": "tiny-llama", "memory_kind": "CUDA max allocated", "rows": rows}, tmp_path
+    )
+    assert [path.name for path in paths] == ["efficiency_tiny-llama.png", "efficiency_tiny-llama.pdf"]
