@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev,slurm
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install assets run test test-fast lint tables figures bench clean-results
+.PHONY: install assets run test test-fast lint tables figures bench smoke clean-results
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -36,3 +36,29 @@ test-fast: assets
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# Experiments (README, "Running experiments"). RESULTS is the results root run.py writes to.
+RESULTS ?= results
+
+# The paper's tables and figures from whatever results exist under $(RESULTS)/runs.
+tables: install
+	$(PY) -m scripts.tables --results-dir $(RESULTS)
+
+figures: install
+	$(PY) -m scripts.figures --results-dir $(RESULTS)
+
+# Measurements behind the efficiency and evicted-key figures, and the grid-saving report
+# (embedded model on CPU: tens of minutes). Then `make figures`.
+bench: assets
+	$(PY) -m scripts.bench_grid results_dir=$(abspath $(RESULTS))
+	$(PY) -m scripts.bench_efficiency --results-dir $(RESULTS)
+	$(PY) -m scripts.evicted_keys --results-dir $(RESULTS)
+
+# The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
+smoke: assets
+	scratch=$$(mktemp -d) && $(PY) run.py grid=smoke results_dir=$$scratch && \
+	$(PY) -m scripts.tables --results-dir $$scratch && echo "smoke results and tables in $$scratch"
+
+# Generated tables and figures only; result files (runs/) are never deleted by make.
+clean-results:
+	rm -rf $(RESULTS)/tables $(RESULTS)/figures

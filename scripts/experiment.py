@@ -24,6 +24,7 @@ from reskv.engine import SETTINGS, Method, Prefill
 from scripts.results_store import (
     FULL_METHOD,
     ResultFile,
+    ResultFileLocked,
     ResultKey,
     ResultStoreError,
     prompt_digest,
@@ -408,7 +409,7 @@ class GridRun:
                 )
                 try:
                     result.open()
-                except ResultStoreError as error:
+                except ResultFileLocked as error:
                     log.warning("skipping %s %s: %s", task, entry.describe(), error)
                     continue
                 self.files[task, entry] = result

@@ -55,7 +55,11 @@ RECORDED_PACKAGES = (
 
 
 class ResultStoreError(RuntimeError):
-    """A result file that cannot be resumed as asked (other configuration, other samples, locked)."""
+    """A result file that cannot be resumed as asked (other configuration, other samples)."""
+
+
+class ResultFileLocked(ResultStoreError):
+    """Another process is writing this result file (e.g. an overlapping launcher job)."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +255,7 @@ class ResultFile:
             fcntl.flock(self._journal, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as error:
             self._journal.close()
-            raise ResultStoreError(f"{self.journal_path} is being written by another process") from error
+            raise ResultFileLocked(f"{self.journal_path} is being written by another process") from error
         if self.path.exists():
             finished = json.loads(self.path.read_text())
             self._adopt(finished, finished["samples"])

@@ -16,7 +16,7 @@ import pytest
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
 from scripts.experiment import PlanError, build_grid, compose_plan, load_task_items, method_label, run_plan
-from scripts.results_store import ResultFile, ResultKey, ResultStoreError, deterministic_view
+from scripts.results_store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
 from scripts.tables import ABLATIONS, ResultIndex
 
 REPO = Path(__file__).resolve().parent.parent
@@ -236,3 +236,32 @@ def test_unavailable_task_is_marked_not_scored(tmp_path, ruler_cache):
     assert load_task_items(plan, backbone.tokenizer) == {}
     index = ResultIndex.from_directory(plan.runs_dir)[0]
     assert ("tiny-llama", "ruler", 1024, "qa_1") in index.unavailable
+
+
+def test_shards_write_separate_files_that_merge_into_the_whole(tmp_path, ruler_cache):
+    backbone = load_backbone("tiny-llama")
+    one_config = [*TINY_RULER, "benchmark.tasks=[vt]", "num_samples=3", "method=snapkv", "ratio=0.9"]
+    run_plan(plan_for(one_config, tmp_path / "whole", ruler_cache), backbone)
+    for index in range(2):
+        run_plan(
+            plan_for(
+                [*one_config, "shard.count=2", f"shard.index={index}"], tmp_path / "shards", ruler_cache
+            ),
+            backbone,
+        )
+    assert sorted(final_files(tmp_path / "shards")) == [
+        "tiny-llama/ruler-1024/vt/aware/snapkv/0.9.samples-0-1.json",
+        "tiny-llama/ruler-1024/vt/aware/snapkv/0.9.samples-1-3.json",
+    ]
+    (whole,), _, _ = load_results(tmp_path / "whole" / "runs")
+    (merged,), _, warnings = load_results(tmp_path / "shards" / "runs")
+    assert merged.complete and warnings == []
+    assert deterministic_view(merged.samples) == deterministic_view(whole.samples)
+
+
+def test_a_different_configuration_is_never_resumed(tmp_path, ruler_cache):
+    backbone = load_backbone("tiny-llama")
+    one_config = [*TINY_RULER, "benchmark.tasks=[vt]", "num_samples=1", "method=snapkv", "ratio=0.9"]
+    run_plan(plan_for(one_config, tmp_path, ruler_cache), backbone)
+    with pytest.raises(ResultStoreError, match="another configuration"):
+        run_plan(plan_for([*one_config, "max_new_tokens=4"], tmp_path, ruler_cache), backbone)
