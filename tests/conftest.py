@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random Llama / Qwen2 backbones (no download) and their prefilled layers."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from reskv.backbones import tiny_backbone
+
+# (architecture, query heads, KV heads): both architectures, GQA group sizes 1 and > 1.
+TINY_CONFIGS = [
+    ("tiny-llama", 4, 4),
+    ("tiny-llama", 4, 2),
+    ("tiny-qwen2", 6, 2),
+    ("tiny-qwen2", 2, 2),
+]
+TINY_IDS = [f"{arch}-h{heads}-kv{kv}" for arch, heads, kv in TINY_CONFIGS]
+
+
+@functools.lru_cache(maxsize=None)
+def cached_tiny_backbone(arch: str, heads: int, kv_heads: int):
+    return tiny_backbone(arch, num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+
+@pytest.fixture(params=TINY_CONFIGS, ids=TINY_IDS)
+def tiny(request):
+    """A tiny backbone of each architecture / group size."""
+    return cached_tiny_backbone(*request.param)
+
+
+def random_prompt(length: int, seed: int = 0, vocab: int = 40000) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (length,), generator=generator).tolist()
