@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import benchmarks
+from baselines import RESIDUAL_SUFFIX
+from benchmarks.longbench import ENGLISH_TASKS
 from scripts.results_store import FULL_METHOD, TaskResult, load_results
 
-RESIDUAL_SUFFIX = "+reskv"
 # Baselines with a +ResKV pair, in the paper's row order (AdaKV first), then methods without one.
 PAIRED_BASES = ("adakv", "snapkv", "h2o", "tova")
 UNPAIRED_METHODS = ("cam",)
@@ -103,6 +104,11 @@ DAGGER = r"$^\dagger$"
 MISSING_NOTE = "--: not run"
 PARTIAL_NOTE = "\u2020: partial (fewer samples than the task has so far)"
 UNAVAILABLE_NOTE = "n/a: task data unavailable here, excluded from averages"
+
+
+def averaged_task_set(benchmark: str) -> tuple[str, ...]:
+    """The tasks a benchmark's average is defined over (LongBench: its 16 English tasks)."""
+    return tuple(ENGLISH_TASKS) if benchmark == "longbench" else benchmarks.tasks(benchmark)
 
 
 def retained(ratio: float) -> str:
@@ -394,11 +400,7 @@ class ResultIndex:
             for task in self.tasks(backbone, benchmark, length)
             if (backbone, benchmark, length, task) not in self.unavailable
         ]
-        if benchmark == "longbench":
-            from benchmarks.longbench import ENGLISH_TASKS
-
-            tasks = [task for task in tasks if task in ENGLISH_TASKS]
-        return tasks
+        return [task for task in tasks if task in averaged_task_set(benchmark)]
 
     def has(self, backbone, benchmark, length, setting, method, ratio=None) -> bool:
         """Whether any result matches; None for length, setting or ratio matches any."""
@@ -432,11 +434,7 @@ class ResultIndex:
     def coverage_notes(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """Say when an average covers fewer tasks than the benchmark's full set, and which are n/a."""
         notes = []
-        full_set = benchmarks.tasks(benchmark)
-        if benchmark == "longbench":
-            from benchmarks.longbench import ENGLISH_TASKS
-
-            full_set = ENGLISH_TASKS
+        full_set = averaged_task_set(benchmark)
         averaged = self.averaged_tasks(backbone, benchmark, length)
         where = f"{backbone_name(backbone)} {BENCHMARK_NAMES[benchmark]}-{length_name(benchmark, length)}"
         if len(averaged) < len(full_set):
