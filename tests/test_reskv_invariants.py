@@ -154,7 +154,7 @@ def test_5_shared_softmax_equals_the_lse_merge(observation):
             torch.testing.assert_close(merged[kv_head, row], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("ratio", [0.6, 0.7, 0.8, 0.9])
+@pytest.mark.parametrize("ratio", [0.6, 0.9])
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv", "adakv", "cam", "h2o+reskv", "tova+reskv",
                                   "snapkv+reskv", "adakv+reskv"])
 def test_6_slots_never_exceed_the_budget(prefill, name, ratio):
