@@ -17,6 +17,7 @@ import sys
 import time
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -90,6 +91,8 @@ def run(plan: Plan) -> None:
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(config: DictConfig) -> None:
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     try:
         plan = make_plan(OmegaConf.to_container(config, resolve=True))
         run(plan)
