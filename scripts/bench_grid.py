@@ -1,6 +1,6 @@
 """What one shared prefill saves: a grid run against a fresh prefill per configuration.
 
-    python -m scripts.bench_grid [run.py overrides ...]
+    python -m scripts.bench_grid [run.py overrides ...]   # on top of DEFAULT_OVERRIDES
 
 Runs the same plan twice in this process into scratch result directories: once as run.py does
 (each sample prefilled once for the whole grid) and once with ``share_prefill=false`` (a new
@@ -108,7 +108,11 @@ def measure(overrides: Sequence[str]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    overrides = list(sys.argv[1:] if argv is None else argv) or list(DEFAULT_OVERRIDES)
+    given = list(sys.argv[1:] if argv is None else argv)
+    # Command-line overrides replace the defaults of the same key and add to the others.
+    overrides = list(
+        {override.split("=", 1)[0]: override for override in [*DEFAULT_OVERRIDES, *given]}.values()
+    )
     report = measure(overrides)
     out = compose_plan(overrides).runs_dir / "_bench" / "grid_saving.json"
     out.parent.mkdir(parents=True, exist_ok=True)
