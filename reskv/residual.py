@@ -86,27 +86,42 @@ def build_residual(keys: Tensor, values: Tensor, evicted: Tensor, scores: Tensor
     ``j`` stores the mean key, mean value and ``log(count)`` of its cluster; empty clusters are
     dropped (``log_count = -inf``), so their slot never receives softmax mass.
     """
-    evicted_counts = evicted.sum(dim=-1)
-    sizes = torch.minimum(sizes.to(keys.device), evicted_counts)
+    rows = evicted.shape[0]
+    sizes = torch.minimum(sizes.to(keys.device), evicted.sum(dim=-1))
     max_size = int(sizes.max())
+    entries = ResidualEntries(keys.new_zeros(rows, max_size, keys.shape[-1]),
+                              values.new_zeros(rows, max_size, values.shape[-1]),
+                              torch.full((rows, max_size), float("-inf"), device=keys.device))
     if max_size == 0:
-        return ResidualEntries.empty(evicted.shape[0], keys)
-    max_points = int(evicted_counts.max())
+        return entries
+    # Only rows with entries are clustered (stacked candidates often include r = 0 rows).
+    active = torch.nonzero(sizes > 0).squeeze(1)
+    heads = active % keys.shape[0]
+    mean_keys, mean_values, log_counts = _cluster(keys, values, heads, evicted[active], scores[active],
+                                                  sizes[active], iterations)
+    entries.keys[active] = mean_keys.to(keys.dtype)
+    entries.values[active] = mean_values.to(values.dtype)
+    entries.log_counts[active] = log_counts
+    return entries
+
+
+def _cluster(keys: Tensor, values: Tensor, heads: Tensor, evicted: Tensor, scores: Tensor, sizes: Tensor,
+             iterations: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Means and log-counts ``[A, r_max, ...]`` for rows that all have at least one entry."""
+    evicted_counts = evicted.sum(dim=-1)
+    max_size, max_points = int(sizes.max()), int(evicted_counts.max())
     # Evicted tokens first, best score first (stable: ties toward the lower position); the
-    # first sizes[h] of them are the initial centres.
+    # first sizes[row] of them are the initial centres.
     ranked = torch.where(evicted, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :max_points]
-    # Heads without residual entries (batched with others) contribute no points.
-    point_valid = torch.arange(max_points, device=keys.device)[None, :] < (evicted_counts * (sizes > 0))[:, None]
-    weights = point_valid.float()
-    point_keys = gather_tokens(keys, order).float() * weights[..., None]
-    point_values = gather_tokens(values, order).float() * weights[..., None]
+    weights = (torch.arange(max_points, device=keys.device)[None, :] < evicted_counts[:, None]).float()
+    point_keys = gather_tokens(keys, order, heads).float() * weights[..., None]
+    point_values = gather_tokens(values, order, heads).float() * weights[..., None]
     center_valid = torch.arange(max_size, device=keys.device)[None, :] < sizes[:, None]
 
     assignments = lloyd_assignments(point_keys, weights, point_keys[:, :max_size], center_valid, iterations)
     key_sums, counts = cluster_sums(point_keys, weights, assignments, max_size)
     value_sums, _ = cluster_sums(point_values, weights, assignments, max_size)
     denominators = counts.clamp(min=1)[..., None]
-    mean_keys, mean_values = key_sums / denominators, value_sums / denominators
     log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf")))
-    return ResidualEntries(mean_keys.to(keys.dtype), mean_values.to(values.dtype), log_counts)
+    return key_sums / denominators, value_sums / denominators, log_counts

@@ -39,14 +39,15 @@ def select_main(scores: Tensor, window: int, main_sizes: Tensor) -> Tensor:
     return window_kept
 
 
-def gather_tokens(states: Tensor, positions: Tensor) -> Tensor:
-    """``states[r % H, positions[r]]``: ``[R, n, d]`` rows gathered from ``[H, s, d]`` states.
+def gather_tokens(states: Tensor, positions: Tensor, heads: Tensor | None = None) -> Tensor:
+    """``states[heads[r], positions[r]]``: ``[R, n, d]`` rows gathered from ``[H, s, d]`` states.
 
-    ``R`` may be a multiple of ``H`` (candidate selections stacked along the head dimension);
-    row ``r`` then reads head ``r % H``. Row gathers by ``index_select`` copy whole head-dim
-    vectors, much faster on CPU than ``gather`` with an expanded index.
+    By default row ``r`` reads head ``r % H``, so ``R`` may be a multiple of ``H`` (candidate
+    selections stacked along the head dimension). Row gathers by ``index_select`` copy whole
+    head-dim vectors, much faster on CPU than ``gather`` with an expanded index.
     """
     num_heads, seq_len, head_dim = states.shape
-    heads = torch.arange(positions.shape[0], device=states.device) % num_heads
+    if heads is None:
+        heads = torch.arange(positions.shape[0], device=states.device) % num_heads
     flat = (heads[:, None] * seq_len + positions).reshape(-1)
     return states.reshape(num_heads * seq_len, head_dim).index_select(0, flat).reshape(*positions.shape, head_dim)

@@ -1,0 +1,67 @@
+"""End to end on the embedded SmolLM2-135M (slow: runs in CI, skipped by `make test-fast`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from baselines import METHODS, build_method
+from reskv.backbones import load_backbone
+from reskv.compress import budget_for
+from reskv.engine import Prefill
+from reskv.prompting import tokenize_prompt
+
+pytestmark = pytest.mark.slow
+
+NEEDLE = "7341295"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    return load_backbone("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def needle_prefill(backbone):
+    """A ~2K-token RULER-style single-needle prompt in a repeated-sentence haystack."""
+    haystack = [FILLER] * 80
+    haystack.insert(35, f"One of the special magic numbers for long-context is: {NEEDLE}. ")
+    context = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the numbers afterwards.\n" + "".join(haystack))
+    question = "\nWhat is the special magic number for long-context mentioned in the provided text?"
+    prompt = backbone.tokenizer.apply_chat_template(
+        [{"role": "user", "content": context + question}], tokenize=False, add_generation_prompt=True)
+    prompt += "The special magic number for long-context mentioned in the provided text is"
+    split = prompt.index(question)
+    prompt_ids, context_length = tokenize_prompt(backbone.tokenizer, prompt[:split], prompt[split:])
+    assert 1800 <= len(prompt_ids) <= 2300
+    methods = [build_method(name, ratio) for name in METHODS for ratio in (0.6, 0.9)]
+    return Prefill(backbone, prompt_ids, context_length, methods)
+
+
+def test_full_cache_finds_the_needle(needle_prefill):
+    for setting in ("aware", "agnostic"):
+        assert NEEDLE in needle_prefill.generate(build_method("full"), setting, max_new_tokens=12).text
+
+
+@pytest.mark.parametrize("ratio", [0.6, 0.9])
+@pytest.mark.parametrize("name", [name for name in METHODS if name != "full"])
+def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(needle_prefill, name, ratio):
+    method = build_method(name, ratio)
+    layers = needle_prefill.backbone.num_layers
+    for setting in ("aware", "agnostic"):
+        generation = needle_prefill.generate(method, setting, max_new_tokens=8)
+        stats = generation.cache_stats
+        budget = budget_for(stats["compressed_tokens"], ratio)
+        assert stats["budget"] == budget and len(stats["slots"]) == layers
+        for slots, main, reserved in zip(stats["slots"], stats["main_slots"], stats["residual_slots"]):
+            allocated = [m + r for m, r in zip(main, reserved)]
+            if name.startswith("adakv"):
+                assert sum(allocated) == budget * len(allocated)
+            else:
+                assert allocated == [budget] * len(allocated)
+            assert sum(slots) <= budget * len(slots)
+        if name.endswith("+reskv"):
+            # The proxy gives residual slots somewhere (not necessarily everywhere).
+            assert any(r for layer in stats["residual_slots"] for r in layer)
+        assert 0 < len(generation.token_ids) <= 8
