@@ -75,7 +75,9 @@ def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: Tensor
     total = torch.zeros(queries.shape[0], keys.shape[1], device=keys.device, dtype=torch.float32)
     for start in range(0, queries.shape[1], QUERY_CHUNK):
         chunk = slice(start, start + QUERY_CHUNK)
-        total += causal_attention_probs(queries[:, chunk], keys, query_positions[chunk], scaling).sum(dim=1)
+        visible = int(query_positions[chunk].max()) + 1  # later keys get no weight from this chunk
+        probs = causal_attention_probs(queries[:, chunk], keys[:, :visible], query_positions[chunk], scaling)
+        total[:, :visible] += probs.sum(dim=1)
     return group_mean(total, keys.shape[0])
 
 
