@@ -32,8 +32,14 @@ def build_scorer(base: str, seed: int = 42, h2o_window_only: bool = False):
     }[base]()
 
 
-def build_method(name: str, ratio: float | None = None, *, residual: ResidualConfig | None = None,
-                 seed: int = 42, h2o_window_only: bool = False) -> Method:
+def build_method(
+    name: str,
+    ratio: float | None = None,
+    *,
+    residual: ResidualConfig | None = None,
+    seed: int = 42,
+    h2o_window_only: bool = False,
+) -> Method:
     """A method by command-line name at a compression ratio in (0, 1).
 
     ``residual`` sets ResKV's hyper-parameters and ablations for ``+reskv`` names (paper defaults
@@ -48,7 +54,9 @@ def build_method(name: str, ratio: float | None = None, *, residual: ResidualCon
     base = name.removesuffix(RESIDUAL_SUFFIX)
     with_residual = name.endswith(RESIDUAL_SUFFIX)
     if residual is not None and not with_residual:
-        raise ValueError(f"residual settings given for {name!r}; use one of "
-                         f"{[b + RESIDUAL_SUFFIX for b in RESIDUAL_BASES]}")
+        raise ValueError(
+            f"residual settings given for {name!r}; use one of "
+            f"{[b + RESIDUAL_SUFFIX for b in RESIDUAL_BASES]}"
+        )
     scorer = build_scorer(base, seed, h2o_window_only)
     return Method(name, ratio, scorer, (residual or ResidualConfig()) if with_residual else None)

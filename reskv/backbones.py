@@ -136,8 +136,12 @@ def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backb
     if name in TINY:
         return tiny_backbone(name)
     resolved_device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    torch_dtype = {"auto": torch.bfloat16 if resolved_device.startswith("cuda") else torch.float32,
-                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    torch_dtype = {
+        "auto": torch.bfloat16 if resolved_device.startswith("cuda") else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }.get(dtype)
     if torch_dtype is None:
         raise BackboneError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
     if name == EMBEDDED:
@@ -148,7 +152,9 @@ def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backb
         source = name
     else:
         choices = [EMBEDDED, *HUB_ALIASES, *TINY]
-        raise BackboneError(f"unknown backbone {name!r}; choose one of {choices}, a hub id or a local directory")
+        raise BackboneError(
+            f"unknown backbone {name!r}; choose one of {choices}, a hub id or a local directory"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype).to(resolved_device)

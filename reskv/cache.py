@@ -33,8 +33,11 @@ CACHE_KWARG = "reskv_cache"  # the forward kwarg that carries the cache to the a
 
 
 def _uses_flash_attention(query: Tensor) -> bool:
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and importlib.util.find_spec("flash_attn") is not None)
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and importlib.util.find_spec("flash_attn") is not None
+    )
 
 
 def causal_attention(module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
@@ -45,15 +48,22 @@ def causal_attention(module, query: Tensor, key: Tensor, value: Tensor, scaling:
     queries continue a longer cache (SDPA's ``is_causal`` aligns to the top left).
     """
     if _uses_flash_attention(query):
-        return ALL_ATTENTION_FUNCTIONS["flash_attention_2"](module, query, key, value, None, scaling=scaling)[0]
+        return ALL_ATTENTION_FUNCTIONS["flash_attention_2"](module, query, key, value, None, scaling=scaling)[
+            0
+        ]
     query_len, key_len = query.shape[2], key.shape[2]
     mask = None
     if 1 < query_len < key_len:
         query_positions = torch.arange(key_len - query_len, key_len, device=query.device)
         mask = torch.arange(key_len, device=query.device)[None, :] <= query_positions[:, None]
     output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=query_len == key_len and query_len > 1,
-        scale=scaling, enable_gqa=True,
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=query_len == key_len and query_len > 1,
+        scale=scaling,
+        enable_gqa=True,
     )
     return output.transpose(1, 2).contiguous()
 
@@ -84,7 +94,7 @@ class ObservedLayer(DynamicLayer):
 
     def _observe(self, query: Tensor, key: Tensor, scaling: float) -> None:
         recent = query if self.queries is None else torch.cat([self.queries, query], dim=1)
-        self.queries = recent[:, -self.observation_window:]
+        self.queries = recent[:, -self.observation_window :]
         if not self.accumulate:
             return
         key_len = key.shape[1]
@@ -95,7 +105,9 @@ class ObservedLayer(DynamicLayer):
         self.accumulated = new_sums
 
     def observation(self, layer_idx: int, scaling: float) -> LayerObservation:
-        return LayerObservation(layer_idx, self.keys[0], self.values[0], self.queries, self.accumulated, scaling)
+        return LayerObservation(
+            layer_idx, self.keys[0], self.values[0], self.queries, self.accumulated, scaling
+        )
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -145,14 +157,24 @@ class CompressedLayer(CacheLayerMixin):
         bias = self.main_bias
         if query_len > 1:
             # Tokens fed together (the question suffix) see each other causally.
-            future = (torch.arange(key_len, device=key.device)[None, :]
-                      > torch.arange(key_len - query_len, key_len, device=key.device)[:, None])
+            future = (
+                torch.arange(key_len, device=key.device)[None, :]
+                > torch.arange(key_len - query_len, key_len, device=key.device)[:, None]
+            )
             causal = torch.zeros(future.shape, device=key.device).masked_fill(future, float("-inf"))
             causal = causal.repeat(num_heads // num_kv_heads, 1)[None]  # grouped query order
             bias = causal if bias is None else bias + causal
         output = residual_attention(
-            query[0].reshape(num_kv_heads, -1, head_dim), key[0], value[0], bias, self.residual.keys,
-            self.residual.values, self.residual.log_counts, scaling, self.rule, self.evicted_fraction,
+            query[0].reshape(num_kv_heads, -1, head_dim),
+            key[0],
+            value[0],
+            bias,
+            self.residual.keys,
+            self.residual.values,
+            self.residual.log_counts,
+            scaling,
+            self.rule,
+            self.evicted_fraction,
         )
         return output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
 
@@ -185,8 +207,16 @@ class ResKVCache(Cache):
         return counts
 
 
-def reskv_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
-                    dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+def reskv_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    scaling=None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """The registered attention function: delegates to the cache layer, or plain causal attention."""
     scaling = module.head_dim**-0.5 if scaling is None else scaling
     cache = kwargs.get(CACHE_KWARG)

@@ -145,7 +145,9 @@ class ValidationProxy:
         self.validation_queries = grouped(obs.queries[:, validation], obs.num_kv_heads)
         validation_positions = positions[validation]
         # Full attention o_S over all s tokens, causal (the validation queries lie in the prompt).
-        probs = causal_attention_probs(obs.queries[:, validation], obs.keys, validation_positions, obs.scaling)
+        probs = causal_attention_probs(
+            obs.queries[:, validation], obs.keys, validation_positions, obs.scaling
+        )
         self.full_output = grouped(probs, obs.num_kv_heads) @ obs.values.float()
         self.query_positions = validation_positions.repeat(obs.group_size)  # matches the grouped order
 
@@ -161,14 +163,22 @@ class ValidationProxy:
         stacked_sizes = sizes.reshape(-1)
         fit_scores = self.fit_scores.repeat(num_candidates, 1)
         kept = select_main(fit_scores, self.scorer.window, budgets.repeat(num_candidates) - stacked_sizes)
-        residual = build_residual(obs.keys, obs.values, ~kept, fit_scores, stacked_sizes,
-                                  self.config.kmeans_iterations)
+        residual = build_residual(
+            obs.keys, obs.values, ~kept, fit_scores, stacked_sizes, self.config.kmeans_iterations
+        )
         positions, real = kept_positions(kept)
         visible = real[:, None, :] & (positions[:, None, :] <= self.query_positions[None, :, None])
         output = residual_attention(
-            self.validation_queries.repeat(num_candidates, 1, 1), gather_tokens(obs.keys, positions),
-            gather_tokens(obs.values, positions), additive_mask(visible), residual.keys, residual.values,
-            residual.log_counts, obs.scaling, self.config.decode_rule, (~kept).sum(-1) / obs.seq_len,
+            self.validation_queries.repeat(num_candidates, 1, 1),
+            gather_tokens(obs.keys, positions),
+            gather_tokens(obs.values, positions),
+            additive_mask(visible),
+            residual.keys,
+            residual.values,
+            residual.log_counts,
+            obs.scaling,
+            self.config.decode_rule,
+            (~kept).sum(-1) / obs.seq_len,
         )
         errors = ((output - self.full_output.repeat(num_candidates, 1, 1)) ** 2).sum(dim=-1).mean(dim=-1)
         return errors.reshape(num_candidates, -1)
@@ -178,7 +188,9 @@ class ValidationProxy:
         ``L_{r*} < (1 - delta) * L_0``, else 0."""
         window = min(self.scorer.window, self.obs.seq_len)
         sizes = torch.stack([torch.zeros_like(budgets), *candidate_sizes(self.config, budgets, window)])
-        losses = torch.cat([self.losses(budgets, chunk) for chunk in sizes.split(self._candidates_per_batch(sizes))])
+        losses = torch.cat(
+            [self.losses(budgets, chunk) for chunk in sizes.split(self._candidates_per_batch(sizes))]
+        )
         main_only_loss = losses[0]
         candidate_losses = losses[1:].masked_fill(sizes[1:] == 0, float("inf"))
         best = candidate_losses.argmin(dim=0)
@@ -194,13 +206,14 @@ class ValidationProxy:
 
 
 def fixed_sizes(config: ResidualConfig, budgets: Tensor, window: int) -> Tensor:
-    """The "w/o validation" ablation: ``r = floor(fixed_ratio * b + 0.5)`` on every head that can afford it."""
+    """The "w/o validation" ablation: ``r = floor(fixed_ratio * b + 0.5)`` wherever ``m - |P| >= 0``."""
     sizes = torch.floor(config.fixed_ratio * budgets.double() + 0.5).long()
     return sizes.masked_fill(budgets - sizes < window, 0)
 
 
-def compress_layer(obs: LayerObservation, scorer: TokenScorer, ratio: float,
-                   residual: ResidualConfig | None = None) -> CompressedLayerState | None:
+def compress_layer(
+    obs: LayerObservation, scorer: TokenScorer, ratio: float, residual: ResidualConfig | None = None
+) -> CompressedLayerState | None:
     """Compress one layer; ``None`` when the budget covers the prompt (the cache stays full, bit for bit)."""
     seq_len = obs.seq_len
     budget = budget_for(seq_len, ratio)
@@ -227,8 +240,11 @@ def compress_layer(obs: LayerObservation, scorer: TokenScorer, ratio: float,
     positions, real = kept_positions(kept)
     main_bias = None if bool(real.all()) else additive_mask(real)[:, None, :]
     main_keys, main_values = gather_tokens(obs.keys, positions), gather_tokens(values, positions)
-    entries = (build_residual(obs.keys, obs.values, ~kept, selection_scores, sizes, residual.kmeans_iterations)
-               if residual is not None and bool((sizes > 0).any()) else ResidualEntries.empty(obs.num_kv_heads, obs.keys))
+    entries = (
+        build_residual(obs.keys, obs.values, ~kept, selection_scores, sizes, residual.kmeans_iterations)
+        if residual is not None and bool((sizes > 0).any())
+        else ResidualEntries.empty(obs.num_kv_heads, obs.keys)
+    )
     evicted = (~kept).sum(dim=-1)
     stats = {
         "budget": budget,

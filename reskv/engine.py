@@ -99,8 +99,13 @@ class _PrefilledState:
 class Prefill:
     """One prompt prefilled once, serving any number of (method, setting) generations."""
 
-    def __init__(self, backbone: Backbone, prompt_ids: Sequence[int], context_length: int,
-                 methods: Sequence[Method] = ()):
+    def __init__(
+        self,
+        backbone: Backbone,
+        prompt_ids: Sequence[int],
+        context_length: int,
+        methods: Sequence[Method] = (),
+    ):
         if not 0 < context_length <= len(prompt_ids):
             raise ValueError(f"context_length {context_length} outside (0, {len(prompt_ids)}]")
         self.backbone = backbone
@@ -121,8 +126,9 @@ class Prefill:
     @torch.inference_mode()
     def _forward(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
         ids = torch.tensor([list(token_ids)], device=self.backbone.device)
-        output = self.backbone.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                                     **{CACHE_KWARG: cache})
+        output = self.backbone.model(
+            input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache}
+        )
         return output.logits[0, -1]
 
     def _prompt_state(self) -> _PrefilledState:
@@ -130,14 +136,19 @@ class Prefill:
         if self._whole_prompt is None:
             start = time.perf_counter()
             cache = self._context.cache.fork(self.observation_window, self.accumulate)
-            question = self.prompt_ids[self.context_length:]
+            question = self.prompt_ids[self.context_length :]
             logits = self._forward(question, cache) if question else self._context.last_logits
             self._whole_prompt = _PrefilledState(cache, logits)
             self.timings["question_prefill_s"] = time.perf_counter() - start
         return self._whole_prompt
 
-    def generate(self, method: Method, setting: str = "aware", max_new_tokens: int = 32,
-                 stop_token_ids: Sequence[int] = ()) -> Generation:
+    def generate(
+        self,
+        method: Method,
+        setting: str = "aware",
+        max_new_tokens: int = 32,
+        stop_token_ids: Sequence[int] = (),
+    ) -> Generation:
         """Compress a copy of the prefilled cache for ``method`` and decode greedily."""
         if setting not in SETTINGS:
             raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
@@ -150,19 +161,23 @@ class Prefill:
         stats["compressed_tokens"] = source.cache.layers[0].get_seq_length()
         stats["slots"] = cache.slots()
         logits = source.last_logits
-        question = self.prompt_ids[self.context_length:]
+        question = self.prompt_ids[self.context_length :]
         if setting == "agnostic" and question:
             start = time.perf_counter()
             logits = self._forward(question, cache)
             timings["question_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        token_ids = self._decode(cache, logits, max_new_tokens, set(stop_token_ids) | set(self.backbone.stop_token_ids))
+        token_ids = self._decode(
+            cache, logits, max_new_tokens, set(stop_token_ids) | set(self.backbone.stop_token_ids)
+        )
         timings["decode_s"] = time.perf_counter() - start
         timings["decode_tokens"] = len(token_ids)
         text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
         return Generation(token_ids, text, stats, timings)
 
-    def _decode(self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    def _decode(
+        self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, stop_ids: set[int]
+    ) -> list[int]:
         """Greedy decoding; the stop token itself is not part of the answer."""
         token_ids: list[int] = []
         while len(token_ids) < max_new_tokens:
@@ -175,8 +190,15 @@ class Prefill:
         return token_ids
 
 
-def generate(backbone: Backbone, method: Method, context: str, question: str, setting: str = "aware",
-             max_new_tokens: int = 32, chat_template: bool = True) -> Generation:
+def generate(
+    backbone: Backbone,
+    method: Method,
+    context: str,
+    question: str,
+    setting: str = "aware",
+    max_new_tokens: int = 32,
+    chat_template: bool = True,
+) -> Generation:
     """Answer ``question`` about ``context`` (plain text) with one method in one setting.
 
     With ``chat_template`` the two are wrapped as one user turn of the backbone's template; the
@@ -185,8 +207,9 @@ def generate(backbone: Backbone, method: Method, context: str, question: str, se
     tokenizer = backbone.tokenizer
     prompt = context + question
     if chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     context_end = prompt.index(context) + len(context)
     prompt_ids, context_length = tokenize_prompt(tokenizer, prompt[:context_end], prompt[context_end:])
     prefill = Prefill(backbone, prompt_ids, context_length, [method])

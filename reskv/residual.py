@@ -33,8 +33,9 @@ class ResidualEntries:
         return cls(none, none.clone(), torch.zeros(num_heads, 0, device=like.device))
 
 
-def cluster_sums(weighted_points: Tensor, weights: Tensor, assignments: Tensor, num_centers: int
-                 ) -> tuple[Tensor, Tensor]:
+def cluster_sums(
+    weighted_points: Tensor, weights: Tensor, assignments: Tensor, num_centers: int
+) -> tuple[Tensor, Tensor]:
     """Per-cluster sums ``[H, r, d]`` and member counts ``[H, r]``.
 
     ``weights`` is 1 for valid points and 0 for padding; ``weighted_points`` are the points
@@ -43,8 +44,10 @@ def cluster_sums(weighted_points: Tensor, weights: Tensor, assignments: Tensor, 
     """
     num_heads, num_points, dim = weighted_points.shape
     # One flat index over (head, cluster): index_add_ is far cheaper than a scatter over d.
-    flat_index = (assignments.clamp(max=num_centers - 1)
-                  + num_centers * torch.arange(num_heads, device=assignments.device)[:, None]).reshape(-1)
+    flat_index = (
+        assignments.clamp(max=num_centers - 1)
+        + num_centers * torch.arange(num_heads, device=assignments.device)[:, None]
+    ).reshape(-1)
     counts = weights.new_zeros(num_heads * num_centers).index_add_(0, flat_index, weights.reshape(-1))
     sums = weighted_points.new_zeros(num_heads * num_centers, dim)
     sums.index_add_(0, flat_index, weighted_points.reshape(-1, dim))
@@ -52,8 +55,9 @@ def cluster_sums(weighted_points: Tensor, weights: Tensor, assignments: Tensor, 
     return sums, counts
 
 
-def lloyd_assignments(points: Tensor, weights: Tensor, centers: Tensor, center_valid: Tensor,
-                      iterations: int) -> Tensor:
+def lloyd_assignments(
+    points: Tensor, weights: Tensor, centers: Tensor, center_valid: Tensor, iterations: int
+) -> Tensor:
     """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to means).
 
     Squared Euclidean distance (``||c||² - 2<p, c>``, the point's own norm does not change the
@@ -74,8 +78,9 @@ def lloyd_assignments(points: Tensor, weights: Tensor, centers: Tensor, center_v
     return assignments
 
 
-def build_residual(keys: Tensor, values: Tensor, evicted: Tensor, scores: Tensor, sizes: Tensor,
-                   iterations: int) -> ResidualEntries:
+def build_residual(
+    keys: Tensor, values: Tensor, evicted: Tensor, scores: Tensor, sizes: Tensor, iterations: int
+) -> ResidualEntries:
     """Summarise each head's evicted tokens into ``sizes[h]`` entries (reskv.md, Residual entries).
 
     ``keys``/``values`` are ``[H, s, d]``; ``evicted``, ``scores`` and ``sizes`` have ``R`` rows,
@@ -89,24 +94,34 @@ def build_residual(keys: Tensor, values: Tensor, evicted: Tensor, scores: Tensor
     rows = evicted.shape[0]
     sizes = torch.minimum(sizes.to(keys.device), evicted.sum(dim=-1))
     max_size = int(sizes.max())
-    entries = ResidualEntries(keys.new_zeros(rows, max_size, keys.shape[-1]),
-                              values.new_zeros(rows, max_size, values.shape[-1]),
-                              torch.full((rows, max_size), float("-inf"), device=keys.device))
+    entries = ResidualEntries(
+        keys.new_zeros(rows, max_size, keys.shape[-1]),
+        values.new_zeros(rows, max_size, values.shape[-1]),
+        torch.full((rows, max_size), float("-inf"), device=keys.device),
+    )
     if max_size == 0:
         return entries
     # Only rows with entries are clustered (stacked candidates often include r = 0 rows).
     active = torch.nonzero(sizes > 0).squeeze(1)
     heads = active % keys.shape[0]
-    mean_keys, mean_values, log_counts = _cluster(keys, values, heads, evicted[active], scores[active],
-                                                  sizes[active], iterations)
+    mean_keys, mean_values, log_counts = _cluster(
+        keys, values, heads, evicted[active], scores[active], sizes[active], iterations
+    )
     entries.keys[active] = mean_keys.to(keys.dtype)
     entries.values[active] = mean_values.to(values.dtype)
     entries.log_counts[active] = log_counts
     return entries
 
 
-def _cluster(keys: Tensor, values: Tensor, heads: Tensor, evicted: Tensor, scores: Tensor, sizes: Tensor,
-             iterations: int) -> tuple[Tensor, Tensor, Tensor]:
+def _cluster(
+    keys: Tensor,
+    values: Tensor,
+    heads: Tensor,
+    evicted: Tensor,
+    scores: Tensor,
+    sizes: Tensor,
+    iterations: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Means and log-counts ``[A, r_max, ...]`` for rows that all have at least one entry."""
     evicted_counts = evicted.sum(dim=-1)
     max_size, max_points = int(sizes.max()), int(evicted_counts.max())

@@ -50,4 +50,8 @@ def gather_tokens(states: Tensor, positions: Tensor, heads: Tensor | None = None
     if heads is None:
         heads = torch.arange(positions.shape[0], device=states.device) % num_heads
     flat = (heads[:, None] * seq_len + positions).reshape(-1)
-    return states.reshape(num_heads * seq_len, head_dim).index_select(0, flat).reshape(*positions.shape, head_dim)
+    return (
+        states.reshape(num_heads * seq_len, head_dim)
+        .index_select(0, flat)
+        .reshape(*positions.shape, head_dim)
+    )

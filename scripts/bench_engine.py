@@ -30,11 +30,13 @@ def haystack_prompt(tokenizer, tokens: int) -> tuple[list[int], int]:
     per_sentence = len(tokenizer(FILLER, add_special_tokens=False)["input_ids"])
     context = FILLER * (tokens // per_sentence)
     question = "\nWhat color is the sky?"
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": context + question}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": context + question}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    question_tokens = len(tokenizer(question + "<|im_end|>\n<|im_start|>assistant\n",
-                                    add_special_tokens=False)["input_ids"])
+    question_tokens = len(
+        tokenizer(question + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    )
     return ids, len(ids) - question_tokens
 
 
@@ -50,7 +52,9 @@ def decode_seconds_per_token(prefill: Prefill, names: list[str], ratio: float, t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--ratio", type=float, default=0.9)
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -61,9 +65,18 @@ def main() -> None:
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # always decode the full length
     table = Table(title=f"Engine speed, SmolLM2-135M, ratio {args.ratio}, {torch.get_num_threads()} threads")
-    for column in ("prompt tokens", "prefill s", "snapkv compress s", "snapkv+reskv compress s",
-                   "construction / prefill", "decode s/tok snapkv", "decode s/tok +reskv", "+reskv / snapkv",
-                   "decode s/tok full", "compressed / full"):
+    for column in (
+        "prompt tokens",
+        "prefill s",
+        "snapkv compress s",
+        "snapkv+reskv compress s",
+        "construction / prefill",
+        "decode s/tok snapkv",
+        "decode s/tok +reskv",
+        "+reskv / snapkv",
+        "decode s/tok full",
+        "compressed / full",
+    ):
         table.add_column(column, justify="right")
     for length in args.lengths:
         prompt_ids, context_length = haystack_prompt(backbone.tokenizer, length)
@@ -71,17 +84,28 @@ def main() -> None:
         prefill = Prefill(backbone, prompt_ids, context_length, methods)
         prefill.generate(methods[0], "aware", 1)  # the aware setting prefills the question too
         prefill_seconds = prefill.timings["prefill_s"] + prefill.timings.get("question_prefill_s", 0.0)
-        compress = {method.name: statistics.median(
-            prefill.generate(method, "aware", 1).timings["compress_s"] for _ in range(args.rounds))
-            for method in methods}
+        compress = {
+            method.name: statistics.median(
+                prefill.generate(method, "aware", 1).timings["compress_s"] for _ in range(args.rounds)
+            )
+            for method in methods
+        }
         construction = compress["snapkv+reskv"] - compress["snapkv"]
-        decode = decode_seconds_per_token(prefill, ["snapkv", "snapkv+reskv", "full"], args.ratio,
-                                          args.decode_tokens, args.rounds)
-        table.add_row(str(len(prompt_ids)), f"{prefill_seconds:.2f}", f"{compress['snapkv']:.3f}",
-                      f"{compress['snapkv+reskv']:.3f}", f"{construction / prefill_seconds:.3f}",
-                      f"{decode['snapkv']:.4f}", f"{decode['snapkv+reskv']:.4f}",
-                      f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}", f"{decode['full']:.4f}",
-                      f"{decode['snapkv+reskv'] / decode['full']:.3f}")
+        decode = decode_seconds_per_token(
+            prefill, ["snapkv", "snapkv+reskv", "full"], args.ratio, args.decode_tokens, args.rounds
+        )
+        table.add_row(
+            str(len(prompt_ids)),
+            f"{prefill_seconds:.2f}",
+            f"{compress['snapkv']:.3f}",
+            f"{compress['snapkv+reskv']:.3f}",
+            f"{construction / prefill_seconds:.3f}",
+            f"{decode['snapkv']:.4f}",
+            f"{decode['snapkv+reskv']:.4f}",
+            f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}",
+            f"{decode['full']:.4f}",
+            f"{decode['snapkv+reskv'] / decode['full']:.3f}",
+        )
     console.print(table)
 
 

@@ -19,7 +19,7 @@ TINY_CONFIGS = [
 TINY_IDS = [f"{arch}-h{heads}-kv{kv}" for arch, heads, kv in TINY_CONFIGS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_tiny_backbone(arch: str, heads: int, kv_heads: int):
     return tiny_backbone(arch, num_attention_heads=heads, num_key_value_heads=kv_heads)
 

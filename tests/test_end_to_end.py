@@ -26,11 +26,14 @@ def needle_prefill(backbone):
     """A ~2K-token RULER-style single-needle prompt in a repeated-sentence haystack."""
     haystack = [FILLER] * 80
     haystack.insert(35, f"One of the special magic numbers for long-context is: {NEEDLE}. ")
-    context = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-               "I will quiz you about the numbers afterwards.\n" + "".join(haystack))
+    context = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the numbers afterwards.\n" + "".join(haystack)
+    )
     question = "\nWhat is the special magic number for long-context mentioned in the provided text?"
     prompt = backbone.tokenizer.apply_chat_template(
-        [{"role": "user", "content": context + question}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": context + question}], tokenize=False, add_generation_prompt=True
+    )
     prompt += "The special magic number for long-context mentioned in the provided text is"
     split = prompt.index(question)
     prompt_ids, context_length = tokenize_prompt(backbone.tokenizer, prompt[:split], prompt[split:])
@@ -54,8 +57,10 @@ def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(nee
         stats = generation.cache_stats
         budget = budget_for(stats["compressed_tokens"], ratio)
         assert stats["budget"] == budget and len(stats["slots"]) == layers
-        for slots, main, reserved in zip(stats["slots"], stats["main_slots"], stats["residual_slots"]):
-            allocated = [m + r for m, r in zip(main, reserved)]
+        for slots, main, reserved in zip(
+            stats["slots"], stats["main_slots"], stats["residual_slots"], strict=True
+        ):
+            allocated = [m + r for m, r in zip(main, reserved, strict=True)]
             if name.startswith("adakv"):
                 assert sum(allocated) == budget * len(allocated)
             else:

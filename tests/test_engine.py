@@ -44,8 +44,13 @@ class KeepEverything(Method):
         layers = []
         for layer_idx, layer in enumerate(cache.layers):
             obs = layer.observation(layer_idx, scaling)
-            state = CompressedLayerState(obs.keys, obs.values, None, ResidualEntries.empty(obs.num_kv_heads, obs.keys),
-                                         torch.zeros(obs.num_kv_heads))
+            state = CompressedLayerState(
+                obs.keys,
+                obs.values,
+                None,
+                ResidualEntries.empty(obs.num_kv_heads, obs.keys),
+                torch.zeros(obs.num_kv_heads),
+            )
             layers.append(CompressedLayer(state, obs.seq_len, ResidualConfig().decode_rule))
         return ResKVCache(layers), {}
 
@@ -64,12 +69,15 @@ def test_full_cache_gives_the_same_answer_in_both_settings(prefill):
 
 
 def test_one_prefill_serves_many_runs_without_changing(prefill):
-    before = [(layer.keys.clone(), layer.values.clone(), layer.queries.clone()) for layer in prefill._context.cache.layers]
+    before = [
+        (layer.keys.clone(), layer.values.clone(), layer.queries.clone())
+        for layer in prefill._context.cache.layers
+    ]
     first = prefill.generate(build_method("snapkv+reskv", 0.8), "agnostic", 6)
     for name in METHODS:
         prefill.generate(build_method(name, 0.7), "aware", 3)
         prefill.generate(build_method(name, 0.7), "agnostic", 3)
-    for (keys, values, queries), layer in zip(before, prefill._context.cache.layers):
+    for (keys, values, queries), layer in zip(before, prefill._context.cache.layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
         assert torch.equal(queries, layer.queries)
     assert prefill.generate(build_method("snapkv+reskv", 0.8), "agnostic", 6).token_ids == first.token_ids
@@ -114,14 +122,19 @@ def test_validation_proxy_keeps_the_best_candidate_only_when_it_beats_main_only(
     proxy = ValidationProxy(obs, method.scorer, method.residual, observation_split(obs, method.residual))
     budgets = torch.full((obs.num_kv_heads,), budget_for(obs.seq_len, 0.7))
     chosen = proxy.choose(budgets)
-    candidates = torch.stack([torch.floor(ratio * budgets.double() + 0.5).long() for ratio in method.residual.grid])
+    candidates = torch.stack(
+        [torch.floor(ratio * budgets.double() + 0.5).long() for ratio in method.residual.grid]
+    )
     losses = proxy.losses(budgets, candidates)
     window = method.scorer.window
     for head in range(obs.num_kv_heads):
         sizes = candidates[:, head].tolist()
         # reskv.md: skip r == 0, a repeated r, or m - |P| < 0.
-        allowed = [c for c in range(1, len(sizes))
-                   if sizes[c] > 0 and sizes[c] not in sizes[:c] and budgets[head] - sizes[c] >= window]
+        allowed = [
+            c
+            for c in range(1, len(sizes))
+            if sizes[c] > 0 and sizes[c] not in sizes[:c] and budgets[head] - sizes[c] >= window
+        ]
         assert allowed, "the test needs at least one candidate"
         best = min(allowed, key=lambda c: (losses[c, head].item(), c))
         improves = losses[best, head] < (1 - method.residual.delta) * losses[0, head]
@@ -170,14 +183,33 @@ def test_no_shared_softmax_mixes_branches_by_gate_times_evicted_share(prefill):
     assert int(state.residual.entries_per_head.min()) > 0
     queries = obs.queries[:, -2:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
     rule = method.residual.decode_rule
-    mixed = residual_attention(queries, state.main_keys, state.main_values, state.main_bias, state.residual.keys,
-                               state.residual.values, state.residual.log_counts, obs.scaling, rule,
-                               state.evicted_fraction)
-    main_only = residual_attention(queries, state.main_keys, state.main_values, state.main_bias,
-                                   state.residual.keys[:, :0], state.residual.values[:, :0],
-                                   state.residual.log_counts[:, :0], obs.scaling, rule)
+    mixed = residual_attention(
+        queries,
+        state.main_keys,
+        state.main_values,
+        state.main_bias,
+        state.residual.keys,
+        state.residual.values,
+        state.residual.log_counts,
+        obs.scaling,
+        rule,
+        state.evicted_fraction,
+    )
+    main_only = residual_attention(
+        queries,
+        state.main_keys,
+        state.main_values,
+        state.main_bias,
+        state.residual.keys[:, :0],
+        state.residual.values[:, :0],
+        state.residual.log_counts[:, :0],
+        obs.scaling,
+        rule,
+    )
     logits = queries.float() @ state.residual.keys.float().transpose(1, 2) * obs.scaling
-    residual_only = (logits + state.residual.log_counts[:, None, :]).softmax(-1) @ state.residual.values.float()
+    residual_only = (logits + state.residual.log_counts[:, None, :]).softmax(
+        -1
+    ) @ state.residual.values.float()
     main_logits = queries.float() @ state.main_keys.float().transpose(1, 2) * obs.scaling
     peak = main_logits.softmax(-1).amax(-1)
     gate = torch.sigmoid(DecodeRule().alpha * (DecodeRule().tau - peak))
@@ -195,12 +227,15 @@ def test_text_api_answers_a_context_question_pair(backbone):
     assert isinstance(aware.text, str) and len(aware.token_ids) <= 4
 
 
-@pytest.mark.parametrize("name, ratio, message", [
-    ("snapkv+resk", 0.5, r"unknown method 'snapkv\+resk'; choose one of .*'snapkv\+reskv'"),
-    ("snapkv", 1.0, "must lie strictly between 0 and 1"),
-    ("tova", 0.0, "must lie strictly between 0 and 1"),
-    ("adakv", -0.2, "must lie strictly between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "name, ratio, message",
+    [
+        ("snapkv+resk", 0.5, r"unknown method 'snapkv\+resk'; choose one of .*'snapkv\+reskv'"),
+        ("snapkv", 1.0, "must lie strictly between 0 and 1"),
+        ("tova", 0.0, "must lie strictly between 0 and 1"),
+        ("adakv", -0.2, "must lie strictly between 0 and 1"),
+    ],
+)
 def test_bad_method_or_ratio_is_a_clear_error(name, ratio, message):
     with pytest.raises(ValueError, match=message):
         build_method(name, ratio)

@@ -47,8 +47,18 @@ def full_attention(queries: torch.Tensor, obs: LayerObservation) -> torch.Tensor
 def residual_output(queries, obs, kept, residual, rule=NO_GATE):
     """ResKV output with the main cache given as a kept mask over the prompt (masked, not gathered)."""
     bias = torch.zeros(kept.shape).masked_fill(~kept, float("-inf"))[:, None, :]
-    return residual_attention(queries, obs.keys, obs.values, bias, residual.keys, residual.values,
-                              residual.log_counts, obs.scaling, rule, (~kept).sum(-1) / obs.seq_len)
+    return residual_attention(
+        queries,
+        obs.keys,
+        obs.values,
+        bias,
+        residual.keys,
+        residual.values,
+        residual.log_counts,
+        obs.scaling,
+        rule,
+        (~kept).sum(-1) / obs.seq_len,
+    )
 
 
 def test_1_budget_covering_the_prompt_is_the_full_cache(prefill, observation):
@@ -68,7 +78,7 @@ def test_2_residual_off_everywhere_is_the_base_method(prefill, base):
     off = build_method(f"{base}+reskv", 0.7, residual=ResidualConfig(grid=(0.0,)))
     plain_cache, _ = plain.compress(prefill._context.cache, prefill.scaling)
     off_cache, stats = off.compress(prefill._context.cache, prefill.scaling)
-    for plain_layer, off_layer in zip(plain_cache.layers, off_cache.layers):
+    for plain_layer, off_layer in zip(plain_cache.layers, off_cache.layers, strict=True):
         assert torch.equal(plain_layer.keys, off_layer.keys)
         assert torch.equal(plain_layer.values, off_layer.values)
         assert off_layer.residual.keys.shape[1] == 0
@@ -86,7 +96,7 @@ def grouped_evicted_side(obs: LayerObservation, groups: int, members: int):
     evicted[:, : groups * members] = True
     for group in range(groups):
         start = group * members
-        keys[:, start:start + members] = keys[:, start:start + 1]
+        keys[:, start : start + members] = keys[:, start : start + 1]
     scores = torch.zeros(obs.num_kv_heads, obs.seq_len)
     scores[:, : groups * members : members] = 1.0  # the first member of each group ranks first
     return dataclasses.replace(obs, keys=keys), ~evicted, scores
@@ -99,8 +109,9 @@ def test_3_identical_member_keys_reconstruct_full_attention(observation):
     residual = build_residual(obs.keys, obs.values, ~kept, scores, sizes, iterations=4)
     assert torch.equal(residual.log_counts, torch.full_like(residual.log_counts, math.log(members)))
     queries = decode_queries(obs)
-    torch.testing.assert_close(residual_output(queries, obs, kept, residual), full_attention(queries, obs),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        residual_output(queries, obs, kept, residual), full_attention(queries, obs), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_3_duplicate_top_scored_centre_ends_empty_and_is_dropped(observation):
@@ -115,8 +126,9 @@ def test_3_duplicate_top_scored_centre_ends_empty_and_is_dropped(observation):
     assert residual.entries_per_head.tolist() == [groups] * obs.num_kv_heads
     assert torch.isinf(residual.log_counts[:, 1]).all()
     queries = decode_queries(obs)
-    torch.testing.assert_close(residual_output(queries, obs, kept, residual), full_attention(queries, obs),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        residual_output(queries, obs, kept, residual), full_attention(queries, obs), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_4_singleton_clusters_are_exact_attention_over_main_and_residual(observation):
@@ -127,8 +139,9 @@ def test_4_singleton_clusters_are_exact_attention_over_main_and_residual(observa
     residual = build_residual(obs.keys, obs.values, ~kept, scores, torch.full((obs.num_kv_heads,), 30), 4)
     assert torch.equal(residual.log_counts, torch.zeros_like(residual.log_counts))
     queries = decode_queries(obs)
-    torch.testing.assert_close(residual_output(queries, obs, kept, residual), full_attention(queries, obs),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        residual_output(queries, obs, kept, residual), full_attention(queries, obs), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_5_shared_softmax_equals_the_lse_merge(observation):
@@ -138,35 +151,53 @@ def test_5_shared_softmax_equals_the_lse_merge(observation):
     state = compress_layer(obs, method.scorer, 0.8, method.residual)
     rule = method.residual.decode_rule
     queries = decode_queries(obs, count=4)
-    merged = residual_attention(queries, state.main_keys, state.main_values, state.main_bias,
-                                state.residual.keys, state.residual.values, state.residual.log_counts,
-                                obs.scaling, rule)
+    merged = residual_attention(
+        queries,
+        state.main_keys,
+        state.main_values,
+        state.main_bias,
+        state.residual.keys,
+        state.residual.values,
+        state.residual.log_counts,
+        obs.scaling,
+        rule,
+    )
     for kv_head in range(obs.num_kv_heads):
         for row in range(queries.shape[1]):  # every query head of the group, every query
             query = queries[kv_head, row]
             main_logits = state.main_keys[kv_head] @ query * obs.scaling
             peak = main_logits.softmax(dim=-1).max()
             gate = max(rule.g_min, torch.sigmoid(rule.alpha * (rule.tau - peak)).item())
-            residual_logits = (state.residual.keys[kv_head] @ query * obs.scaling
-                               + state.residual.log_counts[kv_head] + math.log(gate))
+            residual_logits = (
+                state.residual.keys[kv_head] @ query * obs.scaling
+                + state.residual.log_counts[kv_head]
+                + math.log(gate)
+            )
             weights = torch.cat([main_logits, residual_logits]).softmax(dim=-1)
             expected = weights @ torch.cat([state.main_values[kv_head], state.residual.values[kv_head]])
             torch.testing.assert_close(merged[kv_head, row], expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("ratio", [0.6, 0.9])
-@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv", "adakv", "cam", "h2o+reskv", "tova+reskv",
-                                  "snapkv+reskv", "adakv+reskv"])
+@pytest.mark.parametrize(
+    "name",
+    ["h2o", "tova", "snapkv", "adakv", "cam", "h2o+reskv", "tova+reskv", "snapkv+reskv", "adakv+reskv"],
+)
 def test_6_slots_never_exceed_the_budget(prefill, name, ratio):
     method = build_method(name, ratio)
     cache, stats = method.compress(prefill._context.cache, prefill.scaling)
     budget = budget_for(prefill.context_length, ratio)
     assert stats["budget"] == budget
-    for slots, main, entries, reserved in zip(cache.slots(), stats["main_slots"], stats["residual_entries"],
-                                              stats["residual_slots"]):
-        assert slots == [m + e for m, e in zip(main, entries)]  # attended slots: main + used entries
-        assert all(e <= r for e, r in zip(entries, reserved))  # dropped clusters leave slots unused
-        allocated = [m + r for m, r in zip(main, reserved)]
+    for slots, main, entries, reserved in zip(
+        cache.slots(), stats["main_slots"], stats["residual_entries"], stats["residual_slots"], strict=True
+    ):
+        assert slots == [
+            m + e for m, e in zip(main, entries, strict=True)
+        ]  # attended slots: main + used entries
+        assert all(
+            e <= r for e, r in zip(entries, reserved, strict=True)
+        )  # dropped clusters leave slots unused
+        allocated = [m + r for m, r in zip(main, reserved, strict=True)]
         if name.startswith("adakv"):  # uneven heads, exact layer total
             assert sum(allocated) == budget * len(allocated)
         else:
@@ -175,26 +206,40 @@ def test_6_slots_never_exceed_the_budget(prefill, name, ratio):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_7_no_nan_or_inf(observation, dtype):
-    obs = dataclasses.replace(observation, keys=observation.keys.to(dtype), values=observation.values.to(dtype),
-                              queries=observation.queries.to(dtype))
+    obs = dataclasses.replace(
+        observation,
+        keys=observation.keys.to(dtype),
+        values=observation.values.to(dtype),
+        queries=observation.queries.to(dtype),
+    )
     method = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(validate=False, fixed_ratio=0.2))
     state = compress_layer(obs, method.scorer, 0.9, method.residual)
     queries = decode_queries(obs).to(dtype)
     closed_gate = DecodeRule(alpha=1e6, g_min=0.0)  # gate exactly 0 unless the main peak is below tau
     for rule in (method.residual.decode_rule, closed_gate):
-        output = residual_attention(queries, state.main_keys, state.main_values, state.main_bias,
-                                    state.residual.keys, state.residual.values, state.residual.log_counts,
-                                    obs.scaling, rule)
+        output = residual_attention(
+            queries,
+            state.main_keys,
+            state.main_values,
+            state.main_bias,
+            state.residual.keys,
+            state.residual.values,
+            state.residual.log_counts,
+            obs.scaling,
+            rule,
+        )
         assert torch.isfinite(output).all()
     # Empty evicted side, and r larger than |E|.
     everything = torch.ones(obs.num_kv_heads, obs.seq_len, dtype=torch.bool)
-    none = build_residual(obs.keys, obs.values, ~everything, torch.rand(everything.shape),
-                          torch.full((obs.num_kv_heads,), 5), 4)
+    none = build_residual(
+        obs.keys, obs.values, ~everything, torch.rand(everything.shape), torch.full((obs.num_kv_heads,), 5), 4
+    )
     assert none.keys.shape[1] == 0
     kept = everything.clone()
     kept[:, :3] = False
-    capped = build_residual(obs.keys, obs.values, ~kept, torch.rand(kept.shape),
-                            torch.full((obs.num_kv_heads,), 10), 4)
+    capped = build_residual(
+        obs.keys, obs.values, ~kept, torch.rand(kept.shape), torch.full((obs.num_kv_heads,), 10), 4
+    )
     assert capped.entries_per_head.tolist() == [3] * obs.num_kv_heads
     assert torch.isfinite(residual_output(queries.float(), observation, kept, capped)).all()
 
@@ -203,13 +248,21 @@ def test_7_closed_gate_gives_exactly_the_main_only_output(observation):
     obs = observation
     kept = torch.ones(obs.num_kv_heads, obs.seq_len, dtype=torch.bool)
     kept[:, :50] = False
-    residual = build_residual(obs.keys, obs.values, ~kept, torch.rand(kept.shape), torch.full((obs.num_kv_heads,), 8), 4)
+    residual = build_residual(
+        obs.keys, obs.values, ~kept, torch.rand(kept.shape), torch.full((obs.num_kv_heads,), 8), 4
+    )
     closed = DecodeRule(tau=-1.0, alpha=1e6, g_min=0.0)  # sigmoid(-huge) == 0: log g = -inf
-    empty = dataclasses.replace(residual, keys=residual.keys[:, :0], values=residual.values[:, :0],
-                                log_counts=residual.log_counts[:, :0])
+    empty = dataclasses.replace(
+        residual,
+        keys=residual.keys[:, :0],
+        values=residual.values[:, :0],
+        log_counts=residual.log_counts[:, :0],
+    )
     queries = decode_queries(obs)
-    assert torch.equal(residual_output(queries, obs, kept, residual, closed),
-                       residual_output(queries, obs, kept, empty, closed))
+    assert torch.equal(
+        residual_output(queries, obs, kept, residual, closed),
+        residual_output(queries, obs, kept, empty, closed),
+    )
 
 
 def test_8_deterministic_bit_for_bit(prefill):
@@ -217,11 +270,13 @@ def test_8_deterministic_bit_for_bit(prefill):
     first, first_stats = method.compress(prefill._context.cache, prefill.scaling)
     second, second_stats = method.compress(prefill._context.cache, prefill.scaling)
     assert first_stats == second_stats
-    for a, b in zip(first.layers, second.layers):
+    for a, b in zip(first.layers, second.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.residual.keys, b.residual.keys)
         assert torch.equal(a.residual.log_counts, b.residual.log_counts)
-    assert prefill.generate(method, "agnostic", 6).token_ids == prefill.generate(method, "agnostic", 6).token_ids
+    assert (
+        prefill.generate(method, "agnostic", 6).token_ids == prefill.generate(method, "agnostic", 6).token_ids
+    )
 
 
 def test_scorers_are_shared_across_heads_as_gqa_requires(observation):
