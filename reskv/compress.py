@@ -72,6 +72,12 @@ class CompressedLayerState:
     evicted_fraction: Tensor  # [H_kv]: |E| / s, for the no-shared-softmax ablation
     stats: dict = field(default_factory=dict)
 
+    def attend(self, queries: Tensor, scaling: float, rule: DecodeRule) -> Tensor:
+        """Output ``[H_kv, Q, d]`` for grouped queries over this layer as compressed (nothing appended)."""
+        residual = self.residual
+        return residual_attention(queries, self.main_keys, self.main_values, self.main_bias, residual.keys,
+                                  residual.values, residual.log_counts, scaling, rule, self.evicted_fraction)
+
 
 def budget_for(seq_len: int, ratio: float) -> int:
     """Retained slots per KV head: ``b = floor(s * (1 - ratio))`` (reskv.md, Budget)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baselines import METHODS, build_method
-from reskv.attention import DecodeRule, residual_attention
+from reskv.attention import DecodeRule
 from reskv.backbones import BackboneError, load_backbone
 from reskv.cache import CompressedLayer, ResKVCache
 from reskv.compress import (
@@ -183,33 +183,12 @@ def test_no_shared_softmax_mixes_branches_by_gate_times_evicted_share(prefill):
     assert int(state.residual.entries_per_head.min()) > 0
     queries = obs.queries[:, -2:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
     rule = method.residual.decode_rule
-    mixed = residual_attention(
-        queries,
-        state.main_keys,
-        state.main_values,
-        state.main_bias,
-        state.residual.keys,
-        state.residual.values,
-        state.residual.log_counts,
-        obs.scaling,
-        rule,
-        state.evicted_fraction,
-    )
-    main_only = residual_attention(
-        queries,
-        state.main_keys,
-        state.main_values,
-        state.main_bias,
-        state.residual.keys[:, :0],
-        state.residual.values[:, :0],
-        state.residual.log_counts[:, :0],
-        obs.scaling,
-        rule,
-    )
+    mixed = state.attend(queries, obs.scaling, rule)
+    without_residual = dataclasses.replace(state, residual=ResidualEntries.empty(obs.num_kv_heads, obs.keys))
+    main_only = without_residual.attend(queries, obs.scaling, rule)
     logits = queries.float() @ state.residual.keys.float().transpose(1, 2) * obs.scaling
-    residual_only = (logits + state.residual.log_counts[:, None, :]).softmax(
-        -1
-    ) @ state.residual.values.float()
+    residual_probs = (logits + state.residual.log_counts[:, None, :]).softmax(dim=-1)
+    residual_only = residual_probs @ state.residual.values.float()
     main_logits = queries.float() @ state.main_keys.float().transpose(1, 2) * obs.scaling
     peak = main_logits.softmax(-1).amax(-1)
     gate = torch.sigmoid(DecodeRule().alpha * (DecodeRule().tau - peak))

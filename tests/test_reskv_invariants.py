@@ -151,17 +151,7 @@ def test_5_shared_softmax_equals_the_lse_merge(observation):
     state = compress_layer(obs, method.scorer, 0.8, method.residual)
     rule = method.residual.decode_rule
     queries = decode_queries(obs, count=4)
-    merged = residual_attention(
-        queries,
-        state.main_keys,
-        state.main_values,
-        state.main_bias,
-        state.residual.keys,
-        state.residual.values,
-        state.residual.log_counts,
-        obs.scaling,
-        rule,
-    )
+    merged = state.attend(queries, obs.scaling, rule)
     for kv_head in range(obs.num_kv_heads):
         for row in range(queries.shape[1]):  # every query head of the group, every query
             query = queries[kv_head, row]
@@ -217,17 +207,7 @@ def test_7_no_nan_or_inf(observation, dtype):
     queries = decode_queries(obs).to(dtype)
     closed_gate = DecodeRule(alpha=1e6, g_min=0.0)  # gate exactly 0 unless the main peak is below tau
     for rule in (method.residual.decode_rule, closed_gate):
-        output = residual_attention(
-            queries,
-            state.main_keys,
-            state.main_values,
-            state.main_bias,
-            state.residual.keys,
-            state.residual.values,
-            state.residual.log_counts,
-            obs.scaling,
-            rule,
-        )
+        output = state.attend(queries, obs.scaling, rule)
         assert torch.isfinite(output).all()
     # Empty evicted side, and r larger than |E|.
     everything = torch.ones(obs.num_kv_heads, obs.seq_len, dtype=torch.bool)
