@@ -189,7 +189,7 @@ def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_c
     grid_overrides = [
         *TINY_RULER,
         "benchmark.tasks=[vt]",
-        "num_samples=2",
+        "num_samples=1",
         "method=[full,snapkv,snapkv+reskv]",
         "ratio=[0.6,0.9]",
         "setting=[aware,agnostic]",
@@ -207,7 +207,7 @@ def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_c
             [
                 *TINY_RULER,
                 "benchmark.tasks=[vt]",
-                "num_samples=2",
+                "num_samples=1",
                 f"method={method}",
                 f"ratio={ratio}",
                 f"setting={setting}",
