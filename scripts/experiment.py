@@ -412,9 +412,22 @@ class GridRun:
                 except ResultFileLocked as error:
                     log.warning("skipping %s %s: %s", task, entry.describe(), error)
                     continue
+                except ResultStoreError:
+                    self.close()
+                    raise
                 self.files[task, entry] = result
-                self._check_resumed_samples(result, items)
+                try:
+                    self._check_resumed_samples(result, items)
+                except ResultStoreError:
+                    self.close()
+                    raise
         return sum(len(result.pending) for result in self.files.values())
+
+    def close(self) -> None:
+        """Release every open result file (each writes its final JSON if complete)."""
+        for result in self.files.values():
+            result.close()
+        self.files.clear()
 
     @staticmethod
     def _check_resumed_samples(result: ResultFile, items: list[Item]) -> None:
@@ -437,9 +450,7 @@ class GridRun:
                 for entry in entries:
                     self.on_finished(entry, task, self.files.pop((task, entry)).close())
         finally:
-            for result in self.files.values():
-                result.close()
-            self.files.clear()
+            self.close()
 
     def _run_sample(self, task: str, index: int, item: Item, pending: list[GridEntry]) -> None:
         methods = [self.methods[entry.method, entry.ratio] for entry in pending]

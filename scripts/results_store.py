@@ -256,12 +256,16 @@ class ResultFile:
         except BlockingIOError as error:
             self._journal.close()
             raise ResultFileLocked(f"{self.journal_path} is being written by another process") from error
-        if self.path.exists():
-            finished = json.loads(self.path.read_text())
-            self._adopt(finished, finished["samples"])
-        header, records, intact = _read_journal(self.journal_path)
-        if header is not None:
-            self._adopt(header, records)
+        try:
+            if self.path.exists():
+                finished = json.loads(self.path.read_text())
+                self._adopt(finished, finished["samples"])
+            header, records, intact = _read_journal(self.journal_path)
+            if header is not None:
+                self._adopt(header, records)
+        except ResultStoreError:
+            self._journal.close()
+            raise
         self._finished_before = header is None and self.path.exists() and not self.pending
         if not self._finished_before:
             self._journal.truncate(intact)
