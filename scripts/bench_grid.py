@@ -9,7 +9,7 @@ process start-up). Reports both wall-clock times, their ratio, and checks that t
 predicted the same tokens. The report goes to ``<results_dir>/runs/_bench/grid_saving.json``.
 
 Default overrides: the embedded backbone on one RULER-4K sample, every base method and
-SnapKV+ResKV at ratio 0.9 in both settings plus the full cache (15 configurations), answers
+SnapKV+ResKV at ratio 0.9 in both settings plus the full cache (13 configurations), answers
 capped at 16 tokens so decoding does not drown the prefill being measured.
 """
 
