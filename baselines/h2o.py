@@ -32,7 +32,10 @@ class H2O(TokenScorer):
             queries, positions = observation_queries(obs, self.window)
             return accumulated_attention(queries, obs.keys, positions, obs.scaling)
         if obs.accumulated is None:
-            raise ValueError("H2O needs the accumulated attention captured during prefill (obs.accumulated)")
+            raise ValueError(
+                "H2O needs the accumulated attention captured during prefill: list the method in "
+                "Prefill(..., methods=[...]) so the prefill records it"
+            )
         return obs.accumulated
 
     def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:

@@ -42,12 +42,10 @@ def cluster_sums(
     multiplied by it. ``index_add_`` accumulates in a fixed order on CPU, so results are
     bit-for-bit reproducible.
     """
-    num_heads, num_points, dim = weighted_points.shape
+    num_heads, _, dim = weighted_points.shape
     # One flat index over (head, cluster): index_add_ is far cheaper than a scatter over d.
-    flat_index = (
-        assignments.clamp(max=num_centers - 1)
-        + num_centers * torch.arange(num_heads, device=assignments.device)[:, None]
-    ).reshape(-1)
+    heads = torch.arange(num_heads, device=assignments.device)[:, None]
+    flat_index = (assignments + num_centers * heads).reshape(-1)
     counts = weights.new_zeros(num_heads * num_centers).index_add_(0, flat_index, weights.reshape(-1))
     sums = weighted_points.new_zeros(num_heads * num_centers, dim)
     sums.index_add_(0, flat_index, weighted_points.reshape(-1, dim))
@@ -55,9 +53,7 @@ def cluster_sums(
     return sums, counts
 
 
-def lloyd_assignments(
-    points: Tensor, weights: Tensor, centers: Tensor, center_valid: Tensor, iterations: int
-) -> Tensor:
+def lloyd_assignments(points: Tensor, weights: Tensor, centers: Tensor, iterations: int) -> Tensor:
     """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to means).
 
     Squared Euclidean distance (``||c||² - 2<p, c>``, the point's own norm does not change the
@@ -66,11 +62,10 @@ def lloyd_assignments(
     all its points keeps its position. ``points`` ``[H, E, d]`` fp32, zero where ``weights`` is 0;
     ``centers`` ``[H, r, d]``.
     """
-    unused = torch.zeros(center_valid.shape, device=centers.device).masked_fill(~center_valid, float("inf"))
     centers = centers.float()
     assignments = None
     for _ in range(iterations):
-        center_norms = (centers * centers).sum(-1) + unused
+        center_norms = (centers * centers).sum(-1)
         distances = torch.baddbmm(center_norms[:, None, :], points, centers.transpose(1, 2), alpha=-2)
         assignments = distances.argmin(dim=-1)
         sums, counts = cluster_sums(points, weights, assignments, centers.shape[1])
@@ -101,42 +96,38 @@ def build_residual(
     )
     if max_size == 0:
         return entries
-    # Only rows with entries are clustered (stacked candidates often include r = 0 rows).
-    active = torch.nonzero(sizes > 0).squeeze(1)
-    heads = active % keys.shape[0]
-    mean_keys, mean_values, log_counts = _cluster(
-        keys, values, heads, evicted[active], scores[active], sizes[active], iterations
-    )
-    entries.keys[active] = mean_keys.to(keys.dtype)
-    entries.values[active] = mean_values.to(values.dtype)
-    entries.log_counts[active] = log_counts
+    # Rows are clustered in groups of equal size: no centre padding, and rows without entries
+    # (stacked candidates often include r = 0) cost nothing.
+    for size in sizes.unique().tolist():
+        if size == 0:
+            continue
+        rows_of_size = torch.nonzero(sizes == size).squeeze(1)
+        mean_keys, mean_values, log_counts = _cluster(
+            keys, values, rows_of_size % keys.shape[0], evicted[rows_of_size], scores[rows_of_size], size,
+            iterations,
+        )
+        entries.keys[rows_of_size, :size] = mean_keys.to(keys.dtype)
+        entries.values[rows_of_size, :size] = mean_values.to(values.dtype)
+        entries.log_counts[rows_of_size, :size] = log_counts
     return entries
 
 
 def _cluster(
-    keys: Tensor,
-    values: Tensor,
-    heads: Tensor,
-    evicted: Tensor,
-    scores: Tensor,
-    sizes: Tensor,
-    iterations: int,
+    keys: Tensor, values: Tensor, heads: Tensor, evicted: Tensor, scores: Tensor, size: int, iterations: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Means and log-counts ``[A, r_max, ...]`` for rows that all have at least one entry."""
+    """Means and log-counts ``[A, size, ...]`` for rows that all get ``size`` entries (``size <= |E|``)."""
     evicted_counts = evicted.sum(dim=-1)
-    max_size, max_points = int(sizes.max()), int(evicted_counts.max())
+    max_points = int(evicted_counts.max())
     # Evicted tokens first, best score first (stable: ties toward the lower position); the
-    # first sizes[row] of them are the initial centres.
+    # first ``size`` of them are the initial centres.
     ranked = torch.where(evicted, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :max_points]
     weights = (torch.arange(max_points, device=keys.device)[None, :] < evicted_counts[:, None]).float()
     point_keys = gather_tokens(keys, order, heads).float() * weights[..., None]
     point_values = gather_tokens(values, order, heads).float() * weights[..., None]
-    center_valid = torch.arange(max_size, device=keys.device)[None, :] < sizes[:, None]
-
-    assignments = lloyd_assignments(point_keys, weights, point_keys[:, :max_size], center_valid, iterations)
-    key_sums, counts = cluster_sums(point_keys, weights, assignments, max_size)
-    value_sums, _ = cluster_sums(point_values, weights, assignments, max_size)
+    assignments = lloyd_assignments(point_keys, weights, point_keys[:, :size], iterations)
+    key_sums, counts = cluster_sums(point_keys, weights, assignments, size)
+    value_sums, _ = cluster_sums(point_values, weights, assignments, size)
     denominators = counts.clamp(min=1)[..., None]
     log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf")))
     return key_sums / denominators, value_sums / denominators, log_counts
