@@ -49,6 +49,21 @@ def predictions(runs_dir: Path) -> dict:
     }
 
 
+def time_breakdown(runs_dir: Path) -> dict[str, float]:
+    """Seconds per phase summed over samples; a shared context prefill is counted once (the
+    query-aware question forward is left out: it is shared too, but recorded on some records only)."""
+    totals: dict[str, float] = {}
+    for result in load_results(runs_dir)[0]:
+        for sample in result.samples.values():
+            timings = sample["timings"]
+            totals["prefill_s"] = (
+                totals.get("prefill_s", 0) + timings["prefill_s"] / timings["prefill_shared_by"]
+            )
+            for phase in ("compress_s", "question_s", "decode_s"):
+                totals[phase] = totals.get(phase, 0) + timings.get(phase, 0)
+    return {phase: round(value, 2) for phase, value in totals.items()}
+
+
 def warm_up_items(items: dict[str, list[Item]]) -> dict[str, list[Item]]:
     """The first sample shortened to its first WARM_UP_CONTEXT context tokens plus its question:
     every kernel of the grid runs once, at a fraction of the cost of a real sample."""
@@ -77,7 +92,7 @@ def measure(overrides: Sequence[str]) -> dict:
     plan = compose_plan(list(overrides))
     backbone = load_backbone(plan.backbone, plan.dtype, plan.device)
     items = load_task_items(plan, backbone.tokenizer)
-    seconds, outputs = {}, {}
+    seconds, outputs, phases = {}, {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         timed_run(
             compose_plan([*overrides, f"results_dir={scratch}/warm-up"]),
@@ -92,6 +107,7 @@ def measure(overrides: Sequence[str]) -> dict:
             )
             seconds[mode] = timed_run(variant, backbone, items, mode)
             outputs[mode] = predictions(variant.runs_dir)
+            phases[mode] = time_breakdown(variant.runs_dir)
     if outputs["shared_prefill"] != outputs["prefill_per_configuration"]:
         raise AssertionError("shared and per-configuration prefill predicted different tokens")
     return {
@@ -102,6 +118,7 @@ def measure(overrides: Sequence[str]) -> dict:
         "samples": sum(len(task_items) for task_items in items.values()),
         "configurations": len(plan.grid),
         "seconds": seconds,
+        "phases": phases,
         "speedup": round(seconds["prefill_per_configuration"] / seconds["shared_prefill"], 3),
         "identical_predictions": True,
     }
