@@ -69,8 +69,13 @@ class CompressedLayerState:
     main_values: Tensor
     main_bias: Tensor | None  # [H_kv, 1, n]: -inf on padding, None when no head is padded
     residual: ResidualEntries
-    evicted_fraction: Tensor  # [H_kv]: |E| / s, for the no-shared-softmax ablation
+    kept: Tensor  # [H_kv, s] bool: the prompt tokens in the main cache
     stats: dict = field(default_factory=dict)
+
+    @property
+    def evicted_fraction(self) -> Tensor:
+        """``|E| / s`` per KV head, for the no-shared-softmax ablation."""
+        return (~self.kept).sum(dim=-1) / self.kept.shape[-1]
 
     def attend(self, queries: Tensor, scaling: float, rule: DecodeRule) -> Tensor:
         """Output ``[H_kv, Q, d]`` for grouped queries over this layer as compressed (nothing appended)."""
@@ -251,11 +256,10 @@ def compress_layer(
         if residual is not None and bool((sizes > 0).any())
         else ResidualEntries.empty(obs.num_kv_heads, obs.keys)
     )
-    evicted = (~kept).sum(dim=-1)
     stats = {
         "budget": budget,
         "main_slots": kept.sum(dim=-1).tolist(),
         "residual_entries": entries.entries_per_head.tolist(),
         "residual_slots": sizes.tolist(),
     }
-    return CompressedLayerState(main_keys, main_values, main_bias, entries, evicted.float() / seq_len, stats)
+    return CompressedLayerState(main_keys, main_values, main_bias, entries, kept, stats)

@@ -25,7 +25,7 @@ from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
 from reskv.compress import ResidualConfig, compress_layer
 from reskv.prompting import tokenize_prompt
-from reskv.scoring import TokenScorer
+from reskv.scoring import LayerObservation, TokenScorer
 
 SETTINGS = ("aware", "agnostic")
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
@@ -141,6 +141,12 @@ class Prefill:
             self._whole_prompt = _PrefilledState(cache, logits)
             self.timings["question_prefill_s"] = time.perf_counter() - start
         return self._whole_prompt
+
+    def observations(self, setting: str = "agnostic") -> list[LayerObservation]:
+        """Per-layer views of the prefilled cache a setting compresses (the context for query-agnostic,
+        the whole prompt for query-aware); read-only, for analyses such as the evicted-key figure."""
+        state = self._prompt_state() if setting == "aware" else self._context
+        return [layer.observation(index, self.scaling) for index, layer in enumerate(state.cache.layers)]
 
     def generate(
         self,

@@ -27,10 +27,8 @@ from reskv.compress import compress_layer
 from reskv.engine import Prefill
 
 
-def evicted_with_clusters(keys: torch.Tensor, main_keys: torch.Tensor, residual_keys: torch.Tensor) -> tuple:
-    """Evicted keys of one head (rows of ``keys`` not in ``main_keys``) and their nearest residual key."""
-    main_rows = {row.tobytes() for row in main_keys.numpy()}
-    kept = torch.tensor([row.tobytes() in main_rows for row in keys.numpy()])
+def evicted_with_clusters(keys: torch.Tensor, kept: torch.Tensor, residual_keys: torch.Tensor) -> tuple:
+    """Evicted keys of one head (``kept`` is its main-cache mask) and their nearest residual mean key."""
     evicted = keys[~kept].float()
     if residual_keys.shape[0] == 0:
         return evicted, torch.zeros(evicted.shape[0], dtype=torch.long)
@@ -46,12 +44,10 @@ def collect(
     )[0]
     method = build_method(method_name, ratio)
     prefill = Prefill(backbone, item.prompt_ids, item.context_length, [method])
-    # The context cache the query-agnostic setting compresses (the engine keeps it unchanged).
-    cache = prefill._context.cache
-    states = {}
-    for layer_idx, layer in enumerate(cache.layers):
-        observation = layer.observation(layer_idx, prefill.scaling)
-        states[layer_idx] = (observation, compress_layer(observation, method.scorer, ratio, method.residual))
+    states = {
+        layer_idx: (observation, compress_layer(observation, method.scorer, ratio, method.residual))
+        for layer_idx, observation in enumerate(prefill.observations("agnostic"))
+    }
     if heads == ["auto"]:
         counts = [
             (int(entries), layer_idx, head)
@@ -67,16 +63,9 @@ def collect(
         observation, state = states[layer_idx]
         if state is None:
             raise SystemExit(f"layer {layer_idx} was not compressed (the budget covers the prompt)")
-        valid_main = (
-            torch.ones(state.main_keys.shape[1], dtype=torch.bool)
-            if state.main_bias is None
-            else torch.isfinite(state.main_bias[head, 0])
-        )
         valid_residual = torch.isfinite(state.residual.log_counts[head])
         evicted, clusters = evicted_with_clusters(
-            observation.keys[head],
-            state.main_keys[head][valid_main],
-            state.residual.keys[head][valid_residual],
+            observation.keys[head], state.kept[head], state.residual.keys[head][valid_residual]
         )
         panels.append(
             {

@@ -23,10 +23,11 @@ def test_pca_projection_finds_the_main_direction():
 
 def test_evicted_keys_are_the_rows_outside_the_main_cache_with_their_nearest_entry():
     keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [10.0, 10.0], [11.0, 10.0], [5.0, 5.0]])
-    evicted, clusters = evicted_with_clusters(keys, keys[[4]], torch.tensor([[10.5, 10.0], [0.5, 0.0]]))
+    kept = torch.tensor([False, False, False, False, True])
+    evicted, clusters = evicted_with_clusters(keys, kept, torch.tensor([[10.5, 10.0], [0.5, 0.0]]))
     assert evicted.tolist() == keys[:4].tolist()
     assert clusters.tolist() == [1, 1, 0, 0]
-    _, no_entries = evicted_with_clusters(keys, keys[[4]], torch.zeros(0, 2))
+    _, no_entries = evicted_with_clusters(keys, kept, torch.zeros(0, 2))
     assert no_entries.tolist() == [0, 0, 0, 0]
 
 

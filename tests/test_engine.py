@@ -49,7 +49,7 @@ class KeepEverything(Method):
                 obs.values,
                 None,
                 ResidualEntries.empty(obs.num_kv_heads, obs.keys),
-                torch.zeros(obs.num_kv_heads),
+                torch.ones(obs.keys.shape[:2], dtype=torch.bool),
             )
             layers.append(CompressedLayer(state, obs.seq_len, ResidualConfig().decode_rule))
         return ResKVCache(layers), {}
