@@ -54,6 +54,11 @@ bench: assets
 	$(PY) -m scripts.bench_efficiency --results-dir $(RESULTS)
 	$(PY) -m scripts.evicted_keys --results-dir $(RESULTS)
 
+# Engine speed on the embedded model: ResKV construction vs prefill, decode per token vs SnapKV
+# and vs the full cache at ~4K and ~8K tokens (a few minutes on CPU).
+bench-engine: assets
+	$(PY) -m scripts.bench_engine
+
 # The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
 smoke: assets
 	scratch=$$(mktemp -d) && $(PY) run.py grid=smoke results_dir=$$scratch && \

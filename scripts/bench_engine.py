@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    console = Console()
+    console = Console(width=200)  # every column readable when printed to a file or a narrow terminal
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # always decode the full length
     table = Table(title=f"Engine speed, SmolLM2-135M, ratio {args.ratio}, {torch.get_num_threads()} threads")
