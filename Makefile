@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev,slurm
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install assets run test test-fast lint tables figures bench smoke clean-results
+.PHONY: install assets run test test-fast lint tables figures bench bench-engine smoke clean-results
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
