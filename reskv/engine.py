@@ -114,8 +114,8 @@ class Prefill:
         self.observation_window = max([DEFAULT_OBSERVATION_WINDOW] + [m.observation_window for m in methods])
         self.accumulate = any(m.needs_accumulated_attention for m in methods)
         config = backbone.model.config
-        self.scaling = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = self.scaling**-0.5
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = head_dim**-0.5
         self.timings: dict[str, float] = {}
         start = time.perf_counter()
         cache = ResKVCache.for_prefill(config.num_hidden_layers, self.observation_window, self.accumulate)
@@ -142,11 +142,17 @@ class Prefill:
             self.timings["question_prefill_s"] = time.perf_counter() - start
         return self._whole_prompt
 
+    def _source(self, setting: str) -> _PrefilledState:
+        """What a setting compresses: the whole prompt (query-aware) or the context (query-agnostic)."""
+        if setting not in SETTINGS:
+            raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
+        return self._prompt_state() if setting == "aware" else self._context
+
     def observations(self, setting: str = "agnostic") -> list[LayerObservation]:
         """Per-layer views of the prefilled cache a setting compresses (the context for query-agnostic,
         the whole prompt for query-aware); read-only, for analyses such as the evicted-key figure."""
-        state = self._prompt_state() if setting == "aware" else self._context
-        return [layer.observation(index, self.scaling) for index, layer in enumerate(state.cache.layers)]
+        layers = self._source(setting).cache.layers
+        return [layer.observation(index, self.scaling) for index, layer in enumerate(layers)]
 
     def generate(
         self,
@@ -156,11 +162,9 @@ class Prefill:
         stop_token_ids: Sequence[int] = (),
     ) -> Generation:
         """Compress a copy of the prefilled cache for ``method`` and decode greedily."""
-        if setting not in SETTINGS:
-            raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
         timings = {}
         start = time.perf_counter()
-        source = self._prompt_state() if setting == "aware" else self._context
+        source = self._source(setting)
         cache, stats = method.compress(source.cache, self.scaling)
         timings["compress_s"] = time.perf_counter() - start
         stats["prompt_tokens"] = len(self.prompt_ids)
