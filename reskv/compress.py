@@ -234,18 +234,14 @@ def compress_layer(
         raise ValueError(f"ratio {ratio} leaves no slot for a {seq_len}-token prompt (budget {budget})")
     scores = scorer.score(obs)
     budgets = scorer.head_budgets(scores, budget)
-    window = min(scorer.window, seq_len)
-    sizes = torch.zeros_like(budgets)
-    selection_scores = scores
-    if residual is not None:
-        split = observation_split(obs, residual) if residual.validate else None
-        if not residual.validate:
-            sizes = fixed_sizes(residual, budgets, window)
-        elif split is not None:
-            proxy = ValidationProxy(obs, scorer, residual, split)
-            sizes = proxy.choose(budgets)
-            if residual.final_selection == "fit":
-                selection_scores = proxy.fit_scores
+    sizes, selection_scores = torch.zeros_like(budgets), scores
+    if residual is not None and not residual.validate:
+        sizes = fixed_sizes(residual, budgets, min(scorer.window, seq_len))
+    elif residual is not None and (split := observation_split(obs, residual)) is not None:
+        proxy = ValidationProxy(obs, scorer, residual, split)
+        sizes = proxy.choose(budgets)
+        if residual.final_selection == "fit":
+            selection_scores = proxy.fit_scores
     kept = select_main(selection_scores, scorer.window, budgets - sizes)
     values = scorer.adjust_values(obs, kept)
     positions, real = kept_positions(kept)
@@ -253,7 +249,7 @@ def compress_layer(
     main_keys, main_values = gather_tokens(obs.keys, positions), gather_tokens(values, positions)
     entries = (
         build_residual(obs.keys, obs.values, ~kept, selection_scores, sizes, residual.kmeans_iterations)
-        if residual is not None and bool((sizes > 0).any())
+        if residual is not None
         else ResidualEntries.empty(obs.num_kv_heads, obs.keys)
     )
     stats = {
