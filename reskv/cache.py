@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from reskv.attention import DecodeRule, residual_attention
-from reskv.compress import CompressedLayerState
+from reskv.compress import CompressedLayerState, additive_mask
 from reskv.scoring import LayerObservation, accumulated_attention
 
 ATTENTION_NAME = "reskv"
@@ -157,12 +157,11 @@ class CompressedLayer(CacheLayerMixin):
         bias = self.main_bias
         if query_len > 1:
             # Tokens fed together (the question suffix) see each other causally.
-            future = (
+            visible = (
                 torch.arange(key_len, device=key.device)[None, :]
-                > torch.arange(key_len - query_len, key_len, device=key.device)[:, None]
+                <= torch.arange(key_len - query_len, key_len, device=key.device)[:, None]
             )
-            causal = torch.zeros(future.shape, device=key.device).masked_fill(future, float("-inf"))
-            causal = causal.repeat(num_heads // num_kv_heads, 1)[None]  # grouped query order
+            causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)[None]  # grouped query order
             bias = causal if bias is None else bias + causal
         output = residual_attention(
             query[0].reshape(num_kv_heads, -1, head_dim),
