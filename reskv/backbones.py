@@ -19,6 +19,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -33,6 +34,50 @@ HUB_ALIASES = {
     "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
 }
 TINY = {"tiny-llama": (LlamaConfig, LlamaForCausalLM), "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# The paper's backbones' shapes, from their config.json on the hub (meta-llama/Llama-3.1-8B-Instruct,
+# Qwen/Qwen2.5-7B-Instruct): randomly initialised copies measure memory and speed, which do not
+# depend on the weights, where the checkpoints cannot be downloaded.
+PAPER_SHAPES = {
+    "llama3.1-8b-instruct": (
+        "tiny-llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
+    "qwen2.5-7b-instruct": (
+        "tiny-qwen2",
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            head_dim=128,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+    ),
+}
 
 
 @dataclass
@@ -125,6 +170,30 @@ def tiny_backbone(
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
     return _finish(arch, model, tokenizer)
+
+
+def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose token ``i`` is the word ``<i>``: decoding for random models
+    that need no real vocabulary (no asset, no download). Token 0 is the end of sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocabulary = {f"<{i}>": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocabulary, unk_token="<0>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<0>")
+
+
+def random_backbone(shape: str, dtype: torch.dtype, device: str | torch.device, **overrides) -> Backbone:
+    """A randomly initialised model of one of ``PAPER_SHAPES`` (``overrides`` change its config),
+    built directly on ``device`` in ``dtype``, with a ``synthetic_tokenizer``."""
+    if shape not in PAPER_SHAPES:
+        raise BackboneError(f"unknown model shape {shape!r}; choose one of {sorted(PAPER_SHAPES)}")
+    arch, config_values = PAPER_SHAPES[shape]
+    config_class, model_class = TINY[arch]
+    config = config_class(**{**config_values, **overrides}, eos_token_id=0, bos_token_id=None)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype)
+    return _finish(shape, model, synthetic_tokenizer(config.vocab_size))
 
 
 def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backbone:

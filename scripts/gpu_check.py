@@ -1,0 +1,427 @@
+"""The GPU path in one command: CUDA correctness against the CPU, then efficiency at 8B scale.
+
+    python -m scripts.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
+        [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
+
+Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
+0.6 and 0.9 in both settings, once on the CPU in fp32 (the reference) and on the device in
+fp32, bf16 and fp16. Per layer: the kept sets and residual sizes must equal the CPU's in fp32
+(hard checks), every compressed layer's output for the observed queries must be finite and
+within tolerance of the CPU's, and every head must hold no more than its budget (AdaKV: the
+layer's total). Each configuration also decodes a few tokens end to end on the device.
+
+Efficiency: randomly initialised models of the paper's backbones' shapes (memory and speed do not
+depend on the weights), bf16. Per context length one prefill serves every (method, ratio);
+for each it records the prefill's and the compression + decode's peak allocated memory
+(``torch.cuda.max_memory_allocated``, reset per phase; the request's peak is the larger of the
+two, since the prefilled cache stays alive while a compressed copy decodes), the compression
+time, and the decode rate over ``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
+
+Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
+does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from baselines import METHODS, build_method
+from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
+from reskv.compress import ResidualConfig, compress_layer
+from reskv.engine import SETTINGS, Prefill
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (shape, query heads, KV heads): both architectures, GQA group sizes 1 and 4.
+TINY_MODELS = (
+    ("llama3.1-8b-instruct", 4, 4),
+    ("llama3.1-8b-instruct", 8, 2),
+    ("qwen2.5-7b-instruct", 4, 4),
+    ("qwen2.5-7b-instruct", 8, 2),
+)
+CHECK_RATIOS = (0.6, 0.9)
+CHECK_PROMPT, CHECK_QUESTION, CHECK_DECODE = 1024, 32, 4
+# Relative error of a compressed layer's output against the CPU fp32 one (same kept set), per
+# device dtype: a few units of the format's rounding (bf16 keeps 8 bits of mantissa, fp16 11).
+OUTPUT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.03}
+EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
+GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+CPU_LENGTHS = (256, 512)
+# A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
+CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
+
+
+def tiny_model(shape: str, heads: int, kv_heads: int) -> Backbone:
+    """A small random model of ``shape``'s architecture in fp32 on the CPU (fixed seed)."""
+    torch.manual_seed(0)
+    return random_backbone(
+        shape,
+        torch.float32,
+        "cpu",
+        num_hidden_layers=2,
+        hidden_size=heads * 16,
+        intermediate_size=128,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        vocab_size=512,
+    )
+
+
+def moved(backbone: Backbone, device: str, dtype: torch.dtype) -> Backbone:
+    """The same weights on ``device`` in ``dtype`` (the original model is left as it is)."""
+    model = type(backbone.model)(backbone.model.config).to(device, dtype)
+    model.load_state_dict(backbone.model.state_dict())
+    model.eval().requires_grad_(False)
+    return dataclasses.replace(backbone, model=model)
+
+
+def layer_results(prefill: Prefill, method_name: str, ratio: float, setting: str) -> list[dict]:
+    """Per compressed layer: kept mask, residual sizes, slots and the output for the observed queries."""
+    method = build_method(method_name, ratio)
+    results = []
+    for observation in prefill.observations(setting):
+        state = compress_layer(observation, method.scorer, ratio, method.residual)
+        if state is None:
+            continue
+        queries = observation.queries.reshape(observation.num_kv_heads, -1, observation.queries.shape[-1])
+        rule = (method.residual or ResidualConfig()).decode_rule
+        results.append(
+            {
+                "kept": state.kept.cpu(),
+                "residual_slots": state.stats["residual_slots"],
+                "slots": (state.kept.sum(-1) + state.residual.entries_per_head).tolist(),
+                "budget": state.stats["budget"],
+                "output": state.attend(queries, observation.scaling, rule).float().cpu(),
+            }
+        )
+    return results
+
+
+def budget_ok(method_name: str, layer: dict) -> bool:
+    """No head holds more than ``b`` slots; AdaKV: the layer holds at most ``H_kv * b``."""
+    slots, budget = layer["slots"], layer["budget"]
+    if method_name.startswith("adakv"):
+        return sum(slots) <= len(slots) * budget
+    return max(slots) <= budget
+
+
+def check_model(shape: str, heads: int, kv_heads: int, device: str, dtypes: Sequence[str]) -> list[dict]:
+    """Rows of the correctness report for one tiny model: every method, ratio, setting and dtype."""
+    reference_model = tiny_model(shape, heads, kv_heads)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 512, (CHECK_PROMPT,), generator=generator).tolist()
+    context_length = CHECK_PROMPT - CHECK_QUESTION
+    all_methods = [build_method(name, 0.9) for name in METHODS]
+    reference = Prefill(reference_model, prompt, context_length, all_methods)
+    rows = []
+    for dtype_name in dtypes:
+        backbone = moved(reference_model, device, DTYPES[dtype_name])
+        prefill = Prefill(backbone, prompt, context_length, all_methods)
+        for method_name in METHODS:
+            if method_name == "full":
+                continue
+            for ratio in CHECK_RATIOS:
+                for setting in SETTINGS:
+                    expected = layer_results(reference, method_name, ratio, setting)
+                    got = layer_results(prefill, method_name, ratio, setting)
+                    generation = prefill.generate(build_method(method_name, ratio), setting, CHECK_DECODE)
+                    row = {
+                        "model": f"{shape}-h{heads}-kv{kv_heads}",
+                        "dtype": dtype_name,
+                        "method": method_name,
+                        "ratio": ratio,
+                        "setting": setting,
+                        **compare_layers(method_name, got, expected),
+                        "decoded_tokens": len(generation.token_ids),
+                    }
+                    row["passed"] = passed(row)
+                    rows.append(row)
+    return rows
+
+
+def compare_layers(method_name: str, got: list[dict], expected: list[dict]) -> dict:
+    """One configuration's per-layer results on the device against the CPU fp32 reference.
+
+    The output error is taken over the layers whose kept sets and residual sizes equal the
+    reference's: where low precision flips a near-tied score, the two caches hold different
+    tokens and their outputs are not comparable (the agreement of the kept sets says how often).
+    """
+    same_cache = [
+        torch.equal(g["kept"], e["kept"]) and g["residual_slots"] == e["residual_slots"]
+        for g, e in zip(got, expected, strict=True)
+    ]
+    errors = [
+        float((g["output"] - e["output"]).norm() / e["output"].norm().clamp(min=1e-30))
+        for g, e, same in zip(got, expected, same_cache, strict=True)
+        if same
+    ]
+    return {
+        "layers": len(got),
+        "layers_with_equal_caches": sum(same_cache),
+        "kept_agreement": sum(
+            float((g["kept"] == e["kept"]).float().mean()) for g, e in zip(got, expected, strict=True)
+        )
+        / max(1, len(got)),
+        "residual_heads": sum(sum(size > 0 for size in g["residual_slots"]) for g in got),
+        "finite": all(bool(torch.isfinite(g["output"]).all()) for g in got),
+        "budget_ok": all(budget_ok(method_name, g) for g in got),
+        "max_output_error": max(errors, default=0.0),
+    }
+
+
+def passed(row: dict) -> bool:
+    """Hard checks: finite outputs, budgets, outputs within tolerance where the caches agree; in
+    fp32 also every layer's kept set and residual sizes equal (low precision may flip near ties)."""
+    ok = row["finite"] and row["budget_ok"] and row["max_output_error"] <= OUTPUT_TOLERANCE[row["dtype"]]
+    if row["dtype"] == "fp32":
+        ok = ok and row["layers_with_equal_caches"] == row["layers"]
+    return ok
+
+
+def random_prompt(vocab_size: int, length: int, seed: int = 42) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """CUDA's max allocated bytes since the last reset; None on the CPU (no allocator statistics)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def efficiency_rows(
+    backbone: Backbone, lengths: Sequence[int], ratios: Sequence[float], new_tokens: int
+) -> list[dict]:
+    """One row per (length, method, ratio); a failed prefill marks every method at that length OOM."""
+    device = backbone.device
+    unstoppable = dataclasses.replace(backbone, stop_token_ids=())
+    config = backbone.model.config
+    item_bytes = torch.finfo(backbone.model.dtype).bits // 8
+    rows = []
+    for length in lengths:
+        base = {"shape": backbone.name, "length": length}
+        if length + new_tokens > config.max_position_embeddings:
+            rows.append(
+                {**base, "status": f"exceeds max_position_embeddings {config.max_position_embeddings}"}
+            )
+            continue
+        prompt = random_prompt(config.vocab_size, length)
+        configurations = [("full", None)] + [
+            (name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"
+        ]
+        release_memory(device)
+        reset_peak(device)
+        try:
+            prefill = Prefill(unstoppable, prompt, length, [build_method(n, r) for n, r in configurations])
+            synchronize(device)
+        except RuntimeError as error:
+            if not is_out_of_memory(error):
+                raise
+            rows += [{**base, "method": n, "ratio": r, "status": "OOM"} for n, r in configurations]
+            continue
+        prefill_peak = peak_bytes(device)
+        for name, ratio in configurations:
+            row = {**base, "method": name, "ratio": ratio, "prefill_s": prefill.timings["prefill_s"]}
+            gc.collect()
+            reset_peak(device)
+            try:
+                generation = prefill.generate(build_method(name, ratio), "aware", max_new_tokens=new_tokens)
+                synchronize(device)
+            except RuntimeError as error:
+                if not is_out_of_memory(error):
+                    raise
+                rows.append({**row, "status": "OOM"})
+                continue
+            decode_peak = peak_bytes(device)
+            slots = sum(sum(layer) for layer in generation.cache_stats["slots"])
+            rows.append(
+                {
+                    **row,
+                    "status": "ok",
+                    "compress_s": generation.timings["compress_s"],
+                    "decode_tokens_per_s": generation.timings["decode_tokens"]
+                    / generation.timings["decode_s"],
+                    "cache_bytes_after_decode": 2 * slots * config.head_dim * item_bytes,
+                    "prefill_peak_bytes": prefill_peak,
+                    "decode_peak_bytes": decode_peak,
+                    "request_peak_bytes": None if decode_peak is None else max(prefill_peak, decode_peak),
+                    "residual_heads": sum(
+                        sum(size > 0 for size in layer)
+                        for layer in generation.cache_stats.get("residual_slots", [])
+                    ),
+                }
+            )
+        del prefill
+    return rows
+
+
+def machine() -> dict:
+    """What ran the check: GPU, driver, versions, date."""
+    import transformers
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cuda_available": torch.cuda.is_available(),
+        "flash_attn_importable": importlib.util.find_spec("flash_attn") is not None,
+    }
+    if torch.cuda.is_available():
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        info |= {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda}
+    # Exact layers of half-precision CUDA runs use FlashAttention-2 when it imports (reskv.cache).
+    info["attention_path"] = (
+        "flash_attention_2 (half precision), sdpa (fp32)"
+        if info["cuda_available"] and info["flash_attn_importable"]
+        else "sdpa"
+    )
+    return info
+
+
+def plot(report: dict, out: Path) -> list[Path]:
+    """Peak memory and decode rate versus context length, one line per (shape, method, ratio)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in report["efficiency"] if "method" in row]
+    if not rows:
+        return []
+    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    curves = sorted({(row["shape"], row["method"], row["ratio"]) for row in rows}, key=str)
+    markers = "osD^vP*X"
+    for index, (shape, method, ratio) in enumerate(curves):
+        points = sorted(
+            (r for r in rows if (r["shape"], r["method"], r["ratio"]) == (shape, method, ratio)),
+            key=lambda r: r["length"],
+        )
+        label = f"{shape} {method}" + ("" if ratio is None else f" {ratio:g}")
+        ok = [p for p in points if p["status"] == "ok"]
+        style = dict(marker=markers[index % len(markers)], label=label, alpha=0.8)
+        if ok and ok[0]["request_peak_bytes"] is not None:
+            memory_axis.plot(
+                [p["length"] for p in ok], [p["request_peak_bytes"] / 2**30 for p in ok], **style
+            )
+        speed_axis.plot([p["length"] for p in ok], [p["decode_tokens_per_s"] for p in ok], **style)
+        for p in points:
+            if p["status"] == "OOM":
+                memory_axis.annotate("OOM", (p["length"], memory_axis.get_ylim()[1]), fontsize=7)
+    memory_axis.set(
+        xscale="log",
+        xlabel="context length (tokens)",
+        ylabel="peak allocated (GiB)",
+        title="Peak memory per request",
+    )
+    speed_axis.set(
+        xscale="log", xlabel="context length (tokens)", ylabel="decode tokens / s", title="Decode throughput"
+    )
+    where = report["machine"].get("gpu", "CPU (tiny shapes)")
+    figure.suptitle(f"{where}, {report['machine']['date'][:10]}, bf16, random weights", fontsize=9)
+    speed_axis.legend(fontsize=6, loc="best")
+    figure.tight_layout()
+    paths = [out / "efficiency.png", out / "efficiency.pdf"]
+    for path in paths:
+        figure.savefig(path, dpi=150)
+    plt.close(figure)
+    return paths
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results/gpu"))
+    parser.add_argument("--shapes", nargs="+", default=list(PAPER_SHAPES), choices=list(PAPER_SHAPES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=None)
+    parser.add_argument("--ratios", nargs="+", type=float, default=[0.9, 0.6])
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--skip-efficiency", action="store_true")
+    parser.add_argument("--skip-correctness", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "correctness": [], "efficiency": []}
+    path = args.out / "gpu_check.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+    if not args.skip_correctness:
+        for shape, heads, kv_heads in TINY_MODELS:
+            started = time.perf_counter()
+            report["correctness"] += check_model(shape, heads, kv_heads, device, list(DTYPES))
+            print(
+                f"correctness {shape} h{heads} kv{kv_heads}: {time.perf_counter() - started:.1f}s", flush=True
+            )
+            save()
+        failures = [row for row in report["correctness"] if not row["passed"]]
+        report["correctness_passed"] = not failures
+        for row in failures:
+            print("FAILED", json.dumps(row), flush=True)
+    if not args.skip_efficiency:
+        lengths = args.lengths or (GPU_LENGTHS if cuda else CPU_LENGTHS)
+        new_tokens = args.new_tokens or (128 if cuda else 8)
+        for shape in args.shapes:
+            torch.manual_seed(0)
+            if cuda:
+                backbone = random_backbone(shape, torch.bfloat16, device)
+            else:
+                backbone = random_backbone(shape, torch.float32, device, **CPU_SHRINK)
+            for length in lengths:
+                started = time.perf_counter()
+                report["efficiency"] += efficiency_rows(backbone, [length], args.ratios, new_tokens)
+                print(f"efficiency {shape} {length}: {time.perf_counter() - started:.1f}s", flush=True)
+                save()
+            del backbone
+            release_memory(torch.device(device))
+    save()
+    for figure in plot(report, args.out):
+        print("wrote", figure)
+    print("wrote", path)
+    return 0 if report.get("correctness_passed", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
