@@ -33,6 +33,13 @@ def gate_values(main_max: Tensor, main_lse: Tensor, rule: DecodeRule) -> Tensor:
     return torch.sigmoid(rule.alpha * (rule.tau - main_peak)).clamp(min=rule.g_min)
 
 
+def population_bias(log_counts: Tensor, beta: float) -> Tensor:
+    """``beta * log(c_j)`` on used slots, ``-inf`` on unused ones whatever ``beta`` is (reskv.md,
+    invariant 10): validity is read from the slot, never from ``beta * -inf`` (NaN when beta = 0)."""
+    used = torch.isfinite(log_counts)
+    return torch.where(used, beta * log_counts.masked_fill(~used, 0.0), float("-inf"))
+
+
 def _softmax_output(logits: Tensor, lse: Tensor, values: Tensor) -> Tensor:
     """``softmax(logits) @ values`` given the row log-sum-exp; an all ``-inf`` row gives 0, not NaN."""
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -73,7 +80,7 @@ def residual_attention(
 
     gate = gate_values(main_logits.amax(dim=-1), main_lse, rule)
     residual_logits = queries @ residual_keys.float().transpose(1, 2) * scaling
-    residual_logits = residual_logits + rule.beta * residual_log_counts[:, None, :]
+    residual_logits = residual_logits + population_bias(residual_log_counts, rule.beta)[:, None, :]
     if rule.shared_softmax:
         residual_logits = residual_logits + torch.log(gate)[..., None]
     residual_lse = torch.logsumexp(residual_logits, dim=-1)

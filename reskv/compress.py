@@ -8,8 +8,8 @@ summarised by ``r`` k-means entries, ``r`` chosen per head by the validation pro
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -80,13 +80,29 @@ class CompressedLayerState:
     def attend(self, queries: Tensor, scaling: float, rule: DecodeRule) -> Tensor:
         """Output ``[H_kv, Q, d]`` for grouped queries over this layer as compressed (nothing appended)."""
         residual = self.residual
-        return residual_attention(queries, self.main_keys, self.main_values, self.main_bias, residual.keys,
-                                  residual.values, residual.log_counts, scaling, rule, self.evicted_fraction)
+        return residual_attention(
+            queries,
+            self.main_keys,
+            self.main_values,
+            self.main_bias,
+            residual.keys,
+            residual.values,
+            residual.log_counts,
+            scaling,
+            rule,
+            self.evicted_fraction,
+        )
 
 
 def budget_for(seq_len: int, ratio: float) -> int:
-    """Retained slots per KV head: ``b = floor(s * (1 - ratio))`` (reskv.md, Budget)."""
-    return math.floor(seq_len * (1 - ratio))
+    """Retained slots per KV head: ``b = floor(s * (1 - ratio))`` computed exactly on the decimal
+    value of ``ratio`` (reskv.md, Budget): ``s = 4000, ratio = 0.9`` gives 400, where floating
+    point gives 399."""
+    exact = Fraction(str(ratio))
+    if not 0 <= exact < 1:
+        raise ValueError(f"compression ratio {ratio!r} must lie in [0, 1)")
+    kept_num, den = (1 - exact).as_integer_ratio()
+    return seq_len * kept_num // den
 
 
 def kept_positions(kept: Tensor) -> tuple[Tensor, Tensor]:
