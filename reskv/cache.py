@@ -68,6 +68,15 @@ def causal_attention(module, query: Tensor, key: Tensor, value: Tensor, scaling:
     return output.transpose(1, 2).contiguous()
 
 
+def require_single_sequence(states: Tensor) -> None:
+    """Every layer holds one sequence: refuse a batch rather than silently use its first row."""
+    if states.shape[0] != 1:
+        raise ValueError(
+            f"batch size {states.shape[0]}: the ResKV cache holds one sequence (batch size 1); "
+            "compress each prompt on its own"
+        )
+
+
 class ObservedLayer(DynamicLayer):
     """An exact layer; while ``observation_window > 0`` it records queries (and H2O statistics)."""
 
@@ -134,6 +143,7 @@ class CompressedLayer(CacheLayerMixin):
         raise RuntimeError("a compressed layer is built from a prefilled one, never lazily")
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        require_single_sequence(key_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         if self.main_bias is not None:
@@ -221,6 +231,7 @@ def reskv_attention(
     cache = kwargs.get(CACHE_KWARG)
     if cache is None:
         return causal_attention(module, query, key, value, scaling), None
+    require_single_sequence(query)
     return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None
 
 

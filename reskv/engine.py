@@ -106,14 +106,17 @@ class Prefill:
         context_length: int,
         methods: Sequence[Method] = (),
     ):
+        prompt_ids = single_sequence(prompt_ids)
         if not 0 < context_length <= len(prompt_ids):
             raise ValueError(f"context_length {context_length} outside (0, {len(prompt_ids)}]")
         self.backbone = backbone
-        self.prompt_ids = list(prompt_ids)
+        self.prompt_ids = prompt_ids
         self.context_length = context_length
+        config = backbone.model.config
+        self.max_positions = config.max_position_embeddings
+        self._check_positions(0)
         self.observation_window = max([DEFAULT_OBSERVATION_WINDOW] + [m.observation_window for m in methods])
         self.accumulate = any(m.needs_accumulated_attention for m in methods)
-        config = backbone.model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = head_dim**-0.5
         self.timings: dict[str, float] = {}
@@ -122,6 +125,15 @@ class Prefill:
         self._context = _PrefilledState(cache, self._forward(self.prompt_ids[:context_length], cache))
         self.timings["prefill_s"] = time.perf_counter() - start
         self._whole_prompt: _PrefilledState | None = None
+
+    def _check_positions(self, max_new_tokens: int) -> None:
+        """Refuse to run past the backbone's positions (the runner checks earlier and skips)."""
+        needed = len(self.prompt_ids) + max_new_tokens
+        if needed > self.max_positions:
+            raise ValueError(
+                f"{len(self.prompt_ids)} prompt tokens + {max_new_tokens} new tokens = {needed} positions "
+                f"exceed the backbone's max_position_embeddings {self.max_positions}"
+            )
 
     @torch.inference_mode()
     def _forward(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
@@ -160,8 +172,13 @@ class Prefill:
         setting: str = "aware",
         max_new_tokens: int = 32,
         stop_token_ids: Sequence[int] = (),
+        min_new_tokens: int = 0,
     ) -> Generation:
-        """Compress a copy of the prefilled cache for ``method`` and decode greedily."""
+        """Compress a copy of the prefilled cache for ``method`` and decode greedily.
+
+        Until ``min_new_tokens`` tokens exist, stop tokens (the backbone's and ``stop_token_ids``)
+        cannot be chosen (transformers' ``min_length`` semantics)."""
+        self._check_positions(max_new_tokens)
         timings = {}
         start = time.perf_counter()
         source = self._source(setting)
@@ -177,20 +194,22 @@ class Prefill:
             logits = self._forward(question, cache)
             timings["question_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        token_ids = self._decode(
-            cache, logits, max_new_tokens, set(stop_token_ids) | set(self.backbone.stop_token_ids)
-        )
+        stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
+        token_ids = self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids)
         timings["decode_s"] = time.perf_counter() - start
         timings["decode_tokens"] = len(token_ids)
         text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
         return Generation(token_ids, text, stats, timings)
 
     def _decode(
-        self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, stop_ids: set[int]
+        self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, min_new_tokens: int, stop_ids: set[int]
     ) -> list[int]:
         """Greedy decoding; the stop token itself is not part of the answer."""
         token_ids: list[int] = []
+        stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
         while len(token_ids) < max_new_tokens:
+            if len(token_ids) < min_new_tokens:
+                logits = logits.index_fill(0, stop_index, float("-inf"))
             next_id = int(logits.argmax())
             if next_id in stop_ids:
                 break
@@ -198,6 +217,19 @@ class Prefill:
             if len(token_ids) < max_new_tokens:
                 logits = self._forward([next_id], cache)
         return token_ids
+
+
+def single_sequence(prompt_ids: Sequence[int] | Tensor) -> list[int]:
+    """The prompt as one list of ids; a batch of several sequences is refused (batch size 1)."""
+    ids = torch.as_tensor(prompt_ids)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(
+            f"prompt_ids of shape {tuple(ids.shape)} (batch size {ids.shape[0]}): the engine takes one "
+            "sequence (batch size 1); build one Prefill per prompt"
+        )
+    return ids.tolist()
 
 
 def generate(
