@@ -32,9 +32,18 @@ class Item:
     metric: str
     # Extra token ids that end generation besides the backbone's EOS (LongBench samsum: newline).
     stop_token_ids: tuple[int, ...] = ()
+    # While fewer than this many tokens were generated, the backbone's EOS and ``stop_token_ids``
+    # are masked out, so generation cannot end there (LongBench samsum: 1, upstream pred.py's
+    # ``min_length=context_length + 1``; the engine's ``Prefill.generate(..., min_new_tokens=...)``).
+    min_new_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens {self.min_new_tokens} outside [0, max_new_tokens={self.max_new_tokens}] for "
+                f"{self.benchmark}/{self.task}#{self.index}"
+            )
         if not 0 < self.context_length <= len(self.prompt_ids):
             raise ValueError(
                 f"context_length {self.context_length} outside (0, {len(self.prompt_ids)}] for "

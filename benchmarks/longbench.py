@@ -4,7 +4,12 @@ Upstream: ``THUDM/LongBench`` (MIT), read at commit 2e00731f8d0bff23dc4325161044
 Prompt templates and generation lengths are ``LongBench/config/dataset2prompt.json`` and
 ``dataset2maxlen.json``, copied verbatim into ``longbench_prompts.json``; prompt building follows
 ``LongBench/pred.py``, scoring ``LongBench/eval.py``, the metrics ``LongBench/metrics.py``
-(``benchmarks.metrics``).
+(``benchmarks.metrics``). LongBench-E (the ``_e`` files, ``scorer_e``) is ``benchmarks.longbench_e``.
+
+Chat template rule. The paper keeps the native completion format for the code tasks only (lcc,
+repobench-p) and uses the backbone's chat template everywhere else: ``template_rule="paper"``, the
+default. ``template_rule="upstream"`` is ``pred.py``'s rule, which also leaves trec, triviaqa, samsum
+and lsht untemplated.
 
 Context/question split (ours; upstream has no such notion). The context segment is everything up
 to the end of the sample's ``context`` field: the chat template's opening, the task instruction
@@ -24,12 +29,11 @@ import json
 import os
 import socket
 import zipfile
-from collections.abc import Iterable
-from itertools import islice
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from benchmarks import BenchmarkError
+from benchmarks import BenchmarkError, TaskUnavailable
 from benchmarks.item import Item, split_point, tokenize_prompt
 from benchmarks.metrics import METRICS
 
@@ -41,9 +45,16 @@ TASKS = (
 )  # fmt: skip
 # The 16 English tasks whose unweighted mean KV-compression papers report.
 ENGLISH_TASKS = TASKS[:16]
+TASK_SETS = {"all": TASKS, "english": ENGLISH_TASKS}
 
-# pred.py: "chat models are better off without build prompts on these tasks".
-NO_CHAT_TEMPLATE_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+# Tasks left without the chat template, per rule. "paper": the code-completion tasks keep their
+# native format (the paper's setup). "upstream": pred.py's "chat models are better off without
+# build prompts on these tasks".
+NO_CHAT_TEMPLATE_TASKS = {
+    "paper": frozenset({"lcc", "repobench-p"}),
+    "upstream": frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}),
+}
+TEMPLATE_RULES = tuple(NO_CHAT_TEMPLATE_TASKS)
 # eval.py: these tasks score only the first line of the prediction.
 FIRST_LINE_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 
@@ -84,12 +95,12 @@ HUB_TIMEOUT = 5.0
 FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
 
 
-def _local_candidates(task: str, data_dir: str | Path | None) -> list[Path]:
+def _local_candidates(file_stem: str, data_dir: str | Path | None) -> list[Path]:
     """Where the task's jsonl may lie: the official ``data.zip`` layout or a flat directory."""
     root = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
     if not root:
         return []
-    return [Path(root) / "data" / f"{task}.jsonl", Path(root) / f"{task}.jsonl"]
+    return [Path(root) / "data" / f"{file_stem}.jsonl", Path(root) / f"{file_stem}.jsonl"]
 
 
 def _probe_hub(endpoint: str) -> None:
@@ -123,39 +134,50 @@ def _hub_data_zip() -> Path:
         raise OSError(f"download failed: {error}") from error
 
 
-def _missing_data_error(task: str, candidates: list[Path], hub_problem: str) -> BenchmarkError:
-    looked = " or ".join(map(str, candidates)) or f"nothing (no data_dir given, {DATA_ENV} unset)"
-    return BenchmarkError(
-        f"LongBench data for task {task!r} not found: looked for {looked}; hub: {hub_problem}. "
-        f"Download {DATA_ZIP_URL}, unzip it into a directory DIR (giving DIR/data/{task}.jsonl), "
-        f"then pass data_dir=DIR or set the environment variable {DATA_ENV}=DIR."
+def _missing_data(file_stem: str, candidates: list[Path], hub_problem: str) -> TaskUnavailable:
+    unset = f"nothing (benchmark.options.data_dir unset, {DATA_ENV} unset)"
+    looked = " or ".join(map(str, candidates)) or unset
+    return TaskUnavailable(
+        f"LongBench data file {file_stem}.jsonl not found: looked for {looked}; hub: {hub_problem}. "
+        f"Download {DATA_ZIP_URL} and unzip it into a directory DIR (giving DIR/data/{file_stem}.jsonl), "
+        f"then pass benchmark.options.data_dir=DIR on the command line or set the environment "
+        f"variable {DATA_ENV}=DIR."
     )
 
 
-def _parse_samples(lines: Iterable[str], source: str, limit: int | None) -> list[dict]:
-    samples = [json.loads(line) for line in islice((line for line in lines if line.strip()), limit)]
-    for number, sample in enumerate(samples):
+def _parse_samples(lines: Iterable[str], source: str, limit: int | None) -> tuple[list[dict], dict]:
+    """The first ``limit`` samples and the file's last sample."""
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        raise BenchmarkError(f"{source} holds no samples")
+    numbered = [*enumerate(lines[:limit]), (len(lines) - 1, lines[-1])]
+    parsed = []
+    for number, line in numbered:
+        sample = json.loads(line)
         missing = [name for name in FIELDS if name not in sample]
         if missing:
             raise BenchmarkError(f"{source}: sample {number} lacks the LongBench fields {missing}")
-    return samples
+        parsed.append(sample)
+    return parsed[:-1], parsed[-1]
 
 
-def read_samples(task: str, data_dir: str | Path | None = None, limit: int | None = None) -> list[dict]:
-    """The task's samples in file order (the first ``limit`` of them): local jsonl, else the hub."""
-    candidates = _local_candidates(task, data_dir)
+def read_samples(
+    file_stem: str, data_dir: str | Path | None = None, limit: int | None = None
+) -> tuple[list[dict], dict]:
+    """Samples of ``data/<file_stem>.jsonl`` in file order (the first ``limit`` of them) and the
+    file's last sample: local jsonl, else the hub's ``data.zip``; ``TaskUnavailable`` without either."""
+    candidates = _local_candidates(file_stem, data_dir)
     for path in candidates:
         if path.is_file():
-            with path.open(encoding="utf-8") as lines:
-                return _parse_samples(lines, str(path), limit)
+            return _parse_samples(path.read_text(encoding="utf-8").splitlines(), str(path), limit)
     try:
         archive = _hub_data_zip()
     except OSError as error:
-        raise _missing_data_error(task, candidates, str(error)) from error
-    member = f"data/{task}.jsonl"
+        raise _missing_data(file_stem, candidates, str(error)) from error
+    member = f"data/{file_stem}.jsonl"
     with zipfile.ZipFile(archive) as bundle:
         if member not in bundle.namelist():
-            raise _missing_data_error(task, candidates, f"{archive} has no {member}")
+            raise _missing_data(file_stem, candidates, f"{archive} has no {member}")
         text = bundle.read(member).decode("utf-8")
     return _parse_samples(text.splitlines(), f"{archive}:{member}", limit)
 
@@ -226,17 +248,32 @@ def newline_token_id(tokenizer) -> int:
     return tokenizer.encode("\n", add_special_tokens=False)[-1]
 
 
-def build_item(task: str, tokenizer, sample: dict, index: int, max_length: int) -> Item:
-    """One sample as an ``Item``: format, truncate in the middle, template, tokenize and split."""
+def build_item(
+    benchmark: str,
+    task: str,
+    tokenizer,
+    sample: dict,
+    index: int,
+    max_length: int,
+    template_rule: str,
+    all_classes: list[str] | None,
+) -> Item:
+    """One sample as an ``Item``: format, truncate in the middle, template, tokenize and split.
+
+    ``all_classes`` is the task file's (its last line's): ``eval.py`` scores every prediction of a
+    file with the ``all_classes`` of the last line it read. samsum gets upstream's generation rule:
+    a newline also ends the answer, and the first token is neither EOS nor a newline
+    (``pred.py``: ``min_length=context_length + 1``, ``eos_token_id=[eos, newline]``).
+    """
     prompt, context_end = truncate_middle(tokenizer, *format_prompt(task, sample), max_length)
-    templated = task not in NO_CHAT_TEMPLATE_TASKS
+    templated = task not in NO_CHAT_TEMPLATE_TASKS[template_rule]
     if templated:
         prompt, context_end = chat_wrap(tokenizer, prompt, context_end)
     prompt_ids, context_length = tokenize_prompt(
         tokenizer, prompt[:context_end], prompt[context_end:], add_special_tokens=not templated
     )
     return Item(
-        benchmark="longbench",
+        benchmark=benchmark,
         task=task,
         index=index,
         prompt_ids=prompt_ids,
@@ -246,8 +283,40 @@ def build_item(task: str, tokenizer, sample: dict, index: int, max_length: int) 
         max_new_tokens=DATASET2MAXLEN[task],
         metric=TASK_METRICS[task],
         stop_token_ids=(newline_token_id(tokenizer),) if task == "samsum" else (),
-        metadata={"all_classes": sample["all_classes"], "length": sample["length"], "_id": sample["_id"]},
+        min_new_tokens=1 if task == "samsum" else 0,
+        metadata={"all_classes": all_classes, "length": sample["length"], "_id": sample["_id"]},
     )
+
+
+def check_options(length: int, num_samples: int | None, template_rule: str) -> None:
+    if length < 2:
+        raise BenchmarkError(f"length {length} too small: the middle truncation keeps length // 2 tokens")
+    if num_samples is not None and num_samples < 0:
+        raise BenchmarkError(f"num_samples must be >= 0 or None, got {num_samples}")
+    if template_rule not in TEMPLATE_RULES:
+        raise BenchmarkError(
+            f"unknown LongBench template_rule {template_rule!r} (benchmark.options.template_rule); "
+            f"choose one of {list(TEMPLATE_RULES)}"
+        )
+
+
+def items_from_file(
+    benchmark: str,
+    task: str,
+    file_stem: str,
+    tokenizer,
+    length: int,
+    num_samples: int | None,
+    data_dir: str | Path | None,
+    template_rule: str,
+) -> list[Item]:
+    """Items of the first ``num_samples`` samples of ``data/<file_stem>.jsonl``, prompted as ``task``."""
+    check_options(length, num_samples, template_rule)
+    samples, last = read_samples(file_stem, data_dir, limit=num_samples)
+    return [
+        build_item(benchmark, task, tokenizer, sample, index, length, template_rule, last["all_classes"])
+        for index, sample in enumerate(samples)
+    ]
 
 
 def load_items(
@@ -257,21 +326,19 @@ def load_items(
     length: int,
     num_samples: int | None = None,
     data_dir: str | Path | None = None,
+    template_rule: str = "paper",
     seed: int = 42,
 ) -> list[Item]:
-    """Items of one task: the first ``num_samples`` samples in file order (all when None).
+    """Items of one task: the first ``num_samples`` samples of ``data/<task>.jsonl`` (all when None).
 
     ``length`` is LongBench's ``max_length`` for the middle truncation (``model2maxlen`` upstream).
-    ``seed`` is accepted for the harness's uniform call; LongBench draws nothing at random.
+    ``template_rule`` is ``"paper"`` or ``"upstream"`` (module docstring). ``seed`` is accepted for
+    the harness's uniform call; LongBench draws nothing at random. Missing data raises
+    ``benchmarks.TaskUnavailable`` with the way to get it.
     """
     if task not in TASKS:
         raise BenchmarkError(f"unknown longbench task {task!r}; choose one of {list(TASKS)}")
-    if length < 2:
-        raise BenchmarkError(f"length {length} too small: the middle truncation keeps length // 2 tokens")
-    if num_samples is not None and num_samples < 0:
-        raise BenchmarkError(f"num_samples must be >= 0 or None, got {num_samples}")
-    samples = read_samples(task, data_dir, limit=num_samples)
-    return [build_item(task, tokenizer, sample, index, length) for index, sample in enumerate(samples)]
+    return items_from_file("longbench", task, task, tokenizer, length, num_samples, data_dir, template_rule)
 
 
 def score_item(item: Item, prediction: str) -> float:
@@ -282,3 +349,9 @@ def score_item(item: Item, prediction: str) -> float:
     all_classes = item.metadata.get("all_classes")
     scores = (metric(prediction, reference, all_classes=all_classes) for reference in item.references)
     return float(max([0.0, *scores]))
+
+
+def task_score(sample_scores: Sequence[float]) -> float:
+    """``eval.py`` ``scorer``: ``round(100 * total_score / len(predictions), 2)``, the total summed in
+    sample order from 0 (so ``(100 * total) / n``, not ``100 * (total / n)``)."""
+    return round(100 * sum(sample_scores) / len(sample_scores), 2)

@@ -100,8 +100,8 @@ def chat(tokenizer, text: str) -> str:
     )
 
 
-def one_item(task, tokenizer, data_dir, length=4096, number=0) -> Item:
-    return longbench.load_items(task, tokenizer, length=length, data_dir=data_dir)[number]
+def one_item(task, tokenizer, data_dir, length=4096, number=0, **options) -> Item:
+    return longbench.load_items(task, tokenizer, length=length, data_dir=data_dir, **options)[number]
 
 
 def test_task_lists_follow_the_spec():
@@ -112,7 +112,8 @@ def test_task_lists_follow_the_spec():
     assert set(longbench.TASK_METRICS) == set(longbench.TASKS)
     assert set(longbench.TASK_METRICS.values()) <= set(benchmarks.metrics.METRICS)
     assert longbench.FIRST_LINE_TASKS == {"trec", "triviaqa", "samsum", "lsht"}
-    assert longbench.NO_CHAT_TEMPLATE_TASKS == longbench.FIRST_LINE_TASKS | {"lcc", "repobench-p"}
+    assert longbench.NO_CHAT_TEMPLATE_TASKS["upstream"] == longbench.FIRST_LINE_TASKS | {"lcc", "repobench-p"}
+    assert longbench.NO_CHAT_TEMPLATE_TASKS["paper"] == {"lcc", "repobench-p"}
 
 
 def test_spec_data_is_upstreams_verbatim():
@@ -155,17 +156,20 @@ def test_templated_task_prompt_is_the_exact_upstream_text_in_the_chat_template(t
     )
 
 
-@pytest.mark.parametrize("task", ["trec", "samsum", "lcc"])
-def test_few_shot_and_code_tasks_skip_the_chat_template(tokenizer, data_dir, task):
-    item = one_item(task, tokenizer, data_dir)
+@pytest.mark.parametrize(
+    ("task", "template_rule"),
+    [("trec", "upstream"), ("samsum", "upstream"), ("lcc", "upstream"), ("lcc", "paper")],
+)
+def test_few_shot_and_code_tasks_skip_the_chat_template(tokenizer, data_dir, task, template_rule):
+    item = one_item(task, tokenizer, data_dir, template_rule=template_rule)
     prompt = longbench.DATASET2PROMPT[task].format(**FIXTURE[task][0])
     assert item.prompt_ids == tuple(tokenizer(prompt)["input_ids"])
     assert "<|im_start|>" not in tokenizer.decode(item.prompt_ids)
     assert tokenizer.decode(item.context_ids).endswith(FIXTURE[task][0]["context"])
 
 
-def test_trec_prompt_text(tokenizer, data_dir):
-    item = one_item("trec", tokenizer, data_dir)
+def test_trec_prompt_text_under_the_upstream_rule(tokenizer, data_dir):
+    item = one_item("trec", tokenizer, data_dir, template_rule="upstream")
     assert tokenizer.decode(item.prompt_ids) == TREC_TEMPLATE.format(
         context="Question: Who wrote Hamlet?\nType: Human", input="Question: What is a dog?\nType:"
     )
@@ -302,13 +306,14 @@ def test_data_from_the_hub_archive(tokenizer, tmp_path, monkeypatch):
     assert longbench.load_items("trec", tokenizer, length=4096)[0].metadata["_id"] == "trec-0"
 
 
-def test_missing_data_directory_is_a_clear_error(tokenizer, tmp_path, no_hub):
+def test_missing_data_is_unavailable_with_the_way_to_get_it(tokenizer, tmp_path, no_hub):
     missing = tmp_path / "nowhere"
-    with pytest.raises(BenchmarkError) as error:
+    with pytest.raises(benchmarks.TaskUnavailable) as error:
         longbench.load_items("qasper", tokenizer, length=4096, data_dir=missing)
     message = str(error.value)
     assert str(missing / "data" / "qasper.jsonl") in message
-    assert longbench.DATA_ZIP_URL in message and longbench.DATA_ENV in message
+    assert longbench.DATA_ZIP_URL in message and f"{longbench.DATA_ENV}=DIR" in message
+    assert "benchmark.options.data_dir=DIR" in message
     assert "hub unreachable (test)" in message
 
 

@@ -83,14 +83,21 @@ def test_templates_answer_prefixes_and_generation_lengths_are_upstreams(generato
 
 def test_needle_noise_and_document_strings():
     assert NEEDLE == "One of the special magic {type_needle_v} for {key} is: {value}."
-    assert NOISE == ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-                     "There and back again.")
+    assert NOISE == (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+    )
     assert DOCUMENT_PROMPT == "Document {i}:\n{document}"
 
 
 # scripts/synthetic.yaml, in this order:
-NIAH_FIELDS = ("type_haystack", "type_needle_k", "type_needle_v",
-               "num_needle_k", "num_needle_v", "num_needle_q")
+NIAH_FIELDS = (
+    "type_haystack",
+    "type_needle_k",
+    "type_needle_v",
+    "num_needle_k",
+    "num_needle_v",
+    "num_needle_q",
+)
 UPSTREAM_NIAH = {
     "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
     "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
@@ -142,8 +149,17 @@ def test_string_match_part_takes_the_best_reference():
 
 
 def _item(metric: str, references: tuple[str, ...]) -> Item:
-    return Item(benchmark="ruler", task="niah_multivalue", index=0, prompt_ids=(1, 2), context_length=1,
-                answer_prefix="", references=references, max_new_tokens=8, metric=metric)
+    return Item(
+        benchmark="ruler",
+        task="niah_multivalue",
+        index=0,
+        prompt_ids=(1, 2),
+        context_length=1,
+        answer_prefix="",
+        references=references,
+        max_new_tokens=8,
+        metric=metric,
+    )
 
 
 def test_score_item_cleans_then_scores_and_task_score_averages():
@@ -151,6 +167,6 @@ def test_score_item_cleans_then_scores_and_task_score_averages():
     scores = [score_item(item, " 111\x00222 "), score_item(item, "111 222 333 444"), score_item(item, "")]
     assert scores == [0.5, 1.0, 0.0]
     assert benchmarks.score_item(item, "444") == 0.25
-    assert benchmarks.task_score(scores) == 50.0
+    assert benchmarks.task_score("ruler", scores) == 50.0
     part = _item("string_match_part", ("Denver Broncos", "Broncos"))
     assert score_item(part, "the broncos") == 1.0

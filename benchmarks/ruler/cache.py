@@ -34,10 +34,21 @@ def tokenizer_key(tokenizer, tokenizer_name: str | None) -> str:
     return "vocab-" + digest.hexdigest()[:16]
 
 
-def cache_file(cache_dir: Path, task: str, length: int, tokenizer_id: str, seed: int, count: int,
-               source: str = "") -> Path:
-    """``source`` distinguishes items built from different input data (qa files)."""
+def cache_file(
+    cache_dir: Path,
+    task: str,
+    length: int,
+    tokenizer_id: str,
+    seed: int,
+    count: int,
+    source: str,
+    template: str,
+) -> Path:
+    """``source`` distinguishes items built from different input data (qa files), ``template`` those
+    built in a RULER model template (the backbone's own, ``"model"``, adds nothing to the name)."""
     suffix = f"-{source}" if source else ""
+    if template != "model":
+        suffix += f"-tpl_{template}"
     version = f"{UPSTREAM_COMMIT[:7]}-v{GENERATOR_VERSION}"
     return cache_dir / version / f"{task}-len{length}-{tokenizer_id}-seed{seed}-n{count}{suffix}.jsonl"
 

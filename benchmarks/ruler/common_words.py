@@ -30,15 +30,16 @@ STEP = 10  # sys_word_pair_random ``incremental``
 
 
 def numbered(words: list[str]) -> str:
-    """"1. word1 2. word2 ..." (get_example and the few-shot answer)."""
+    """ "1. word1 2. word2 ..." (get_example and the few-shot answer)."""
     return " ".join(f"{i + 1}. {word}" for i, word in enumerate(words))
 
 
 class WordListSampler:
     """Builds cwe prompts with a given number of distinct words from one seeded run."""
 
-    def __init__(self, fmt: PromptFormat, seed: int, max_seq_length: int, freq_cw: int, freq_ucw: int,
-                 num_cw: int) -> None:
+    def __init__(
+        self, fmt: PromptFormat, seed: int, max_seq_length: int, freq_cw: int, freq_ucw: int, num_cw: int
+    ) -> None:
         self.fmt = fmt
         self.seed = seed
         self.rng = random.Random(seed)
@@ -71,12 +72,20 @@ class WordListSampler:
             shot = self.fmt.prompt(self.head, context, self.tail, SPEC.answer_prefix, answer)
             shots.append(shot.text + " " + numbered(answer))
         context, answer = self.word_list(num_words, *self.repeats)
-        return self.fmt.prompt(self.head, context, self.tail, SPEC.answer_prefix, answer,
-                               metadata={"num_words": num_words}, lead="\n".join(shots) + "\n")
+        return self.fmt.prompt(
+            self.head,
+            context,
+            self.tail,
+            SPEC.answer_prefix,
+            answer,
+            metadata={"num_words": num_words},
+            lead="\n".join(shots) + "\n",
+        )
 
 
-def generate(task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int,
-             seed: int) -> list[Prompt]:
+def generate(
+    task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int, seed: int
+) -> list[Prompt]:
     """sys_word_pair_random: estimate on 4096 words, binary search, samples stepped down until they fit."""
     sampler = WordListSampler(fmt, seed, max_seq_length, **args)
     budget = Budget(task, max_seq_length, SPEC.tokens_to_generate, fmt)

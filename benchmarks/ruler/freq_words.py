@@ -57,12 +57,19 @@ class CodedTextSampler:
         counts = (num_words * (ranks**-self.alpha) / RIEMANN_ZETA[self.alpha]).astype(int)
         words = [word for word, count in zip(vocabulary, counts, strict=True) for _ in range(count)]
         random.Random(self.seed).shuffle(words)
-        return self.fmt.prompt(self.head, " ".join(words), self.tail, SPEC.answer_prefix, vocabulary[1:4],
-                               metadata={"num_words": num_words, "vocab_size": len(vocabulary)})
+        return self.fmt.prompt(
+            self.head,
+            " ".join(words),
+            self.tail,
+            SPEC.answer_prefix,
+            vocabulary[1:4],
+            metadata={"num_words": num_words, "vocab_size": len(vocabulary)},
+        )
 
 
-def generate(task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int,
-             seed: int) -> list[Prompt]:
+def generate(
+    task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int, seed: int
+) -> list[Prompt]:
     """sys_kwext: find the word count once, then draw each sample's vocabulary and step down to fit."""
     sampler = CodedTextSampler(fmt, seed, args["alpha"])
     budget = Budget(task, max_seq_length, SPEC.tokens_to_generate, fmt)

@@ -53,6 +53,7 @@ class NeedleSampler:
         template, answer_prefix, self.value_label = SPEC.template, SPEC.answer_prefix, config.type_needle_v
         if config.num_needle_q * config.num_needle_v == 1:
             template, answer_prefix = single_answer(template), single_answer(answer_prefix)
+            self.fmt = fmt.for_single_answer()
             self.value_label = config.type_needle_v[:-1]  # "numbers" -> "number"
         self.head, self.tail = split_template(template)
         self.answer_prefix = answer_prefix
@@ -79,8 +80,10 @@ class NeedleSampler:
         if self.config.type_haystack == "noise":
             lines = [NOISE] * num_lines
         else:
-            lines = [self.needle(self.draw(self.config.type_needle_k), self.draw(self.config.type_needle_v))
-                     for _ in range(num_lines)]
+            lines = [
+                self.needle(self.draw(self.config.type_needle_k), self.draw(self.config.type_needle_v))
+                for _ in range(num_lines)
+            ]
         indexes = sorted(self.rng.sample(range(num_lines), len(needles)), reverse=True)
         for index, needle in zip(indexes, needles, strict=True):
             lines.insert(index, needle)
@@ -108,8 +111,12 @@ class NeedleSampler:
             self.tail.format(**fields),
             self.answer_prefix.format(**fields),
             references=[value for i in asked for value in values[i]],
-            metadata={"haystack": self.config.type_haystack, "haystack_size": haystack_size,
-                      "num_needles": len(needles), "needle_depths": depth_percent(context, needles)},
+            metadata={
+                "haystack": self.config.type_haystack,
+                "haystack_size": haystack_size,
+                "num_needles": len(needles),
+                "needle_depths": depth_percent(context, needles),
+            },
         )
 
 
@@ -120,8 +127,9 @@ def haystack_step(type_haystack: str, max_seq_length: int) -> int:
     return 5 if max_seq_length < 4096 else 25
 
 
-def generate(task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int,
-             seed: int) -> list[Prompt]:
+def generate(
+    task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int, seed: int
+) -> list[Prompt]:
     """niah.py ``generate_samples``: estimate, binary search, then each sample stepped down until it fits."""
     config = NeedleConfig(**args)
     sampler = NeedleSampler(config, fmt, seed)

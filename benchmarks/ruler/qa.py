@@ -42,9 +42,14 @@ def read_squad(path: Path) -> tuple[list[Question], list[str]]:
         for paragraph in article["paragraphs"]:
             own = number[paragraph["context"]]
             questions.extend(
-                Question(qa["question"], [answer["text"] for answer in qa["answers"]], [own],
-                         [doc for doc in article_docs if doc != own])
-                for qa in paragraph["qas"] if not qa["is_impossible"]
+                Question(
+                    qa["question"],
+                    [answer["text"] for answer in qa["answers"]],
+                    [own],
+                    [doc for doc in article_docs if doc != own],
+                )
+                for qa in paragraph["qas"]
+                if not qa["is_impossible"]
             )
     return questions, documents
 
@@ -59,8 +64,12 @@ def read_hotpotqa(path: Path) -> tuple[list[Question], list[str]]:
     documents = sorted({as_document(*paragraph) for sample in data for paragraph in sample["context"]})
     number = {document: index for index, document in enumerate(documents)}
     questions = [
-        Question(sample["question"], [sample["answer"]],
-                 [number[as_document(*paragraph)] for paragraph in sample["context"]], [])
+        Question(
+            sample["question"],
+            [sample["answer"]],
+            [number[as_document(*paragraph)] for paragraph in sample["context"]],
+            [],
+        )
         for sample in data
     ]
     return questions, documents
@@ -98,17 +107,26 @@ class DocumentSampler:
             # more documents than exist: all of them, repeated
             chosen = (list(range(len(self.documents))) * -(-num_docs // len(self.documents)))[:num_docs]
         random.Random(self.seed).shuffle(chosen)
-        context = "\n\n".join(DOCUMENT_PROMPT.format(i=i + 1, document=self.documents[doc])
-                              for i, doc in enumerate(chosen))
+        context = "\n\n".join(
+            DOCUMENT_PROMPT.format(i=i + 1, document=self.documents[doc]) for i, doc in enumerate(chosen)
+        )
         return self.fmt.prompt(
-            self.head, context, self.tail.format(query=question.query), SPEC.answer_prefix, question.answers,
-            metadata={"question_index": index, "num_documents": num_docs,
-                      "gold_documents": [i + 1 for i, doc in enumerate(chosen) if doc in question.gold]},
+            self.head,
+            context,
+            self.tail.format(query=question.query),
+            SPEC.answer_prefix,
+            question.answers,
+            metadata={
+                "question_index": index,
+                "num_documents": num_docs,
+                "gold_documents": [i + 1 for i, doc in enumerate(chosen) if doc in question.gold],
+            },
         )
 
 
-def generate(task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int,
-             seed: int) -> list[Prompt]:
+def generate(
+    task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int, seed: int
+) -> list[Prompt]:
     """generate_samples: estimate and binary search on question 0, then question i for sample i."""
     questions, documents = READERS[args["dataset"]](Path(args["data_file"]))
     if num_samples > len(questions):

@@ -64,6 +64,7 @@ def locate(dataset: str, qa_data_dir: str | Path | None = None) -> Path:
     searched = ", ".join(str(folder) for folder in dirs)
     raise TaskUnavailable(
         f"RULER qa needs {name} ({dataset}); it is not in {searched} and {url} is unreachable. "
-        f"Download it where the internet is reachable and pass its folder as qa_data_dir or ${QA_DIR_ENV} "
+        f"Download it where the internet is reachable and pass its folder on the command line as "
+        f"benchmark.options.qa_data_dir=DIR or set the environment variable {QA_DIR_ENV}=DIR "
         f"(file name {name}, as published)."
     )

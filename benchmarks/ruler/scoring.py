@@ -3,8 +3,8 @@
 Upstream (NVIDIA/RULER, see ``templates.UPSTREAM_COMMIT``): the prediction cleaning is
 ``postprocess_pred`` in ``scripts/eval/evaluate.py``; the metrics are ``string_match_all`` and
 ``string_match_part`` in ``scripts/eval/synthetic/constants.py``. Upstream writes them over a whole
-task (mean x 100, rounded); here they score one sample in [0, 1] and ``benchmarks.task_score``
-takes the mean, x 100 and rounding.
+task (mean x 100, rounded); here they score one sample in [0, 1] and ``task_score`` makes the
+task score in upstream's order.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ def string_match_all(prediction: str, references: Sequence[str]) -> float:
 def string_match_part(prediction: str, references: Sequence[str]) -> float:
     """1.0 when any reference is found in the prediction."""
     return max(_found(prediction, references))
+
+
+def task_score(sample_scores: Sequence[float]) -> float:
+    """``round(sum / n * 100, 2)``: the order of ``string_match_all`` / ``string_match_part``
+    (``scripts/eval/synthetic/constants.py``), which can differ from ``round(100 * sum / n, 2)``."""
+    return round(sum(sample_scores) / len(sample_scores) * 100, 2)
 
 
 METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}

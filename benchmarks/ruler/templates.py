@@ -8,6 +8,7 @@ Upstream: NVIDIA/RULER (Apache-2.0) at commit ``UPSTREAM_COMMIT``.
 - needle and noise sentences: ``scripts/data/synthetic/niah.py``, ``variable_tracking.py``
 - document format: ``scripts/data/synthetic/qa.py``
 - single-answer rewording: ``scripts/data/synthetic/niah.py`` (``generate_input_output``)
+- model templates (RULER's own chat wrappers): ``scripts/data/template.py``
 """
 
 from __future__ import annotations
@@ -88,10 +89,23 @@ TEMPLATES = {
     ),
 }
 
-def _niah(type_haystack: str, type_needle_k: str, type_needle_v: str, num_needle_k: int = 1,
-          num_needle_v: int = 1, num_needle_q: int = 1) -> tuple[str, dict[str, Any]]:
-    return "niah", dict(type_haystack=type_haystack, type_needle_k=type_needle_k, type_needle_v=type_needle_v,
-                        num_needle_k=num_needle_k, num_needle_v=num_needle_v, num_needle_q=num_needle_q)
+
+def _niah(
+    type_haystack: str,
+    type_needle_k: str,
+    type_needle_v: str,
+    num_needle_k: int = 1,
+    num_needle_v: int = 1,
+    num_needle_q: int = 1,
+) -> tuple[str, dict[str, Any]]:
+    return "niah", dict(
+        type_haystack=type_haystack,
+        type_needle_k=type_needle_k,
+        type_needle_v=type_needle_v,
+        num_needle_k=num_needle_k,
+        num_needle_v=num_needle_v,
+        num_needle_q=num_needle_q,
+    )
 
 
 # scripts/synthetic.yaml: task name -> (upstream generator, its arguments), in the yaml's order.
@@ -117,6 +131,37 @@ NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 # qa.py
 DOCUMENT_PROMPT = "Document {i}:\n{document}"
+
+# scripts/data/template.py ``Templates``: RULER's hand-written model templates, by name (the
+# ``--model_template_type`` of prepare.py; scripts/config_models.sh uses meta-llama3 for Llama 3.1).
+RULER_TEMPLATES = {
+    "base": "{task_template}",
+    "meta-chat": "[INST] {task_template} [/INST]",
+    "vicuna-chat": (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+        "helpful, detailed, and polite answers to the user's questions. USER: {task_template} ASSISTANT:"
+    ),
+    "lwm-chat": "You are a helpful assistant. USER: {task_template} ASSISTANT: ",
+    "command-r-chat": (
+        "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|>{task_template}<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    ),
+    "chatglm-chat": "[gMASK]sop<|user|> \n {task_template}<|assistant|> \n ",
+    "RWKV": (
+        "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full "
+        "details. Please feel free to ask any question and I will always answer it\n\nUser: {task_template}"
+        "\n\nAssistant:"
+    ),
+    "Phi3": "<|user|>\n{task_template}<|end|>\n<|assistant|>\n",
+    "meta-llama3": (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "jamba": (
+        "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> {task_template}<|eom|><|bom|><|assistant|>"
+    ),
+    "nemotron5-instruct": "<SPECIAL_10>System\n\n<SPECIAL_11>User\n{task_template}\n<SPECIAL_11>Assistant\n",
+}
 
 # niah.py applies these replacements, in order, when exactly one value is asked for.
 SINGLE_ANSWER_REWORDING = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))

@@ -78,8 +78,9 @@ class ChainSampler:
             example = example.replace(target, self.name(len(target)))
         return example.replace(EXAMPLE_VALUE, self.value())
 
-    def build(self, fmt: PromptFormat, num_lines: int, is_example: bool = False,
-              example: str | None = None) -> Prompt:
+    def build(
+        self, fmt: PromptFormat, num_lines: int, is_example: bool = False, example: str | None = None
+    ) -> Prompt:
         variables, chains = self.chains(is_example)
         context = self.noise_context(num_lines, chains)
         lead = "" if example is None else self.randomize_example(example) + "\n"
@@ -90,29 +91,45 @@ class ChainSampler:
             self.tail.format(**fields),
             SPEC.answer_prefix.format(**fields),
             references=variables[0],
-            metadata={"haystack": "noise", "haystack_size": num_lines,
-                      "chain_depths": depth_percent(context, [s for chain in chains for s in chain])},
+            metadata={
+                "haystack": "noise",
+                "haystack_size": num_lines,
+                "chain_depths": depth_percent(context, [s for chain in chains for s in chain]),
+            },
         )
 
 
-def _fit(sampler: ChainSampler, fmt: PromptFormat, budget: Budget, step: int, num_samples: int,
-         is_example: bool, example: str | None) -> list[Prompt]:
+def _fit(
+    sampler: ChainSampler,
+    fmt: PromptFormat,
+    budget: Budget,
+    step: int,
+    num_samples: int,
+    is_example: bool,
+    example: str | None,
+) -> list[Prompt]:
     """sys_vartrack_w_noise_random: estimate, binary search, then samples stepped down until they fit."""
     example_tokens = 0 if example is None else fmt.count(example)
     tokens_per_line = fmt.count(sampler.build(fmt, step, is_example).text) / step
     upper = max(int((budget.max_seq_length / tokens_per_line) * 3), step * 2)
-    size = search_size(lambda n: budget.total(sampler.build(fmt, n, is_example)) + example_tokens,
-                       step, upper, budget)
-    return [fit_sample(lambda n: sampler.build(fmt, n, is_example, example), size, step, budget,
-                       retry_on=(IndexError,)) for _ in range(num_samples)]
+    size = search_size(
+        lambda n: budget.total(sampler.build(fmt, n, is_example)) + example_tokens, step, upper, budget
+    )
+    return [
+        fit_sample(
+            lambda n: sampler.build(fmt, n, is_example, example), size, step, budget, retry_on=(IndexError,)
+        )
+        for _ in range(num_samples)
+    ]
 
 
-def generate(task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int,
-             seed: int) -> list[Prompt]:
+def generate(
+    task: str, args: dict, fmt: PromptFormat, max_seq_length: int, num_samples: int, seed: int
+) -> list[Prompt]:
     if args["type_haystack"] != "noise":
         raise NotImplementedError("only the noise haystack of scripts/synthetic.yaml is built")
     sampler = ChainSampler(seed, args["num_chains"], args["num_hops"])
-    base = PromptFormat(fmt.tokenizer, use_chat_template=False)
+    base = PromptFormat(fmt.tokenizer, "base")
     example_budget = Budget(f"{task} (in-context example)", EXAMPLE_MAX_SEQ_LENGTH, 0, base)
     (example,) = _fit(sampler, base, example_budget, 5, 1, is_example=True, example=None)
     example_text = example.text + " " + " ".join(example.references) + "\n"
