@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from baselines.snapkv import observation_queries
 from reskv.scoring import LayerObservation, TokenScorer, accumulated_attention
 
 
@@ -27,17 +26,19 @@ class H2O(TokenScorer):
         # The full statistic needs every prefill query, which only the prefill pass sees.
         self.needs_accumulated_attention = not window_only
 
-    def score(self, obs: LayerObservation) -> Tensor:
+    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+        """Accumulated attention of ``queries`` over ``keys`` (the window-only variant's window, or
+        the validation proxy's fit queries over the prefix before validation, reskv.md)."""
+        return accumulated_attention(queries, keys, positions, scaling)
+
+    def prompt_scores(self, obs: LayerObservation) -> Tensor:
+        """The full statistic over every prompt query, captured during prefill; the window-only
+        variant scores with its last ``window`` observed queries."""
         if self.window_only:
-            queries, positions = observation_queries(obs, self.window)
-            return accumulated_attention(queries, obs.keys, positions, obs.scaling)
+            return super().prompt_scores(obs)
         if obs.accumulated is None:
             raise ValueError(
                 "H2O needs the accumulated attention captured during prefill: list the method in "
                 "Prefill(..., methods=[...]) so the prefill records it"
             )
         return obs.accumulated
-
-    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
-        """reskv.md (validation proxy): the accumulated attention of the fit queries."""
-        return accumulated_attention(fit_queries, obs.keys, fit_positions, obs.scaling)

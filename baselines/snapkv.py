@@ -16,21 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs, group_mean
+from reskv.scoring import TokenScorer, causal_attention_probs, group_mean
+from reskv.scoring import observation_queries as observation_queries  # re-exported: CaM reads it here
 
 # Score given to the protected window. Pooled attention is a mean of probabilities, at most 1,
 # so 2 ranks the window above every prefix token (kvpress pads with max + 1) while staying
 # finite for any consumer that reduces whole rows; the shared selection ignores it anyway.
 WINDOW_FILL = 2.0
-
-
-def observation_queries(obs: LayerObservation, window: int) -> tuple[Tensor, Tensor]:
-    """The last ``window`` observed queries ``[H, n, d]`` and their prompt positions ``[n]``.
-
-    When fewer queries were observed (short prompts: the engine observes ``min(s, ...)``), all of
-    them are used; the protected window is unaffected.
-    """
-    return obs.queries[:, -window:], obs.query_positions[-window:]
 
 
 def window_attention(queries: Tensor, positions: Tensor, keys: Tensor, scaling: float) -> Tensor:
@@ -50,8 +42,8 @@ def window_scores(
     """SnapKV scores ``[H_kv, s]``: ``window_attention`` on the columns before the last
     ``protected`` tokens, average-pooled; the protected columns hold ``WINDOW_FILL``.
 
-    ``queries`` are the method's window (``score``) or the validation proxy's fit queries
-    (``fit_score``, reskv.md: the fit queries act as the window, pooled).
+    ``queries`` are the method's window (deployed cache) or the validation proxy's fit queries
+    (reskv.md: the fit queries act as the window, pooled, over the prefix before validation).
     """
     seq_len = keys.shape[1]
     prefix_len = seq_len - min(protected, seq_len)
@@ -71,9 +63,5 @@ class SnapKV(TokenScorer):
         self.window = window
         self.kernel_size = kernel_size
 
-    def score(self, obs: LayerObservation) -> Tensor:
-        queries, positions = observation_queries(obs, self.window)
-        return window_scores(queries, positions, obs.keys, obs.scaling, self.window, self.kernel_size)
-
-    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
-        return window_scores(fit_queries, fit_positions, obs.keys, obs.scaling, self.window, self.kernel_size)
+    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+        return window_scores(queries, positions, keys, scaling, self.window, self.kernel_size)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
+from reskv.scoring import TokenScorer, causal_attention_probs
 
 
 def last_query_scores(queries: Tensor, positions: Tensor, keys: Tensor, scaling: float) -> Tensor:
@@ -27,9 +27,6 @@ class TOVA(TokenScorer):
     name = "tova"
     window = 1
 
-    def score(self, obs: LayerObservation) -> Tensor:
-        return last_query_scores(obs.queries, obs.query_positions, obs.keys, obs.scaling)
-
-    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
-        """reskv.md (validation proxy): the same rule with the last fit query."""
-        return last_query_scores(fit_queries, fit_positions, obs.keys, obs.scaling)
+    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+        """The last of ``queries`` (the prompt's last query, or the proxy's last fit query)."""
+        return last_query_scores(queries, positions, keys, scaling)

@@ -8,6 +8,10 @@ summarised by ``r`` k-means entries, ``r`` chosen per head by the validation pro
 
 from __future__ import annotations
 
+import itertools
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -16,32 +20,32 @@ from torch import Tensor
 
 from reskv.attention import DecodeRule, residual_attention
 from reskv.residual import ResidualEntries, build_residual
-from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
+from reskv.scoring import LayerObservation, TokenScorer
 from reskv.selection import gather_tokens, select_main
 
 FINAL_SELECTIONS = ("base", "fit")
 
 
 @dataclass(frozen=True)
-class ResidualConfig:
-    """ResKV hyper-parameters and ablation switches (defaults: the paper's, reskv.md)."""
+class ResidualConfig(DecodeRule):
+    """ResKV hyper-parameters and ablation switches (defaults: the paper's, reskv.md).
+
+    It *is* the decode rule (gate, ``beta``, shared softmax: the inherited ``DecodeRule`` fields)
+    extended with the residual size and validation settings, so one flat constructor takes every
+    option by name and the cache layers use it as their rule directly.
+    """
 
     grid: tuple[float, ...] = (0.0, 0.05, 0.10, 0.15, 0.20)
     validate: bool = True  # False: "w/o validation", every head uses fixed_ratio
     fixed_ratio: float = 0.10
-    gate: bool = True
-    shared_softmax: bool = True
-    tau: float = 0.25
-    alpha: float = 12.0
-    g_min: float = 0.0
-    beta: float = 1.0
     delta: float = 0.01
     kmeans_iterations: int = 4
     fit_queries: int = 96
     validation_queries: int = 32
     # "base": the final main cache is selected with the base method's own scores, so a head
     # that falls back to r = 0 equals the plain baseline (this project's reading of "rebuild
-    # (M, S) with the chosen r"). "fit": the literal alternative, the validated cache itself.
+    # (M, S) with the chosen r"). "fit": the literal alternative, the validated cache itself
+    # (reskv.proxy.ValidationProxy.fit_selection says how it maps to the whole prompt).
     final_selection: str = "base"
 
     def __post_init__(self) -> None:
@@ -55,10 +59,6 @@ class ResidualConfig:
     @property
     def observation_window(self) -> int:
         return self.fit_queries + self.validation_queries
-
-    @property
-    def decode_rule(self) -> DecodeRule:
-        return DecodeRule(self.tau, self.alpha, self.g_min, self.beta, self.gate, self.shared_softmax)
 
 
 @dataclass
@@ -119,117 +119,32 @@ def additive_mask(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
-def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[slice, slice] | None:
-    """Fit and validation query ranges inside the observed queries.
+def build_cache(
+    keys: Tensor,
+    values: Tensor,
+    scores: Tensor,
+    window: int,
+    main_sizes: Tensor,
+    residual_sizes: Tensor,
+    iterations: int,
+    merge: Callable[[Tensor], Tensor] | None = None,
+) -> CompressedLayerState:
+    """The one cache builder, for the deployed cache and the validation proxy's candidates alike:
+    select ``M = P ∪ Top_{m-|P|}(scores)``, gather it in position order, summarise ``E = S \\ M``
+    into residual entries (reskv.md, Main cache and Residual entries).
 
-    The paper's 96 + 32 when at least 128 queries were observed; a shorter prompt splits what
-    it has 3:1 (documented fallback); fewer than 2 queries leave nothing to validate on.
+    ``keys``/``values`` ``[H, s, d]``; ``scores`` ``[H, s]``; ``main_sizes`` and ``residual_sizes``
+    ``[H]``. ``merge(kept)`` gives the values the main cache holds (CaM merges evicted values into
+    retained ones); residual entries always summarise the original values.
     """
-    observed = obs.queries.shape[1]
-    if observed < 2:
-        return None
-    if observed >= config.observation_window:
-        validation = config.validation_queries
-        fit = config.fit_queries
-    else:
-        validation = max(1, observed // 4)
-        fit = observed - validation
-    start = observed - fit - validation
-    return slice(start, start + fit), slice(observed - validation, observed)
-
-
-def grouped(queries: Tensor, num_kv_heads: int) -> Tensor:
-    """``[H, n, d] -> [H_kv, G*n, d]``: query heads stacked per KV group."""
-    return queries.reshape(num_kv_heads, -1, queries.shape[-1])
-
-
-def candidate_sizes(config: ResidualConfig, budgets: Tensor, window: int) -> list[Tensor]:
-    """Residual sizes per candidate ratio and head, 0 where the candidate is skipped (reskv.md).
-
-    ``r = floor(ratio * b + 0.5)``; skipped when ``r`` is 0, repeats an earlier candidate's ``r``
-    for that head, or leaves ``m - |P| < 0``.
-    """
-    seen: list[Tensor] = []
-    sizes = []
-    for ratio in config.grid:
-        size = torch.floor(ratio * budgets.double() + 0.5).long()
-        skip = (size == 0) | (budgets - size < window)
-        for earlier in seen:
-            skip |= size == earlier
-        seen.append(size)
-        sizes.append(size.masked_fill(skip, 0))
-    return sizes
-
-
-class ValidationProxy:
-    """Per-head residual size chosen on held-out observation queries (Eqs. valloss, valproxy)."""
-
-    def __init__(self, obs: LayerObservation, scorer: TokenScorer, config: ResidualConfig, split):
-        fit, validation = split
-        self.obs, self.scorer, self.config = obs, scorer, config
-        positions = obs.query_positions
-        self.fit_scores = scorer.fit_score(obs, obs.queries[:, fit], positions[fit])
-        self.validation_queries = grouped(obs.queries[:, validation], obs.num_kv_heads)
-        validation_positions = positions[validation]
-        # Full attention o_S over all s tokens, causal (the validation queries lie in the prompt).
-        probs = causal_attention_probs(
-            obs.queries[:, validation], obs.keys, validation_positions, obs.scaling
-        )
-        self.full_output = grouped(probs, obs.num_kv_heads) @ obs.values.float()
-        self.query_positions = validation_positions.repeat(obs.group_size)  # matches the grouped order
-
-    def losses(self, budgets: Tensor, sizes: Tensor) -> Tensor:
-        """``L_r`` ``[C, H_kv]`` for ``C`` candidate size rows ``[C, H_kv]``: the mean over validation
-        queries and group heads of ``||ô_r - o_S||²``.
-
-        Candidates are stacked along the head dimension so one batched k-means and one attention
-        evaluate them all.
-        """
-        obs = self.obs
-        num_candidates = sizes.shape[0]
-        stacked_sizes = sizes.reshape(-1)
-        fit_scores = self.fit_scores.repeat(num_candidates, 1)
-        kept = select_main(fit_scores, self.scorer.window, budgets.repeat(num_candidates) - stacked_sizes)
-        residual = build_residual(
-            obs.keys, obs.values, ~kept, fit_scores, stacked_sizes, self.config.kmeans_iterations
-        )
-        positions, real = kept_positions(kept)
-        visible = real[:, None, :] & (positions[:, None, :] <= self.query_positions[None, :, None])
-        output = residual_attention(
-            self.validation_queries.repeat(num_candidates, 1, 1),
-            gather_tokens(obs.keys, positions),
-            gather_tokens(obs.values, positions),
-            additive_mask(visible),
-            residual.keys,
-            residual.values,
-            residual.log_counts,
-            obs.scaling,
-            self.config.decode_rule,
-            (~kept).sum(-1) / obs.seq_len,
-        )
-        errors = ((output - self.full_output.repeat(num_candidates, 1, 1)) ** 2).sum(dim=-1).mean(dim=-1)
-        return errors.reshape(num_candidates, -1)
-
-    def choose(self, budgets: Tensor) -> Tensor:
-        """``r* = argmin_{r>0} L_r`` (the first candidate on ties), kept only where
-        ``L_{r*} < (1 - delta) * L_0``, else 0."""
-        window = min(self.scorer.window, self.obs.seq_len)
-        sizes = torch.stack([torch.zeros_like(budgets), *candidate_sizes(self.config, budgets, window)])
-        losses = torch.cat(
-            [self.losses(budgets, chunk) for chunk in sizes.split(self._candidates_per_batch(sizes))]
-        )
-        main_only_loss = losses[0]
-        candidate_losses = losses[1:].masked_fill(sizes[1:] == 0, float("inf"))
-        best = candidate_losses.argmin(dim=0)
-        best_loss = candidate_losses.gather(0, best[None])[0]
-        best_size = sizes[1:].gather(0, best[None])[0]
-        accepted = best_loss < (1 - self.config.delta) * main_only_loss
-        return best_size.masked_fill(~accepted, 0)
-
-    def _candidates_per_batch(self, sizes: Tensor) -> int:
-        """Candidates evaluated together, bounding the k-means distance matrix at ~64M floats."""
-        per_candidate = self.obs.num_kv_heads * self.obs.seq_len * max(1, int(sizes.max()))
-        return max(1, (1 << 26) // per_candidate)
+    kept = select_main(scores, window, main_sizes)
+    positions, real = kept_positions(kept)
+    main_bias = None if bool(real.all()) else additive_mask(real)[:, None, :]
+    main_values = values if merge is None else merge(kept)
+    entries = build_residual(keys, values, ~kept, scores, residual_sizes, iterations)
+    return CompressedLayerState(
+        gather_tokens(keys, positions), gather_tokens(main_values, positions), main_bias, entries, kept
+    )
 
 
 def fixed_sizes(config: ResidualConfig, budgets: Tensor, window: int) -> Tensor:
@@ -242,36 +157,97 @@ def compress_layer(
     obs: LayerObservation, scorer: TokenScorer, ratio: float, residual: ResidualConfig | None = None
 ) -> CompressedLayerState | None:
     """Compress one layer; ``None`` when the budget covers the prompt (the cache stays full, bit for bit)."""
+    from reskv.proxy import ValidationProxy, observation_split  # the proxy builds with build_cache
+
     seq_len = obs.seq_len
     budget = budget_for(seq_len, ratio)
     if seq_len <= budget:
         return None
     if budget < 1:
-        raise ValueError(f"ratio {ratio} leaves no slot for a {seq_len}-token prompt (budget {budget})")
-    scores = scorer.score(obs)
+        raise ValueError(
+            f"ratio {ratio} leaves no slot for a {seq_len}-token prompt: "
+            f"budget_for({seq_len}, {ratio}) = {budget}"
+        )
+    scores, window = scorer.prompt_scores(obs), scorer.window
     budgets = scorer.head_budgets(scores, budget)
-    sizes, selection_scores = torch.zeros_like(budgets), scores
+    sizes = torch.zeros_like(budgets)
     if residual is not None and not residual.validate:
-        sizes = fixed_sizes(residual, budgets, min(scorer.window, seq_len))
+        sizes = fixed_sizes(residual, budgets, min(window, seq_len))
     elif residual is not None and (split := observation_split(obs, residual)) is not None:
         proxy = ValidationProxy(obs, scorer, residual, split)
         sizes = proxy.choose(budgets)
         if residual.final_selection == "fit":
-            selection_scores = proxy.fit_scores
-    kept = select_main(selection_scores, scorer.window, budgets - sizes)
-    values = scorer.adjust_values(obs, kept)
-    positions, real = kept_positions(kept)
-    main_bias = None if bool(real.all()) else additive_mask(real)[:, None, :]
-    main_keys, main_values = gather_tokens(obs.keys, positions), gather_tokens(values, positions)
-    entries = (
-        build_residual(obs.keys, obs.values, ~kept, selection_scores, sizes, residual.kmeans_iterations)
-        if residual is not None
-        else ResidualEntries.empty(obs.num_kv_heads, obs.keys)
+            scores, window = proxy.fit_selection()
+    iterations = residual.kmeans_iterations if residual is not None else 0  # no residual: sizes are 0
+    state = build_cache(
+        obs.keys,
+        obs.values,
+        scores,
+        window,
+        budgets - sizes,
+        sizes,
+        iterations,
+        merge=lambda kept: scorer.adjust_values(obs, kept),
     )
-    stats = {
+    state.stats = {
         "budget": budget,
-        "main_slots": kept.sum(dim=-1).tolist(),
-        "residual_entries": entries.entries_per_head.tolist(),
+        "main_slots": state.kept.sum(dim=-1).tolist(),
+        "residual_entries": state.residual.entries_per_head.tolist(),
         "residual_slots": sizes.tolist(),
     }
-    return CompressedLayerState(main_keys, main_values, main_bias, entries, kept, stats)
+    return state
+
+
+def kmeans_peak_memory(
+    seq_len: int = 32768,
+    ratio: float = 0.6,
+    residual_ratio: float = 0.2,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+) -> dict:
+    """Peak transient memory and time of one layer's residual clustering on random tensors.
+
+    Defaults: a Llama-3.1-8B-shaped layer (8 KV heads, head dim 128) at 32K tokens, ratio 0.6,
+    and the largest residual the grid allows (``r = 0.2 b``), every head evicting ``s - b`` tokens.
+    The peak is the high-water mark of memory allocated inside ``build_residual`` beyond its
+    inputs: ``torch.cuda.max_memory_allocated`` on CUDA, the profiler's allocation events on CPU.
+    Returns ``{"peak_bytes", "seconds", "points", "entries"}`` (points and entries per head).
+    """
+    generator = torch.Generator(device=device).manual_seed(0)
+    keys = torch.randn(num_kv_heads, seq_len, head_dim, generator=generator, device=device).to(dtype)
+    values = torch.randn(num_kv_heads, seq_len, head_dim, generator=generator, device=device).to(dtype)
+    scores = torch.rand(num_kv_heads, seq_len, generator=generator, device=device)
+    budget = budget_for(seq_len, ratio)
+    evicted = scores.argsort(dim=-1).argsort(dim=-1) < seq_len - budget  # the lowest-scored s - b tokens
+    sizes = torch.full((num_kv_heads,), math.floor(residual_ratio * budget + 0.5), device=device)
+
+    def run() -> tuple[ResidualEntries, float]:
+        start = time.perf_counter()
+        entries = build_residual(keys, values, evicted, scores, sizes, iterations=4)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return entries, time.perf_counter() - start
+
+    if device == "cpu":
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+            entries, seconds = run()
+        allocations = sorted(
+            (event.start_ns(), event.nbytes())
+            for event in prof.profiler.kineto_results.events()
+            if event.name() == "[memory]"
+        )
+        peak = max(itertools.accumulate(nbytes for _, nbytes in allocations), default=0)
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        entries, seconds = run()
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+    return {
+        "peak_bytes": int(peak),
+        "seconds": seconds,
+        "points": seq_len - budget,
+        "entries": int(entries.entries_per_head.max()),
+    }

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from reskv.attention import DecodeRule
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
 from reskv.compress import ResidualConfig, compress_layer
@@ -62,7 +63,7 @@ class Method:
         """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged."""
         if self.scorer is None:
             return cache.fork(), {"compressed": False}
-        rule = (self.residual or ResidualConfig()).decode_rule
+        rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
         layers, per_layer = [], []
         for layer_idx, layer in enumerate(cache.layers):
             observation = layer.observation(layer_idx, scaling)

@@ -81,10 +81,22 @@ def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: Tensor
     return group_mean(total, keys.shape[0])
 
 
+def observation_queries(obs: LayerObservation, window: int) -> tuple[Tensor, Tensor]:
+    """The last ``window`` observed queries ``[H, n, d]`` and their prompt positions ``[n]``.
+
+    When fewer queries were observed (short prompts: the engine observes ``min(s, ...)``), all of
+    them are used; the protected window is unaffected.
+    """
+    return obs.queries[:, -window:], obs.query_positions[-window:]
+
+
 class TokenScorer:
     """A base method's rule: token scores, the protected window and the per-head allocation.
 
-    Subclasses (one file each in ``baselines/``) implement ``score`` and ``fit_score``; the
+    Subclasses (one file each in ``baselines/``) implement ``score``: the rule applied to a prefix
+    of keys with some observation queries. The deployed cache scores the whole prompt with the
+    method's own observation window (``prompt_scores``); the validation proxy scores the prefix
+    before its first validation query with the fit queries (reskv.md, Validation proxy). The
     shared compressor (``reskv.compress``) does the selection, so every method keeps the
     protected window plus the top-scored tokens before it, ties broken toward lower positions.
     Scores are ``[H_kv, s]`` fp32; entries inside the protected window are ignored.
@@ -94,13 +106,16 @@ class TokenScorer:
     window: int = 0  # the protected recent tokens P, always kept
     needs_accumulated_attention: bool = False  # H2O: capture column sums during prefill
 
-    def score(self, obs: LayerObservation) -> Tensor:
-        """Scores for the final selection, from the method's own observation window."""
+    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+        """Scores ``[H_kv, s]`` of the prefix ``keys`` ``[H_kv, s, d]`` (positions ``0 .. s-1``, its
+        protected window the last ``window`` of them) from ``queries`` ``[H, n, d]`` at ``positions``."""
         raise NotImplementedError
 
-    def fit_score(self, obs: LayerObservation, fit_queries: Tensor, fit_positions: Tensor) -> Tensor:
-        """The same rule applied to the validation proxy's fit queries only (reskv.md, validation)."""
-        raise NotImplementedError
+    def prompt_scores(self, obs: LayerObservation) -> Tensor:
+        """Scores for the deployed cache: the rule on the whole prompt with the method's own
+        window of observed queries (its last ``window`` queries; TOVA: the last one)."""
+        queries, positions = observation_queries(obs, self.window)
+        return self.score(obs.keys, queries, positions, obs.scaling)
 
     def head_budgets(self, scores: Tensor, budget: int) -> Tensor:
         """Slots each KV head keeps (protected window included): ``[H_kv]`` long, ``budget`` each."""

@@ -112,7 +112,7 @@ def f64(rows) -> torch.Tensor:
 
 
 def kept_by(scorer, obs: LayerObservation, budget: int) -> torch.Tensor:
-    scores = scorer.score(obs)
+    scores = scorer.prompt_scores(obs)
     return select_main(scores, scorer.window, scorer.head_budgets(scores, budget))
 
 
@@ -127,7 +127,7 @@ def kept_by(scorer, obs: LayerObservation, budget: int) -> torch.Tensor:
 def test_snapkv_matches_plain_rule(seq_len, group, observed, budget):
     obs, _ = make_obs(seq_len, 2, group, observed, seed=seq_len + group)
     scorer = SnapKV(window=4)
-    scores = scorer.score(obs)
+    scores = scorer.prompt_scores(obs)
     queries = obs.queries[:, -4:]  # the window; all observed queries when fewer than 4
     expected = plain_snapkv(queries, obs.query_positions[-4:], obs.keys, group, 4, 5)
     prefix_len = seq_len - min(4, seq_len)
@@ -136,12 +136,16 @@ def test_snapkv_matches_plain_rule(seq_len, group, observed, budget):
     assert torch.equal(kept_by(scorer, obs, budget), plain_kept(expected, seq_len, 4, [budget, budget]))
 
 
-def test_snapkv_fit_score_uses_fit_queries_as_window():
+def test_snapkv_scores_a_prefix_with_fit_queries_as_the_window():
+    """The validation proxy's use: the fit queries act as the window over the prefix before the
+    validation queries, whose last 4 tokens are the protected window (reskv.md)."""
     obs, all_queries = make_obs(30, 2, 2, 12, seed=3)
     fit_queries, fit_positions = all_queries[:, 18:26], torch.arange(18, 26)
-    expected = plain_snapkv(fit_queries, fit_positions, obs.keys, 2, 4, 5)
-    scores = SnapKV(window=4).fit_score(obs, fit_queries, fit_positions)
-    assert torch.allclose(scores[:, :26].double(), f64(expected), atol=1e-6)
+    expected = plain_snapkv(fit_queries, fit_positions, obs.keys[:, :26], 2, 4, 5)
+    scores = SnapKV(window=4).score(obs.keys[:, :26], fit_queries, fit_positions, SCALING)
+    assert scores.shape == (2, 26)
+    assert torch.allclose(scores[:, :22].double(), f64(expected), atol=1e-6)
+    assert (scores[:, 22:] == WINDOW_FILL).all()
 
 
 def test_snapkv_keeps_the_pooled_neighbourhood_of_the_attended_token():
@@ -152,7 +156,7 @@ def test_snapkv_keeps_the_pooled_neighbourhood_of_the_attended_token():
     queries = torch.zeros(1, 4, D)
     queries[..., 0] = 1.0
     obs = LayerObservation(0, keys, torch.zeros_like(keys), queries, None, SCALING)
-    scores = SnapKV(window=4).score(obs)
+    scores = SnapKV(window=4).prompt_scores(obs)
     kept = kept_by(SnapKV(window=4), obs, 4 + 5)
     assert kept[0].nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 16, 17, 18, 19]
     assert scores[0, 0] < scores[0, 10] and scores[0, 15] < scores[0, 10]
@@ -177,7 +181,7 @@ def test_h2o_matches_plain_column_sums(group, monkeypatch):
     assert torch.allclose(obs.accumulated.double(), f64(expected), atol=1e-5)
     scorer = H2O(window=4)
     assert scorer.needs_accumulated_attention
-    assert torch.allclose(scorer.score(obs).double(), f64(expected), atol=1e-5)  # the sums themselves
+    assert torch.allclose(scorer.prompt_scores(obs).double(), f64(expected), atol=1e-5)  # the sums themselves
     prefix = [row[:28] for row in expected]
     assert torch.equal(kept_by(scorer, obs, 11), plain_kept(prefix, 32, 4, [11, 11]))
 
@@ -193,21 +197,21 @@ def test_h2o_sums_are_not_normalised():
     assert torch.allclose(sums[0].double(), f64(harmonic_tail), atol=1e-6)
 
 
-def test_h2o_window_only_and_fit_score_sum_over_their_queries():
+def test_h2o_window_only_and_prefix_scores_sum_over_their_queries():
     obs, all_queries = make_obs(30, 2, 2, 10, seed=11)
     scorer = H2O(window=4, window_only=True)
     assert not scorer.needs_accumulated_attention
     window_sums = plain_column_sums(obs.queries[:, -4:], torch.arange(26, 30), obs.keys, 2)
-    assert torch.allclose(scorer.score(obs).double(), f64(window_sums), atol=1e-6)
-    fit_sums = plain_column_sums(all_queries[:, 10:20], torch.arange(10, 20), obs.keys, 2)
-    fit = H2O(window=4).fit_score(obs, all_queries[:, 10:20], torch.arange(10, 20))
+    assert torch.allclose(scorer.prompt_scores(obs).double(), f64(window_sums), atol=1e-6)
+    fit_sums = plain_column_sums(all_queries[:, 10:20], torch.arange(10, 20), obs.keys[:, :20], 2)
+    fit = H2O(window=4).score(obs.keys[:, :20], all_queries[:, 10:20], torch.arange(10, 20), SCALING)
     assert torch.allclose(fit.double(), f64(fit_sums), atol=1e-6)
 
 
 def test_h2o_requires_the_prefill_statistic():
     obs, _ = make_obs(10, 1, 1, 4)
     with pytest.raises(ValueError, match="accumulated"):
-        H2O().score(obs)
+        H2O().prompt_scores(obs)
 
 
 # ---- TOVA -------------------------------------------------------------------------------------
@@ -225,12 +229,12 @@ def test_tova_matches_plain_rule_with_one_selection_per_layer(group):
     obs, all_queries = make_obs(24, 2, group, 6, seed=7 + group)
     scorer = TOVA()
     expected = plain_tova(obs.queries[:, -1], 23, obs.keys, group)
-    scores = scorer.score(obs)
+    scores = scorer.prompt_scores(obs)
     assert torch.allclose(scores.double(), f64([expected, expected]), atol=1e-6)
     kept = kept_by(scorer, obs, 6)
     assert torch.equal(kept, plain_kept([expected[:23]] * 2, 24, 1, [6, 6]))
-    fit = scorer.fit_score(obs, all_queries[:, 5:15], torch.arange(5, 15))
-    fit_expected = plain_tova(all_queries[:, 14], 14, obs.keys, group)
+    fit = scorer.score(obs.keys[:, :15], all_queries[:, 5:15], torch.arange(5, 15), SCALING)
+    fit_expected = plain_tova(all_queries[:, 14], 14, obs.keys[:, :15], group)
     assert torch.allclose(fit[1].double(), f64(fit_expected), atol=1e-6)
 
 
@@ -276,7 +280,7 @@ def plain_caps(prefix_scores: list[list[float]], per_head: int, alpha: Fraction)
 def test_adakv_budgets_and_selection_match_plain_rule(group):
     obs, _ = make_obs(36, 3, group, 8, seed=13 + group)
     scorer = AdaKV(window=4)
-    scores = scorer.score(obs)
+    scores = scorer.prompt_scores(obs)
     prefix = plain_snapkv(obs.queries[:, -4:], obs.query_positions[-4:], obs.keys, group, 4, 5)
     for budget in range(0, 42):
         sizes = scorer.head_budgets(scores, budget)

@@ -11,14 +11,8 @@ from baselines import METHODS, build_method
 from reskv.attention import DecodeRule
 from reskv.backbones import BackboneError, load_backbone
 from reskv.cache import CompressedLayer, ResKVCache
-from reskv.compress import (
-    CompressedLayerState,
-    ResidualConfig,
-    ValidationProxy,
-    budget_for,
-    compress_layer,
-    observation_split,
-)
+from reskv.compress import CompressedLayerState, ResidualConfig, budget_for, compress_layer
+from reskv.proxy import ValidationProxy, observation_split
 from reskv.engine import Method, Prefill, generate
 from reskv.residual import ResidualEntries
 from reskv.scoring import causal_attention_probs
@@ -51,7 +45,7 @@ class KeepEverything(Method):
                 ResidualEntries.empty(obs.num_kv_heads, obs.keys),
                 torch.ones(obs.keys.shape[:2], dtype=torch.bool),
             )
-            layers.append(CompressedLayer(state, obs.seq_len, ResidualConfig().decode_rule))
+            layers.append(CompressedLayer(state, obs.seq_len, ResidualConfig()))
         return ResKVCache(layers), {}
 
 
@@ -182,7 +176,7 @@ def test_no_shared_softmax_mixes_branches_by_gate_times_evicted_share(prefill):
     state = compress_layer(obs, method.scorer, 0.6, method.residual)
     assert int(state.residual.entries_per_head.min()) > 0
     queries = obs.queries[:, -2:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
-    rule = method.residual.decode_rule
+    rule = method.residual
     mixed = state.attend(queries, obs.scaling, rule)
     without_residual = dataclasses.replace(state, residual=ResidualEntries.empty(obs.num_kv_heads, obs.keys))
     main_only = without_residual.attend(queries, obs.scaling, rule)

@@ -149,7 +149,7 @@ def test_5_shared_softmax_equals_the_lse_merge(observation):
     obs = observation
     method = build_method("snapkv+reskv", 0.8, residual=ResidualConfig(validate=False, fixed_ratio=0.2))
     state = compress_layer(obs, method.scorer, 0.8, method.residual)
-    rule = method.residual.decode_rule
+    rule = method.residual
     queries = decode_queries(obs, count=4)
     merged = state.attend(queries, obs.scaling, rule)
     for kv_head in range(obs.num_kv_heads):
@@ -206,7 +206,7 @@ def test_7_no_nan_or_inf(observation, dtype):
     state = compress_layer(obs, method.scorer, 0.9, method.residual)
     queries = decode_queries(obs).to(dtype)
     closed_gate = DecodeRule(alpha=1e6, g_min=0.0)  # gate exactly 0 unless the main peak is below tau
-    for rule in (method.residual.decode_rule, closed_gate):
+    for rule in (method.residual, closed_gate):
         output = state.attend(queries, obs.scaling, rule)
         assert torch.isfinite(output).all()
     # Empty evicted side, and r larger than |E|.
@@ -262,4 +262,7 @@ def test_8_deterministic_bit_for_bit(prefill):
 def test_scorers_are_shared_across_heads_as_gqa_requires(observation):
     """Scores live at KV-head granularity (reskv.md, GQA): one row per KV head."""
     for base in ("h2o", "tova", "snapkv", "adakv", "cam"):
-        assert build_scorer(base).score(observation).shape == (observation.num_kv_heads, observation.seq_len)
+        assert build_scorer(base).prompt_scores(observation).shape == (
+            observation.num_kv_heads,
+            observation.seq_len,
+        )
