@@ -16,8 +16,10 @@ LENGTH = 1024
 
 
 def paragraph(article: int, number: int) -> str:
-    return (f"Paragraph {number} of article {article} tells that the river number {article}{number} flows "
-            f"north past the old mill, where the miller kept {number + 3} goats and a lantern.")
+    return (
+        f"Paragraph {number} of article {article} tells that the river number {article}{number} flows "
+        f"north past the old mill, where the miller kept {number + 3} goats and a lantern."
+    )
 
 
 def squad_fixture() -> dict:
@@ -26,12 +28,19 @@ def squad_fixture() -> dict:
     for article in range(3):
         paragraphs = []
         for number in range(8):
-            paragraphs.append({"context": paragraph(article, number), "qas": [
-                {"question": f"How many goats did the miller of river {article}{number} keep?",
-                 "answers": [{"text": str(number + 3)}, {"text": f"{number + 3} goats"}],
-                 "is_impossible": False},
-                {"question": "Who painted the mill?", "answers": [], "is_impossible": True},
-            ]})
+            paragraphs.append(
+                {
+                    "context": paragraph(article, number),
+                    "qas": [
+                        {
+                            "question": f"How many goats did the miller of river {article}{number} keep?",
+                            "answers": [{"text": str(number + 3)}, {"text": f"{number + 3} goats"}],
+                            "is_impossible": False,
+                        },
+                        {"question": "Who painted the mill?", "answers": [], "is_impossible": True},
+                    ],
+                }
+            )
         data.append({"title": f"Article {article}", "paragraphs": paragraphs})
     return {"version": "v2.0", "data": data}
 
@@ -39,8 +48,15 @@ def squad_fixture() -> dict:
 def hotpot_fixture() -> list[dict]:
     """Six questions, each with ten titled paragraphs drawn from a shared pool of fifteen."""
     pool = [[f"Title {i}", [f"Sentence one of {i}. ", f"Sentence two of {i}."]] for i in range(15)]
-    return [{"_id": str(q), "question": f"Which title holds fact {q}?", "answer": f"Title {q}",
-             "context": [pool[(q + k) % 15] for k in range(10)]} for q in range(6)]
+    return [
+        {
+            "_id": str(q),
+            "question": f"Which title holds fact {q}?",
+            "answer": f"Title {q}",
+            "context": [pool[(q + k) % 15] for k in range(10)],
+        }
+        for q in range(6)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +132,27 @@ def test_qa_2_keeps_all_ten_given_paragraphs(qa_dir, tokenizer, offline):
 
 def test_qa_files_are_found_through_the_environment(qa_dir, tokenizer, offline, monkeypatch, tmp_path):
     monkeypatch.setenv(qa_sources.QA_DIR_ENV, str(qa_dir))
-    items = load_items("qa_1", tokenizer, length=LENGTH, num_samples=1, cache_dir=tmp_path / "cache",
-                       tokenizer_name="smollm2-135m")
+    items = load_items(
+        "qa_1",
+        tokenizer,
+        length=LENGTH,
+        num_samples=1,
+        cache_dir=tmp_path / "cache",
+        tokenizer_name="smollm2-135m",
+    )
     assert items[0].references == ("3", "3 goats")
     (cached,) = (tmp_path / "cache").rglob("*.jsonl")
     assert cached.name.startswith("qa_1-len1024-smollm2-135m-seed42-n1-dev-v2.0-")
 
 
-@pytest.mark.parametrize(("task", "file_name"),
-                         [("qa_1", "dev-v2.0.json"), ("qa_2", "hotpot_dev_distractor_v1.json")])
+@pytest.mark.parametrize(
+    ("task", "file_name"), [("qa_1", "dev-v2.0.json"), ("qa_2", "hotpot_dev_distractor_v1.json")]
+)
 def test_missing_qa_data_is_reported_unavailable(task, file_name, tokenizer, offline, tmp_path):
     with pytest.raises(benchmarks.TaskUnavailable, match=re.escape(file_name)) as error:
         load_items(task, tokenizer, length=LENGTH, num_samples=1, qa_data_dir=tmp_path / "empty")
-    assert qa_sources.QA_DIR_ENV in str(error.value)
+    assert f"{qa_sources.QA_DIR_ENV}=DIR" in str(error.value)
+    assert "benchmark.options.qa_data_dir=DIR" in str(error.value)
     with pytest.raises(benchmarks.TaskUnavailable):
         benchmarks.load_items("ruler", task, tokenizer, length=LENGTH, num_samples=1)
 
