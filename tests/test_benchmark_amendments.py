@@ -151,8 +151,37 @@ def test_meta_llama3_template_wraps_the_task_without_a_system_block(tokenizer):
         f"\nWhat is the special magic number for {key} mentioned in the provided text?"
         f"{META_LLAMA3_AFTER} The special magic number for {key} mentioned in the provided text is"
     )
-    # upstream's inference tokenizes the whole prompt with the tokenizer's default special tokens
-    assert item.prompt_ids == tuple(tokenizer(text)["input_ids"])
+
+
+class BosAddingTokenizer:
+    """The embedded tokenizer, but adding a BOS id (0) with ``add_special_tokens=True`` as Llama's does."""
+
+    BOS = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, text, add_special_tokens=True, **kwargs):
+        encoded = self.tokenizer(text, add_special_tokens=False, **kwargs)
+        if add_special_tokens:
+            encoded["input_ids"] = [self.BOS, *encoded["input_ids"]]
+            if "offset_mapping" in encoded:
+                encoded["offset_mapping"] = [(0, 0), *encoded["offset_mapping"]]
+        return encoded
+
+
+def test_ruler_template_prompts_are_tokenized_with_special_tokens_as_upstream_inference(tokenizer):
+    # scripts/pred: the HF wrapper and the vLLM server tokenize the prompt with the tokenizer's
+    # default special tokens; the backbone's chat template writes its own, so none are added there.
+    bos_adding = BosAddingTokenizer(tokenizer)
+    (ruler,) = generate_items("niah_single_1", bos_adding, length=1024, num_samples=1, template="meta-llama3")
+    (model,) = generate_items("niah_single_1", bos_adding, length=1024, num_samples=1)
+    assert ruler.prompt_ids[0] == BosAddingTokenizer.BOS
+    assert ruler.prompt_ids[1:] == tuple(tokenizer(tokenizer.decode(ruler.prompt_ids[1:]))["input_ids"])
+    assert BosAddingTokenizer.BOS not in model.prompt_ids
 
 
 def test_ruler_template_rewording_covers_the_wrapper_as_upstream_does(tokenizer):
