@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev,slurm
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install assets run test test-fast lint tables figures bench bench-engine smoke clean-results
+.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -58,6 +58,13 @@ bench: assets
 # and vs the full cache at ~4K and ~8K tokens (a few minutes on CPU).
 bench-engine: assets
 	$(PY) -m scripts.bench_engine
+
+# The GPU path in one command (scripts/gpu_check.py): CUDA correctness against the CPU on tiny random
+# models, then memory and speed at the paper backbones' shapes (random weights, no download).
+# Without CUDA it runs everything at tiny sizes on the CPU. With a preinstalled torch/transformers
+# and no registry: `python -m scripts.gpu_check --out results/gpu` (needs matplotlib besides them).
+gpu-check: install
+	$(PY) -m scripts.gpu_check --out $(RESULTS)/gpu
 
 # The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
 smoke: assets

@@ -1,0 +1,80 @@
+"""The GPU check's CPU form (what a machine without CUDA runs) and its pass/fail rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scripts import gpu_check
+
+
+def layer(kept: list[bool], residual: list[int], output: float, slots: list[int], budget: int) -> dict:
+    return {
+        "kept": torch.tensor([kept]),
+        "residual_slots": residual,
+        "output": torch.full((1, 2, 4), output),
+        "slots": slots,
+        "budget": budget,
+    }
+
+
+def test_compare_layers_takes_the_output_error_only_where_the_caches_agree():
+    expected = [layer([True, False], [1], 1.0, [2], 2), layer([True, True], [0], 1.0, [2], 2)]
+    got = [layer([True, False], [1], 1.5, [2], 2), layer([False, True], [0], 9.0, [2], 2)]
+    row = gpu_check.compare_layers("snapkv", got, expected)
+    assert row["layers_with_equal_caches"] == 1
+    assert row["kept_agreement"] == pytest.approx((1.0 + 0.5) / 2)
+    assert row["max_output_error"] == pytest.approx(0.5)  # |1.5 - 1| / 1 on the agreeing layer only
+    assert row["finite"] and row["budget_ok"]
+
+
+def test_budget_rule_per_head_and_adakv_per_layer():
+    uneven = layer([True], [0], 1.0, [5, 3], 4)
+    assert not gpu_check.budget_ok("snapkv", uneven)  # one head above b = 4
+    assert gpu_check.budget_ok("adakv+reskv", uneven)  # 8 <= 2 * 4 for the layer
+    assert not gpu_check.budget_ok("adakv", layer([True], [0], 1.0, [5, 4], 4))
+
+
+@pytest.mark.parametrize(
+    ("change", "dtype", "expected"),
+    [
+        ({}, "fp32", True),
+        ({"layers_with_equal_caches": 1}, "fp32", False),  # fp32 must keep identical caches
+        ({"layers_with_equal_caches": 1}, "bf16", True),  # low precision may flip near ties
+        ({"finite": False}, "bf16", False),
+        ({"budget_ok": False}, "fp16", False),
+        ({"max_output_error": 0.2}, "bf16", False),
+    ],
+)
+def test_pass_rule(change, dtype, expected):
+    row = {
+        "dtype": dtype,
+        "layers": 2,
+        "layers_with_equal_caches": 2,
+        "finite": True,
+        "budget_ok": True,
+        "max_output_error": 0.0,
+        **change,
+    }
+    assert gpu_check.passed(row) is expected
+
+
+@pytest.mark.slow
+def test_cpu_run_writes_a_passing_report_and_the_figure(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["machine"]["cuda_available"] is False and report["machine"]["attention_path"] == "sdpa"
+    correctness = report["correctness"]
+    # 4 tiny models x 3 dtypes x 9 compressing methods x 2 ratios x 2 settings.
+    assert len(correctness) == 4 * 3 * 9 * 2 * 2 and report["correctness_passed"]
+    assert sum(row["residual_heads"] for row in correctness if "+reskv" in row["method"]) > 0
+    efficiency = [row for row in report["efficiency"] if row.get("status") == "ok"]
+    # 2 shapes x 2 lengths x (full + 4 methods x 2 ratios).
+    assert len(efficiency) == 2 * 2 * 9
+    full = {row["length"]: row for row in efficiency if row["method"] == "full"}
+    for row in efficiency:
+        if row["method"] != "full":
+            assert row["cache_bytes_after_decode"] < full[row["length"]]["cache_bytes_after_decode"]
+    assert (tmp_path / "efficiency.png").stat().st_size > 0 and (tmp_path / "efficiency.pdf").exists()
