@@ -4,32 +4,96 @@
     python run.py method=snapkv+reskv ratio=0.9
     python run.py method=[snapkv,snapkv+reskv] ratio=[0.6,0.9] setting=[aware,agnostic]
     python run.py -m hydra/launcher=local method=snapkv,adakv    # parallel jobs (joblib)
+    python run.py --help                            # methods, benchmarks, tasks, presets, options
 
 Configuration lives in configs/ (Hydra); the loop itself in scripts.experiment. Results go to
 ``<results_dir>/runs`` (one JSON per configuration, resumable), the log beside them in
 ``<results_dir>/logs``; README "Running experiments" has the details.
+
+``--help`` and every configuration error answer before torch and transformers are imported
+(seconds, not the ~15 s those imports take); a failed invocation leaves no log directory behind.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
+from dataclasses import fields
+from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
-from benchmarks import BenchmarkError, task_score
-from reskv.backbones import BackboneError, load_backbone
-from scripts.experiment import GridEntry, GridRun, Plan, PlanError, load_task_items, make_plan
-from scripts.results_store import ResultStoreError, load_results
+import benchmarks
+from baselines.names import METHODS
+from reskv.compress import ResidualConfig
+from reskv.engine import SETTINGS
+from scripts.experiment import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 
 log = logging.getLogger("run")
+# Config groups chosen by name on the command line (``backbone=tiny-llama``); a name not in
+# configs/<group>/ is refused here, before Hydra, with the same message and exit code as any
+# other bad value.
+CONFIG_GROUPS = ("backbone", "benchmark", "grid", "ablation")
+PAPER_RATIOS = (0.6, 0.7, 0.8, 0.9)
+INTERRUPTED = "interrupted; rerun the same command to resume"
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(arguments: list[str]) -> None:
+    """Refuse ``group=name`` (or a sweep ``group=a,b``) naming no file of configs/<group>/."""
+    for argument in arguments:
+        key, separator, value = argument.lstrip("+~").partition("=")
+        if not separator or key not in CONFIG_GROUPS or "(" in value:
+            continue
+        choices = group_choices(key)
+        for name in value.split(","):
+            if name not in choices and not (key == "grid" and name == "null"):
+                raise PlanError(f"unknown {key} {name!r}; choose from {choices}")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def usage() -> str:
+    """``--help``: what can be run, from the registries themselves (no torch needed)."""
+    task_lines = []
+    for benchmark in benchmarks.BENCHMARKS:
+        sets = ", ".join(benchmarks.task_sets(benchmark))
+        task_lines.append(f"  {benchmark} ({sets}): {', '.join(benchmarks.tasks(benchmark))}")
+    return "\n".join(
+        [
+            "usage: python run.py [-m] [key=value ...]      (Hydra overrides; lists as key=[a,b])",
+            "",
+            __doc__.split("\n\n")[1].rstrip(),
+            "",
+            f"method=      {', '.join(METHODS)}",
+            f"setting=     {', '.join(SETTINGS)}  (query-aware / query-agnostic compression)",
+            "ratio=       fraction of the prompt's KV evicted, strictly in (0, 1); the paper uses "
+            + ", ".join(f"{ratio:g}" for ratio in PAPER_RATIOS),
+            f"backbone=    {', '.join(group_choices('backbone'))}",
+            f"benchmark=   {', '.join(group_choices('benchmark'))}",
+            "benchmark.tasks=  a list of tasks or a task set:",
+            *task_lines,
+            "benchmark.length=  prompt length in tokens (RULER's sequence length, LongBench's truncation)",
+            f"grid=        sweep presets: {', '.join(group_choices('grid'))}",
+            f"ablation=    {', '.join(group_choices('ablation'))}",
+            "",
+            "num_samples=N (null: every sample)   seed=42   max_new_tokens=N (cap; smoke tests only)",
+            "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
+            "threads=N (torch CPU threads)   h2o_window_only=true|false   results_dir=DIR",
+            "reskv.OPTION=...  ResKV hyper-parameters (configs/config.yaml has the defaults):",
+            "  " + ", ".join(spec.name for spec in fields(ResidualConfig)),
+            "",
+            "Hydra's own help: python run.py --hydra-help",
+        ]
+    )
 
 
 def summary_line(entry: GridEntry, task: str, document: dict | None) -> str:
@@ -37,33 +101,58 @@ def summary_line(entry: GridEntry, task: str, document: dict | None) -> str:
     if document is None:
         return f"{task} {entry.describe()}: already complete, skipped"
     summary, timings = document["summary"], document["timings"]
+    skipped = f", {summary['num_skipped']} skipped" if summary["num_skipped"] else ""
+    if summary["score_percent"] is None:
+        return f"{task} {entry.describe()}: no sample could run ({summary['num_skipped']} skipped)"
     decode_rate = timings.get("decode_tokens", 0) / timings["decode_s"] if timings.get("decode_s") else 0.0
     return (
-        f"{task} {entry.describe()}: score {summary['score']:.2f} over {summary['num_samples']} samples "
+        f"{task} {entry.describe()}: score {summary['score_percent']:.2f}% over "
+        f"{plural(summary['num_samples'], 'sample')}{skipped} "
         f"(compress {timings.get('compress_s', 0):.1f} s, decode {timings.get('decode_s', 0):.1f} s, "
         f"{decode_rate:.1f} tok/s)"
     )
 
 
-def result_table(plan: Plan) -> Table:
-    """Scores of this plan's configurations as found on disk (resumed and earlier shards included)."""
-    keys = {entry.key(plan, task): entry for task in plan.tasks for entry in plan.grid}
-    results = [result for result in load_results(plan.runs_dir)[0] if result.key in keys]
-    table = Table(title=f"{plan.backbone} · {plan.benchmark}-{plan.length} (score, samples)")
+def result_table(plan: Plan, available_tasks: set[str]):
+    """Scores of this plan's configurations as found on disk (resumed and earlier shards included);
+    ``n/a`` for a task whose data is unavailable here, ``–`` for a configuration not run yet."""
+    from rich.table import Table
+
+    from scripts.results_store import load_results, scored
+
+    keys = {entry.key(plan, task) for task in plan.tasks for entry in plan.grid}
+    results = {result.key: result for result in load_results(plan.runs_dir)[0] if result.key in keys}
+    table = Table(title=f"{plan.backbone} · {plan.benchmark}-{plan.length} (score %, samples)")
     table.add_column("configuration")
     for task in plan.tasks:
         table.add_column(task, justify="right")
     for entry in plan.grid:
         row = [entry.describe()]
         for task in plan.tasks:
-            found = [result for result in results if result.key == entry.key(plan, task)]
-            scores = [sample["score"] for sample in found[0].samples.values()] if found else []
-            row.append(f"{task_score(scores):.2f} ({len(scores)})" if scores else "–")
+            result = results.get(entry.key(plan, task))
+            scores = [sample["score"] for sample in scored(list(result.samples.values()))] if result else []
+            if task not in available_tasks:
+                row.append("n/a")
+            elif scores:
+                row.append(f"{benchmarks.task_score(plan.benchmark, scores):.2f} ({len(scores)})")
+            else:
+                row.append("–")
         table.add_row(*row)
     return table
 
 
-def run(plan: Plan) -> None:
+def run(plan: Plan, threads: int | None) -> None:
+    """Load the backbone and the items, run the grid with a progress bar, print the scores."""
+    import torch
+    from rich.console import Console
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from reskv.backbones import load_backbone
+    from scripts.experiment import GridRun, load_task_items
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     started = time.perf_counter()
     backbone = load_backbone(plan.backbone, plan.dtype, plan.device)
     items = load_task_items(plan, backbone.tokenizer)
@@ -71,13 +160,13 @@ def run(plan: Plan) -> None:
     with logging_redirect_tqdm():
         total = grid.open()
         log.info(
-            "%s on %s-%d: %d tasks x %d configurations, %d generations to do (shard %d/%d)",
+            "%s on %s-%d: %s x %s, %s to do (shard %d/%d)",
             plan.backbone,
             plan.benchmark,
             plan.length,
-            len(items),
-            len(plan.grid),
-            total,
+            plural(len(items), "task"),
+            plural(len(plan.grid), "configuration"),
+            plural(total, "generation"),
             plan.shard_index,
             plan.shard_count,
         )
@@ -86,20 +175,60 @@ def run(plan: Plan) -> None:
             grid.on_finished = lambda entry, task, document: log.info(summary_line(entry, task, document))
             grid.run()
     log.info("done in %.1f s; results in %s", time.perf_counter() - started, plan.runs_dir)
-    Console().print(result_table(plan))
+    Console().print(result_table(plan, set(items)))
+
+
+def fail(error: Exception) -> None:
+    print(f"run.py: error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def remove_log_dir(results_dir: Path) -> None:
+    """Delete this invocation's log directory, and its parents left empty, up to ``results_dir``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    directory = Path(HydraConfig.get().runtime.output_dir)
+    shutil.rmtree(directory, ignore_errors=True)
+    for parent in directory.parents:
+        if parent == results_dir or not parent.is_relative_to(results_dir) or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+def run_errors() -> tuple[type[Exception], ...]:
+    """Errors of a run that are the user's to fix (message, exit 2), not the code's (traceback)."""
+    from reskv.backbones import BackboneError
+    from scripts.results_store import ResultStoreError
+
+    return BackboneError, ResultStoreError
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(config: DictConfig) -> None:
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     try:
         plan = make_plan(OmegaConf.to_container(config, resolve=True))
-        run(plan)
-    except (PlanError, BackboneError, BenchmarkError, ResultStoreError) as error:
-        log.error("%s", error)
-        sys.exit(2)
+        run(plan, config.threads)
+    except (PlanError, benchmarks.BenchmarkError) as error:
+        remove_log_dir(Path(config.results_dir))
+        fail(error)
+    # Evaluated only when the clause above did not match: a configuration error never imports torch.
+    except run_errors() as error:
+        remove_log_dir(Path(config.results_dir))
+        fail(error)
+    except KeyboardInterrupt:
+        log.warning(INTERRUPTED)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
-    main()
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(usage())
+        sys.exit(0)
+    try:
+        check_group_overrides(sys.argv[1:])
+        main()
+    except PlanError as error:
+        fail(error)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)

@@ -9,18 +9,18 @@ Everything that can be wrong in a plan is checked before the model loads.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import benchmarks
-from baselines import METHODS, RESIDUAL_SUFFIX, build_method
+from baselines.names import METHODS, RESIDUAL_SUFFIX
 from benchmarks.item import Item
-from reskv.backbones import Backbone
 from reskv.compress import ResidualConfig
-from reskv.engine import SETTINGS, Method, Prefill
+from reskv.engine import SETTINGS
 from scripts.results_store import (
     FULL_METHOD,
     ResultFile,
@@ -31,26 +31,16 @@ from scripts.results_store import (
     write_unavailable,
 )
 
+if TYPE_CHECKING:
+    from reskv.backbones import Backbone
+    from reskv.engine import Method
+
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-# Task-list keywords of the benchmark config (`benchmark.tasks`), besides an explicit list.
-TASK_KEYWORDS = {
-    "all": lambda benchmark: benchmarks.tasks(benchmark),
-    "english": lambda benchmark: _english_tasks(benchmark),
-}
 
 
 class PlanError(ValueError):
     """A bad run configuration; the message names the bad value and the valid choices."""
-
-
-def _english_tasks(benchmark: str) -> tuple[str, ...]:
-    if benchmark != "longbench":
-        raise PlanError(f"tasks 'english' exists for longbench only; for {benchmark} use 'all' or a list")
-    from benchmarks.longbench import ENGLISH_TASKS
-
-    return tuple(ENGLISH_TASKS)
 
 
 def as_list(value: Any) -> list:
@@ -237,14 +227,15 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not ratios and set(methods) != {FULL_METHOD}:
         raise PlanError("ratio needs at least one value for a compressing method")
     task_spec = benchmark["tasks"]
+    task_sets = benchmarks.task_sets(benchmark["name"])
     available = benchmarks.tasks(benchmark["name"])
-    if isinstance(task_spec, str) and task_spec in TASK_KEYWORDS:
-        tasks = tuple(TASK_KEYWORDS[task_spec](benchmark["name"]))
+    if isinstance(task_spec, str) and task_spec in task_sets:
+        tasks = tuple(task_sets[task_spec])
     else:
         tasks = tuple(as_list(task_spec))
-        _choose(f"{benchmark['name']} task", tasks, [*TASK_KEYWORDS, *available])
+        _choose(f"{benchmark['name']} task", tasks, [*task_sets, *available])
     if not tasks:
-        raise PlanError(f"no tasks selected; choose from {list(TASK_KEYWORDS)} or {list(available)}")
+        raise PlanError(f"no tasks selected; choose from {list(task_sets)} or {list(available)}")
     num_samples = config["num_samples"]
     if num_samples is not None and (
         isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1
@@ -311,8 +302,11 @@ def run_plan(plan: Plan, backbone: Backbone) -> None:
 
 
 def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:
-    """Items of every task of the plan; a task whose data is missing here is marked unavailable."""
-    items = {}
+    """Items of every task of the plan; a task whose data is missing here is marked unavailable.
+
+    When every task of the plan is unavailable there is nothing to run: a PlanError says why.
+    """
+    items, reasons = {}, []
     for task in plan.tasks:
         try:
             items[task] = benchmarks.load_items(
@@ -326,6 +320,7 @@ def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:
         except benchmarks.TaskUnavailable as error:
             key = ResultKey(plan.backbone, plan.benchmark, plan.length, task, None, FULL_METHOD, None)
             path = write_unavailable(plan.runs_dir, key, str(error))
+            reasons.append(f"{task}: {error}")
             log.warning(
                 "%s/%s unavailable, excluded from averages: %s (marked in %s)",
                 plan.benchmark,
@@ -333,7 +328,23 @@ def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:
                 error,
                 path,
             )
+    if not items:
+        raise PlanError(f"every requested {plan.benchmark} task is unavailable here; " + "; ".join(reasons))
     return items
+
+
+def sample_fields(index: int, item: Item, max_new_tokens: int) -> dict[str, Any]:
+    """What a sample record says about its prompt, whether it was generated or skipped."""
+    return {
+        "index": index,
+        "prompt_digest": prompt_digest(item.prompt_ids),
+        "prompt_tokens": item.length,
+        "context_tokens": item.context_length,
+        "question_tokens": item.length - item.context_length,
+        "max_new_tokens": max_new_tokens,
+        "references": list(item.references),
+        "metric": item.metric,
+    }
 
 
 def sample_record(
@@ -345,31 +356,36 @@ def sample_record(
     prefill_timings: dict[str, float],
     shared_by: int,
 ) -> dict[str, Any]:
-    """One sample's entry of a result file. Wall-clock values go under ``timings`` only."""
+    """One generated sample's entry of a result file (``score`` a fraction in [0, 1]).
+
+    Wall-clock values go under ``timings`` only: the shared prefills of the prompt (``prefill_s``
+    for the context, ``question_prefill_s`` for the question when a query-aware configuration
+    needed it) with ``prefill_shared_by`` configurations, and this configuration's own
+    ``compress_s``, ``question_s`` (query-agnostic) and ``decode_s``.
+    """
     return {
-        "index": index,
-        "prompt_digest": prompt_digest(item.prompt_ids),
-        "prompt_tokens": item.length,
-        "context_tokens": item.context_length,
-        "question_tokens": item.length - item.context_length,
-        "max_new_tokens": max_new_tokens,
+        **sample_fields(index, item, max_new_tokens),
         "prediction": generation.text,
         "prediction_token_ids": list(generation.token_ids),
         "generated_tokens": len(generation.token_ids),
-        "references": list(item.references),
-        "metric": item.metric,
         "score": score,
         "cache_stats": generation.cache_stats,
         "timings": {**prefill_timings, **generation.timings, "prefill_shared_by": shared_by},
     }
 
 
+def skipped_record(index: int, item: Item, max_new_tokens: int, reason: str) -> dict[str, Any]:
+    """A sample that was not run, and why: no prediction, ``score`` None (summaries leave it out)."""
+    return {**sample_fields(index, item, max_new_tokens), "score": None, "skipped": reason}
+
+
 @dataclass
 class GridRun:
     """The open result files of a plan and the methods they need; ``run`` fills them.
 
-    ``on_sample`` is called after every generation (progress bars), ``on_finished`` with the entry,
-    task and final document whenever a configuration completes its sample range.
+    ``on_sample`` is called after every generation or skip (progress bars), ``on_finished`` with
+    the entry, task and final document as soon as a configuration completes its sample range
+    (``None`` for one that an earlier run completed).
     """
 
     plan: Plan
@@ -381,6 +397,8 @@ class GridRun:
     methods: dict[tuple[str, float | None], Method] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from baselines import build_method
+
         plan = self.plan
         for entry in plan.grid:
             if (entry.method, entry.ratio) not in self.methods:
@@ -393,9 +411,22 @@ class GridRun:
                     h2o_window_only=plan.h2o_window_only,
                 )
 
+    @property
+    def environment(self) -> dict[str, Any]:
+        """Where this run's timings were taken (stored in each new result file's provenance)."""
+        import torch
+
+        model = self.backbone.model
+        return {
+            "device": str(model.device),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+        }
+
     def open(self) -> int:
         """Open (lock, resume) every result file; returns the number of generations still to do."""
-        dtype = str(self.backbone.model.dtype).removeprefix("torch.")
+        environment = self.environment
+        task_score = functools.partial(benchmarks.task_score, self.plan.benchmark)
         for task, items in self.items.items():
             sample_range = self.plan.shard_range(len(items))
             for entry in self.plan.grid:
@@ -404,8 +435,9 @@ class GridRun:
                     entry.key(self.plan, task),
                     sample_range,
                     len(items),
-                    self.plan.identity(entry, dtype),
-                    benchmarks.task_score,
+                    self.plan.identity(entry, environment["dtype"]),
+                    task_score,
+                    environment,
                 )
                 try:
                     result.open()
@@ -443,36 +475,94 @@ class GridRun:
         try:
             for task, items in self.items.items():
                 entries = [entry for entry in self.plan.grid if (task, entry) in self.files]
+                for entry in entries:
+                    if not self.files[task, entry].pending:
+                        self._finish(task, entry)
                 for index in range(*self.plan.shard_range(len(items))):
-                    pending = [entry for entry in entries if index not in self.files[task, entry].records]
+                    pending = [
+                        entry
+                        for entry in entries
+                        if (task, entry) in self.files and index not in self.files[task, entry].records
+                    ]
                     if pending:
                         self._run_sample(task, index, items[index], pending)
-                for entry in entries:
-                    self.on_finished(entry, task, self.files.pop((task, entry)).close())
         finally:
             self.close()
 
+    def _finish(self, task: str, entry: GridEntry) -> None:
+        self.on_finished(entry, task, self.files.pop((task, entry)).close())
+
+    def _file(self, task: str, entry: GridEntry, record: dict[str, Any]) -> None:
+        """Persist one sample record; a configuration whose range is now complete is finished at once."""
+        result = self.files[task, entry]
+        result.append(record)
+        self.on_sample()
+        if not result.pending:
+            self._finish(task, entry)
+
+    def skip_reason(self, entry: GridEntry, item: Item) -> str | None:
+        """Why this configuration cannot run this sample, found before the prefill; None if it can.
+
+        The positions must fit the backbone (prompt + answer <= max_position_embeddings), and the
+        ratio must leave at least one KV slot for what the setting compresses (the whole prompt
+        query-aware, the context query-agnostic; budget as in reskv.md, Budget).
+        """
+        from reskv.compress import budget_for
+
+        max_new_tokens = self.plan.answer_length(item)
+        max_positions = self.backbone.model.config.max_position_embeddings
+        if item.length + max_new_tokens > max_positions:
+            return (
+                f"{item.length} prompt tokens + {max_new_tokens} new tokens exceed the backbone's "
+                f"max_position_embeddings {max_positions}"
+            )
+        if entry.ratio is None:
+            return None
+        compressed = item.length if entry.setting == "aware" else item.context_length
+        if budget_for(compressed, entry.ratio) < 1:
+            return (
+                f"ratio {entry.ratio:g} leaves no KV slot for the {compressed} tokens the "
+                f"{entry.setting} setting compresses (budget floor({compressed} * (1 - {entry.ratio:g})) = 0)"
+            )
+        return None
+
     def _run_sample(self, task: str, index: int, item: Item, pending: list[GridEntry]) -> None:
-        methods = [self.methods[entry.method, entry.ratio] for entry in pending]
+        from reskv.engine import Prefill
+
+        max_new_tokens = self.plan.answer_length(item)
+        runnable = []
+        for entry in pending:
+            reason = self.skip_reason(entry, item)
+            if reason is None:
+                runnable.append(entry)
+            else:
+                log.warning("%s sample %d %s skipped: %s", task, index, entry.describe(), reason)
+                self._file(task, entry, skipped_record(index, item, max_new_tokens, reason))
+        shared_by = len(runnable) if self.plan.share_prefill else 1
         prefill = None
-        for entry, method in zip(pending, methods, strict=True):
+        for entry in runnable:
             if prefill is None or not self.plan.share_prefill:
+                served = runnable if self.plan.share_prefill else [entry]
                 prefill = Prefill(
                     self.backbone,
                     item.prompt_ids,
                     item.context_length,
-                    methods if self.plan.share_prefill else [method],
+                    [self.methods[other.method, other.ratio] for other in served],
                 )
-            max_new_tokens = self.plan.answer_length(item)
+                if any(other.setting != "agnostic" for other in served):
+                    # The question's prefill now, shared, rather than inside the first query-aware
+                    # generation's compress_s (where it made the full cache's compress_s non-zero).
+                    prefill.observations("aware")
             generation = prefill.generate(
-                method,
+                self.methods[entry.method, entry.ratio],
                 entry.setting or "aware",
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=item.stop_token_ids,
+                min_new_tokens=min(item.min_new_tokens, max_new_tokens),
             )
             score = benchmarks.score_item(item, generation.text)
-            shared_by = len(pending) if self.plan.share_prefill else 1
-            self.files[task, entry].append(
-                sample_record(index, item, max_new_tokens, generation, score, prefill.timings, shared_by)
+            self._file(
+                task,
+                entry,
+                sample_record(index, item, max_new_tokens, generation, score, prefill.timings, shared_by),
             )
-            self.on_sample()

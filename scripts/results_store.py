@@ -19,6 +19,11 @@ pure function of the configuration and the sample records, sorted by index, so a
 and resumed run ends with the same file as an uninterrupted one, except for the wall-clock
 values kept under the keys named ``timings`` (see ``deterministic_view``). A journal is locked
 (``flock``) while a process writes it, so two launcher jobs never write one file.
+
+Units (also stated in every file's ``units``): ``summary.score`` (= ``summary.score_percent``) is
+the benchmark's task score in percent, 0-100; a sample's ``score`` is a fraction in [0, 1], or
+None for a sample ``skipped`` before its prefill (the record says why; summaries leave it out).
+Timings are wall-clock seconds; the top-level ``timings`` sums them over the scored samples.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -36,6 +42,12 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "reskv-task-result/1"
+UNITS = {
+    "summary.score": "percent (0-100), the benchmark's task score; equal to summary.score_percent",
+    "samples[].score": "fraction in [0, 1]; null for a skipped sample",
+    "timings": "seconds summed over the scored samples (decode_tokens: a token count)",
+    "samples[].timings": "seconds; prefill_s, question_prefill_s: shared by prefill_shared_by configurations",
+}
 UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
 FULL_METHOD = "full"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +134,18 @@ def prompt_digest(prompt_ids: Iterable[int]) -> str:
     return hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:16]
 
 
-def provenance() -> dict[str, Any]:
-    """Package versions and the git commit of the code that produced a result."""
+def provenance(environment: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Package versions, the git commit of the code and the machine's state when a result was begun.
+
+    ``environment`` is what the runner knows of the run (device, dtype, torch threads); the start
+    time, CPU count and load average are added here, since the timings depend on them.
+    """
+    machine = {
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cpu_count": os.cpu_count(),
+        "load_average": [round(load, 2) for load in os.getloadavg()],
+        **(environment or {}),
+    }
     versions = {"python": platform.python_version()}
     for package in RECORDED_PACKAGES:
         try:
@@ -145,7 +167,7 @@ def provenance() -> dict[str, Any]:
         )
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = None, None
-    return {"versions": versions, "git_commit": commit, "git_dirty": dirty}
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "machine": machine}
 
 
 def deterministic_view(data: Any) -> Any:
@@ -191,27 +213,48 @@ def _read_journal(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any
     return header, records, intact
 
 
+def scored(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples that were generated and scored (not ``skipped``)."""
+    return [sample for sample in samples if "skipped" not in sample]
+
+
 def summarize(samples: list[dict[str, Any]], score) -> dict[str, Any]:
-    """Score and token counts of a set of sample records (``score`` maps sample scores to the task score)."""
+    """Score (percent) and token counts of a set of sample records; skipped samples are counted
+    apart (``score`` maps sample scores, fractions, to the task score in percent)."""
+    kept = scored(samples)
 
     def mean(name: str) -> float | None:
-        return round(sum(sample[name] for sample in samples) / len(samples), 2) if samples else None
+        return round(sum(sample[name] for sample in kept) / len(kept), 2) if kept else None
 
+    task_score = score([sample["score"] for sample in kept]) if kept else None
     return {
-        "score": score([sample["score"] for sample in samples]) if samples else None,
-        "num_samples": len(samples),
+        "score": task_score,
+        "score_percent": task_score,
+        "num_samples": len(kept),
+        "num_skipped": len(samples) - len(kept),
         "prompt_tokens_mean": mean("prompt_tokens"),
         "generated_tokens_mean": mean("generated_tokens"),
     }
 
 
 def total_timings(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Sums of the per-sample wall-clock timings (kept apart from the deterministic content)."""
+    """Seconds summed over the scored samples, per phase (kept apart from the deterministic content).
+
+    ``prefill_shared_by`` is a count, not a time: it is not summed; ``prefill_s_own_share`` is
+    the share of the shared prefills that falls to this configuration (each prefill divided by
+    the configurations it served).
+    """
     totals: dict[str, float] = {}
-    for sample in samples:
-        for name, value in sample.get("timings", {}).items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
+    for sample in scored(samples):
+        timings = sample.get("timings", {})
+        for name, value in timings.items():
+            if name != "prefill_shared_by" and isinstance(value, int | float) and not isinstance(value, bool):
                 totals[name] = totals.get(name, 0) + value
+        if "prefill_shared_by" in timings:
+            shared = timings.get("prefill_s", 0) + timings.get("question_prefill_s", 0)
+            totals["prefill_s_own_share"] = (
+                totals.get("prefill_s_own_share", 0) + shared / timings["prefill_shared_by"]
+            )
     return {name: round(value, 6) for name, value in sorted(totals.items())}
 
 
@@ -229,6 +272,7 @@ class ResultFile:
     samples_total: int
     config: dict[str, Any]
     score: Any  # callable: list of sample scores -> task score
+    environment: dict[str, Any] = field(default_factory=dict)  # recorded in a new file's provenance
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     _journal: Any = None
     _header: dict[str, Any] | None = None
@@ -295,7 +339,7 @@ class ResultFile:
     def _rewrite_journal(self) -> None:
         """Start the journal afresh: header (first run's provenance) plus every record kept so far."""
         if self._header is None:
-            self._header = {"provenance": provenance()}
+            self._header = {"provenance": provenance(self.environment)}
         lines = [self._header_line(), *(self.records[index] for index in sorted(self.records))]
         self._journal.truncate(0)
         self._journal.write(b"".join(json.dumps(line, sort_keys=True).encode() + b"\n" for line in lines))
@@ -328,6 +372,7 @@ class ResultFile:
         return {
             **self._header_line(),
             "complete": not self.pending,
+            "units": UNITS,
             "summary": summarize(samples, self.score),
             "timings": total_timings(samples),
             "samples": samples,

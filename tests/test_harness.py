@@ -227,15 +227,17 @@ def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_c
 
 
 def test_unavailable_task_is_marked_not_scored(tmp_path, ruler_cache):
-    plan = plan_for(
-        [*TINY_RULER, "benchmark.tasks=[qa_1]", "benchmark.options.qa_data_dir=" + str(tmp_path)],
-        tmp_path,
-        ruler_cache,
-    )
+    qa_missing = "benchmark.options.qa_data_dir=" + str(tmp_path)
+    plan = plan_for([*TINY_RULER, "benchmark.tasks=[vt,qa_1]", qa_missing], tmp_path, ruler_cache)
     backbone = load_backbone("tiny-llama")
-    assert load_task_items(plan, backbone.tokenizer) == {}
+    assert list(load_task_items(plan, backbone.tokenizer)) == ["vt"]
     index = ResultIndex.from_directory(plan.runs_dir)[0]
     assert ("tiny-llama", "ruler", 1024, "qa_1") in index.unavailable
+    # With every requested task unavailable there is nothing to run: the run stops and says why.
+    only_qa = plan_for([*TINY_RULER, "benchmark.tasks=[qa_1]", qa_missing], tmp_path, ruler_cache)
+    unavailable = r"every requested ruler task is unavailable here; qa_1: .*qa_data_dir="
+    with pytest.raises(PlanError, match=unavailable):
+        load_task_items(only_qa, backbone.tokenizer)
 
 
 def test_shards_write_separate_files_that_merge_into_the_whole(tmp_path, ruler_cache):
