@@ -10,13 +10,11 @@ import torch
 from baselines import METHODS, build_method
 from reskv.attention import DecodeRule
 from reskv.backbones import BackboneError, load_backbone
-from reskv.cache import CompressedLayer, ResKVCache
+from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache, reskv_attention
 from reskv.compress import CompressedLayerState, ResidualConfig, budget_for, compress_layer
-from reskv.proxy import ValidationProxy, observation_split
 from reskv.engine import Method, Prefill, generate
 from reskv.residual import ResidualEntries
 from reskv.scoring import causal_attention_probs
-from reskv.selection import select_main
 from tests.conftest import cached_tiny_backbone, random_prompt
 
 
@@ -110,64 +108,12 @@ def layer_observation(prefill, layer_idx=1):
     return prefill._context.cache.layers[layer_idx].observation(layer_idx, prefill.scaling)
 
 
-def test_validation_proxy_keeps_the_best_candidate_only_when_it_beats_main_only(prefill):
-    obs = layer_observation(prefill)
-    method = build_method("snapkv+reskv", 0.7)
-    proxy = ValidationProxy(obs, method.scorer, method.residual, observation_split(obs, method.residual))
-    budgets = torch.full((obs.num_kv_heads,), budget_for(obs.seq_len, 0.7))
-    chosen = proxy.choose(budgets)
-    candidates = torch.stack(
-        [torch.floor(ratio * budgets.double() + 0.5).long() for ratio in method.residual.grid]
-    )
-    losses = proxy.losses(budgets, candidates)
-    window = method.scorer.window
-    for head in range(obs.num_kv_heads):
-        sizes = candidates[:, head].tolist()
-        # reskv.md: skip r == 0, a repeated r, or m - |P| < 0.
-        allowed = [
-            c
-            for c in range(1, len(sizes))
-            if sizes[c] > 0 and sizes[c] not in sizes[:c] and budgets[head] - sizes[c] >= window
-        ]
-        assert allowed, "the test needs at least one candidate"
-        best = min(allowed, key=lambda c: (losses[c, head].item(), c))
-        improves = losses[best, head] < (1 - method.residual.delta) * losses[0, head]
-        assert chosen[head] == (sizes[best] if improves else 0)
-
-
-def test_validation_split_is_96_fit_and_32_validation_queries(prefill):
-    fit, validation = observation_split(layer_observation(prefill), ResidualConfig())
-    assert (fit.start, fit.stop, validation.start, validation.stop) == (0, 96, 96, 128)
-
-
-def test_short_prompt_falls_back_to_a_proportional_split(backbone):
-    short = Prefill(backbone, random_prompt(40, seed=2), 40, [build_method("snapkv+reskv", 0.5)])
-    fit, validation = observation_split(layer_observation(short), ResidualConfig())
-    assert (fit.stop - fit.start, validation.stop - validation.start) == (30, 10)
-    generation = short.generate(build_method("snapkv+reskv", 0.5), "aware", 3)
-    assert len(generation.token_ids) <= 3
-
-
 def test_without_validation_every_head_uses_the_fixed_ratio(prefill):
     obs = layer_observation(prefill)
     config = ResidualConfig(validate=False, fixed_ratio=0.1)
     state = compress_layer(obs, build_method("snapkv", 0.6).scorer, 0.6, config)
     budget = budget_for(obs.seq_len, 0.6)
     assert state.stats["residual_slots"] == [int(0.1 * budget + 0.5)] * obs.num_kv_heads
-
-
-def test_fit_selection_switch_changes_only_the_main_selection_rule(prefill):
-    obs = layer_observation(prefill)
-    base = build_method("snapkv+reskv", 0.8)
-    fit = dataclasses.replace(base.residual, final_selection="fit")
-    base_state = compress_layer(obs, base.scorer, 0.8, base.residual)
-    fit_state = compress_layer(obs, base.scorer, 0.8, fit)
-    assert base_state.stats["residual_slots"] == fit_state.stats["residual_slots"]
-    sizes = torch.tensor(base_state.stats["residual_slots"])
-    budgets = torch.full_like(sizes, budget_for(obs.seq_len, 0.8))
-    proxy = ValidationProxy(obs, base.scorer, base.residual, observation_split(obs, base.residual))
-    expected = select_main(proxy.fit_scores, base.scorer.window, budgets - sizes)
-    assert fit_state.stats["main_slots"] == expected.sum(-1).tolist()
 
 
 def test_no_shared_softmax_mixes_branches_by_gate_times_evicted_share(prefill):
@@ -246,3 +192,36 @@ def test_a_prompt_too_short_for_any_slot_is_a_clear_error(backbone):
     prefill = Prefill(backbone, random_prompt(3), 3, [])
     with pytest.raises(ValueError, match="leaves no slot"):
         prefill.generate(build_method("snapkv", 0.9), "aware", 2)
+
+
+def test_a_batch_of_prompts_is_refused_naming_its_size(backbone, prefill):
+    with pytest.raises(ValueError, match="batch size 2"):
+        Prefill(backbone, [random_prompt(20, seed=1), random_prompt(20, seed=2)], 10, [])
+    single = Prefill(backbone, torch.tensor([random_prompt(20, seed=1)]), 10, [])  # [1, s] is one sequence
+    assert single.prompt_ids == random_prompt(20, seed=1)
+    cache, _ = build_method("snapkv", 0.6).compress(prefill._context.cache, prefill.scaling)
+    attention = backbone.model.model.layers[0].self_attn
+    query = torch.zeros(2, 6, 1, 16)
+    key = torch.zeros(2, 2, 1, 16)
+    with pytest.raises(ValueError, match="batch size 2"):
+        reskv_attention(attention, query, key, key, None, **{CACHE_KWARG: cache})
+    with pytest.raises(ValueError, match="batch size 2"):
+        cache.layers[0].update(key, key)
+
+
+def test_min_new_tokens_masks_the_stop_ids_until_reached(prefill):
+    """transformers' min_length: a stop id that would win the first step is skipped for the runner-up."""
+    full = build_method("full")
+    logits = prefill._prompt_state().last_logits
+    first, runner_up = logits.topk(2).indices.tolist()
+    assert prefill.generate(full, "aware", 4, stop_token_ids=[first]).token_ids == []
+    forced = prefill.generate(full, "aware", 4, stop_token_ids=[first], min_new_tokens=1).token_ids
+    assert forced[0] == runner_up and first not in forced[:1]
+    assert prefill.generate(full, "aware", 4, min_new_tokens=4).token_ids[:1] == [first]
+
+
+def test_prompt_plus_generation_past_the_backbone_positions_is_refused(backbone, prefill):
+    limit = backbone.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"260 prompt tokens \\+ {limit} new tokens .* {limit}"):
+        prefill.generate(build_method("full"), "aware", max_new_tokens=limit)
+    assert len(prefill.generate(build_method("full"), "aware", max_new_tokens=2).token_ids) <= 2
