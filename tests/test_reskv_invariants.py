@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
+import reskv.residual
 from baselines import build_method, build_scorer
 from reskv.attention import DecodeRule, residual_attention
 from reskv.compress import ResidualConfig, budget_for, compress_layer
-from reskv.engine import Prefill
-from reskv.residual import build_residual
+from reskv.engine import Method, Prefill
+from reskv.residual import build_residual, nearest_centers
 from reskv.scoring import LayerObservation
 from tests.conftest import random_prompt
 
@@ -62,10 +63,11 @@ def residual_output(queries, obs, kept, residual, rule=NO_GATE):
 
 
 def test_1_budget_covering_the_prompt_is_the_full_cache(prefill, observation):
-    tiny_ratio = 1e-17  # floor(s * (1 - 1e-17)) == s in float64
-    assert budget_for(observation.seq_len, tiny_ratio) == observation.seq_len
-    method = build_method("snapkv+reskv", tiny_ratio)
-    assert compress_layer(observation, method.scorer, tiny_ratio, method.residual) is None
+    """``b = floor(s (1 - rho)) < s`` for every ratio in (0, 1): only ratio 0 covers the prompt."""
+    assert budget_for(observation.seq_len, 0.0) == observation.seq_len
+    assert budget_for(observation.seq_len, 0.001) == observation.seq_len - 1
+    method = Method("snapkv+reskv", 0.0, build_scorer("snapkv"), ResidualConfig())
+    assert compress_layer(observation, method.scorer, 0.0, method.residual) is None
     compressed = prefill.generate(method, "agnostic", max_new_tokens=6)
     full = prefill.generate(build_method("full"), "agnostic", max_new_tokens=6)
     assert compressed.token_ids == full.token_ids
@@ -144,28 +146,40 @@ def test_4_singleton_clusters_are_exact_attention_over_main_and_residual(observa
     )
 
 
-def test_5_shared_softmax_equals_the_lse_merge(observation):
-    """One softmax over [main ; residual] logits, written per query head with its own gate."""
-    obs = observation
-    method = build_method("snapkv+reskv", 0.8, residual=ResidualConfig(validate=False, fixed_ratio=0.2))
-    state = compress_layer(obs, method.scorer, 0.8, method.residual)
-    rule = method.residual
-    queries = decode_queries(obs, count=4)
+def with_dtype(obs: LayerObservation, dtype: torch.dtype) -> LayerObservation:
+    return dataclasses.replace(
+        obs, keys=obs.keys.to(dtype), values=obs.values.to(dtype), queries=obs.queries.to(dtype)
+    )
+
+
+# b = 140 of the 280-token context, r = 28: main 112 >= the 64-token window, so entries exist.
+WITH_ENTRIES = dict(ratio=0.5, residual=ResidualConfig(validate=False, fixed_ratio=0.2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_5_shared_softmax_equals_the_lse_merge(observation, dtype):
+    """One softmax over [main ; residual] logits in float64, per query head with its own gate,
+    against the two-branch LSE merge (invariants 5 and 11)."""
+    obs = with_dtype(observation, dtype)
+    rule = WITH_ENTRIES["residual"]
+    state = compress_layer(obs, build_scorer("snapkv"), WITH_ENTRIES["ratio"], rule)
+    assert int(state.residual.entries_per_head.min()) > 0
+    queries = decode_queries(obs, count=4).to(dtype)
     merged = state.attend(queries, obs.scaling, rule)
     for kv_head in range(obs.num_kv_heads):
         for row in range(queries.shape[1]):  # every query head of the group, every query
-            query = queries[kv_head, row]
-            main_logits = state.main_keys[kv_head] @ query * obs.scaling
+            query = queries[kv_head, row].double()
+            main_logits = state.main_keys[kv_head].double() @ query * obs.scaling
             peak = main_logits.softmax(dim=-1).max()
             gate = max(rule.g_min, torch.sigmoid(rule.alpha * (rule.tau - peak)).item())
             residual_logits = (
-                state.residual.keys[kv_head] @ query * obs.scaling
-                + state.residual.log_counts[kv_head]
+                state.residual.keys[kv_head].double() @ query * obs.scaling
+                + state.residual.log_counts[kv_head].double()
                 + math.log(gate)
             )
             weights = torch.cat([main_logits, residual_logits]).softmax(dim=-1)
-            expected = weights @ torch.cat([state.main_values[kv_head], state.residual.values[kv_head]])
-            torch.testing.assert_close(merged[kv_head, row], expected, rtol=1e-5, atol=1e-6)
+            values = torch.cat([state.main_values[kv_head], state.residual.values[kv_head]]).double()
+            torch.testing.assert_close(merged[kv_head, row].double(), weights @ values, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("ratio", [0.6, 0.9])
@@ -174,7 +188,19 @@ def test_5_shared_softmax_equals_the_lse_merge(observation):
     ["h2o", "tova", "snapkv", "adakv", "cam", "h2o+reskv", "tova+reskv", "snapkv+reskv", "adakv+reskv"],
 )
 def test_6_slots_never_exceed_the_budget(prefill, name, ratio):
-    method = build_method(name, ratio)
+    check_budget(prefill, build_method(name, ratio), ratio)
+
+
+@pytest.mark.parametrize("base", ["h2o", "tova", "snapkv", "adakv"])
+def test_6_slots_never_exceed_the_budget_with_entries(prefill, base):
+    method = build_method(f"{base}+reskv", WITH_ENTRIES["ratio"], residual=WITH_ENTRIES["residual"])
+    stats = check_budget(prefill, method, WITH_ENTRIES["ratio"])
+    assert min(min(layer) for layer in stats["residual_entries"]) > 0
+
+
+def check_budget(prefill, method, ratio) -> dict:
+    """Per layer and head: attended = main + used entries <= main + reserved = b (AdaKV: H_kv b)."""
+    name = method.name
     cache, stats = method.compress(prefill._context.cache, prefill.scaling)
     budget = budget_for(prefill.context_length, ratio)
     assert stats["budget"] == budget
@@ -192,21 +218,17 @@ def test_6_slots_never_exceed_the_budget(prefill, name, ratio):
             assert sum(allocated) == budget * len(allocated)
         else:
             assert allocated == [budget] * len(allocated)
+    return stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_7_no_nan_or_inf(observation, dtype):
-    obs = dataclasses.replace(
-        observation,
-        keys=observation.keys.to(dtype),
-        values=observation.values.to(dtype),
-        queries=observation.queries.to(dtype),
-    )
-    method = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(validate=False, fixed_ratio=0.2))
-    state = compress_layer(obs, method.scorer, 0.9, method.residual)
+    obs = with_dtype(observation, dtype)
+    state = compress_layer(obs, build_scorer("snapkv"), WITH_ENTRIES["ratio"], WITH_ENTRIES["residual"])
+    assert int(state.residual.entries_per_head.min()) > 0  # invariant 11
     queries = decode_queries(obs).to(dtype)
     closed_gate = DecodeRule(alpha=1e6, g_min=0.0)  # gate exactly 0 unless the main peak is below tau
-    for rule in (method.residual, closed_gate):
+    for rule in (WITH_ENTRIES["residual"], closed_gate):
         output = state.attend(queries, obs.scaling, rule)
         assert torch.isfinite(output).all()
     # Empty evicted side, and r larger than |E|.
@@ -221,7 +243,9 @@ def test_7_no_nan_or_inf(observation, dtype):
         obs.keys, obs.values, ~kept, torch.rand(kept.shape), torch.full((obs.num_kv_heads,), 10), 4
     )
     assert capped.entries_per_head.tolist() == [3] * obs.num_kv_heads
-    assert torch.isfinite(residual_output(queries.float(), observation, kept, capped)).all()
+    assert torch.isfinite(
+        residual_output(queries.float(), with_dtype(obs, torch.float32), kept, capped)
+    ).all()
 
 
 def test_7_closed_gate_gives_exactly_the_main_only_output(observation):
@@ -266,3 +290,109 @@ def test_scorers_are_shared_across_heads_as_gqa_requires(observation):
             observation.num_kv_heads,
             observation.seq_len,
         )
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 2.0])
+def test_10_unused_slots_get_no_mass_whatever_beta(observation, beta):
+    """Head 0 gets 5 slots over 4 groups of identical keys with a duplicate top-scored centre (it
+    ends empty, as in invariant 3), the other heads 2 slots (3 padded): the output equals a float64
+    softmax over the used slots only."""
+    obs, kept, scores = grouped_evicted_side(observation, groups=4, members=3)
+    scores[:, 1] = 1.0
+    sizes = torch.tensor([5] + [2] * (obs.num_kv_heads - 1))
+    residual = build_residual(obs.keys, obs.values, ~kept, scores, sizes, 4)
+    assert residual.entries_per_head.tolist() == [4] + [2] * (obs.num_kv_heads - 1)
+    assert int((~torch.isfinite(residual.log_counts)).sum(-1).min()) > 0  # unused slots in every head
+    rule = DecodeRule(beta=beta)
+    queries = decode_queries(obs)
+    output = residual_output(queries, obs, kept, residual, rule)
+    assert torch.isfinite(output).all()
+    for head in range(obs.num_kv_heads):
+        used = torch.isfinite(residual.log_counts[head])
+        main_keys, main_values = obs.keys[head, kept[head]].double(), obs.values[head, kept[head]].double()
+        for row in range(queries.shape[1]):
+            query = queries[head, row].double()
+            main_logits = main_keys @ query * obs.scaling
+            peak = float(main_logits.softmax(-1).max())
+            gate = 1 / (1 + math.exp(-rule.alpha * (rule.tau - peak)))
+            residual_logits = (
+                residual.keys[head, used].double() @ query * obs.scaling
+                + beta * residual.log_counts[head, used].double()
+                + math.log(gate)
+            )
+            weights = torch.cat([main_logits, residual_logits]).softmax(-1)
+            expected = weights @ torch.cat([main_values, residual.values[head, used].double()])
+            torch.testing.assert_close(output[head, row].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_budget_is_exact_on_the_decimal_ratio():
+    assert budget_for(4000, 0.9) == 400
+    assert math.floor(4000 * (1 - 0.9)) == 399  # what floating point gives
+    float_misses = 0
+    for hundredths in range(50, 100, 5):
+        ratio = hundredths / 100  # 0.5, 0.55, ... 0.95 as the float a config holds
+        for seq_len in range(1, 5001):
+            expected = seq_len * (100 - hundredths) // 100  # integer arithmetic on the digits
+            assert budget_for(seq_len, ratio) == expected, (seq_len, ratio)
+            float_misses += math.floor(seq_len * (1 - ratio)) != expected
+    assert float_misses > 0  # the sweep covers lengths where floating point is wrong
+
+
+def test_kmeans_distance_chunks_give_the_unchunked_clustering(observation, monkeypatch):
+    """Bit for bit: each chunk's distances are the same dot products, and argmin is per point."""
+    obs = observation
+    kept = torch.ones(obs.num_kv_heads, obs.seq_len, dtype=torch.bool)
+    kept[:, :200] = False
+    scores = torch.rand(kept.shape, generator=torch.Generator().manual_seed(7))
+    sizes = torch.full((obs.num_kv_heads,), 20)
+    whole = build_residual(obs.keys, obs.values, ~kept, scores, sizes, 4)
+    points = obs.keys[:, :200].float()
+    centers = points[:, :20]
+    chunk_bytes = 4 * obs.num_kv_heads * 20 * 7  # 7 points per chunk: 29 chunks of 200 points
+    assert torch.equal(
+        nearest_centers(points, centers, chunk_bytes), nearest_centers(points, centers, 1 << 30)
+    )
+    monkeypatch.setattr(reskv.residual, "DISTANCE_CHUNK_BYTES", chunk_bytes)
+    chunked = build_residual(obs.keys, obs.values, ~kept, scores, sizes, 4)
+    assert int(whole.entries_per_head.min()) > 0
+    assert torch.equal(chunked.keys, whole.keys) and torch.equal(chunked.values, whole.values)
+    assert torch.equal(chunked.log_counts, whole.log_counts)
+
+
+def test_adakv_padded_cache_equals_the_per_head_computation_after_appended_tokens(prefill):
+    """Heads of uneven length are padded with masked slots; after appending tokens every head's
+    output equals the unpadded float64 computation over its own main tokens and entries."""
+    method = build_method("adakv+reskv", WITH_ENTRIES["ratio"], residual=WITH_ENTRIES["residual"])
+    cache, stats = method.compress(prefill._context.cache, prefill.scaling)
+    layer, obs = cache.layers[1], prefill._context.cache.layers[1].observation(1, prefill.scaling)
+    assert len(set(stats["main_slots"][1])) > 1 and layer.main_bias is not None  # padding exists
+    assert min(stats["residual_entries"][1]) > 0
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(3):  # three decode steps of two tokens each
+        new_keys = torch.randn(1, obs.num_kv_heads, 2, obs.keys.shape[-1], generator=generator)
+        new_values = torch.randn(1, obs.num_kv_heads, 2, obs.keys.shape[-1], generator=generator)
+        keys, values = layer.update(new_keys, new_values)
+    queries = torch.randn(1, obs.queries.shape[0], 2, obs.keys.shape[-1], generator=generator)
+    output = layer.attend(None, queries, keys, values, obs.scaling)[0]  # [q, H, d]
+    rule = method.residual
+    group = obs.group_size
+    for head in range(obs.queries.shape[0]):
+        kv = head // group
+        own = layer.keys[0, kv][torch.isfinite(layer.main_bias[kv, 0])].double()
+        own_values = layer.values[0, kv][torch.isfinite(layer.main_bias[kv, 0])].double()
+        assert own.shape[0] == stats["main_slots"][1][kv] + 6
+        used = torch.isfinite(layer.residual.log_counts[kv])
+        for position in range(2):
+            query = queries[0, head, position].double()
+            visible = own.shape[0] - 1 + position  # the two queries see the last token causally
+            main_logits = own[:visible] @ query * obs.scaling
+            peak = float(main_logits.softmax(-1).max())
+            gate = 1 / (1 + math.exp(-rule.alpha * (rule.tau - peak)))
+            residual_logits = (
+                layer.residual.keys[kv, used].double() @ query * obs.scaling
+                + layer.residual.log_counts[kv, used].double()
+                + math.log(gate)
+            )
+            weights = torch.cat([main_logits, residual_logits]).softmax(-1)
+            expected = weights @ torch.cat([own_values[:visible], layer.residual.values[kv, used].double()])
+            torch.testing.assert_close(output[position, head].double(), expected, rtol=1e-4, atol=1e-5)
