@@ -18,7 +18,7 @@ BENCHMARKS = tuple(_MODULES)
 
 
 class TaskUnavailable(RuntimeError):
-    """A task whose source data is not present here (e.g. RULER qa_1/qa_2 offline)."""
+    """A task whose source data is not present here (RULER qa_1/qa_2, LongBench without its data)."""
 
 
 class BenchmarkError(ValueError):

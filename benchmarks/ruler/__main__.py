@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.ruler import TASKS, UPSTREAM_COMMIT, generate_items, load_items
+from benchmarks.ruler.prompt import MODEL_TEMPLATE, TEMPLATE_CHOICES
 
 
 def elide(text: str, keep: int) -> str:
@@ -48,6 +49,12 @@ def main(argv: list[str] | None = None) -> None:
         "--qa-data-dir", default=None, help="folder with dev-v2.0.json / hotpot_dev_distractor_v1.json"
     )
     parser.add_argument(
+        "--template",
+        choices=TEMPLATE_CHOICES,
+        default=MODEL_TEMPLATE,
+        help="model: the backbone's chat template; else RULER's template of that name",
+    )
+    parser.add_argument(
         "--no-cache", action="store_true", help="generate afresh, neither read nor write the cache"
     )
     parser.add_argument(
@@ -62,7 +69,11 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = load_tokenizer(args.tokenizer)
     options = dict(
-        length=args.length, num_samples=args.num_samples, seed=args.seed, qa_data_dir=args.qa_data_dir
+        length=args.length,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        qa_data_dir=args.qa_data_dir,
+        template=args.template,
     )
     if args.no_cache:
         items = generate_items(args.task, tokenizer, **options)
