@@ -1,0 +1,167 @@
+"""Every result file under a results directory as tidy pandas DataFrames (issue 9).
+
+    from scripts.results_frame import load_frames
+    samples, configs, warnings = load_frames("results")
+
+``samples``: one row per configuration and sample. ``configs``: one row per configuration, plus
+one row per task whose data is unavailable here (``status`` "unavailable", ``reason``).
+``python -m scripts.tables`` writes both as ``<results-dir>/tables/samples.csv`` and
+``results.csv``.
+
+Columns of both frames:
+
+- the configuration (``scripts.results_store.ResultKey``): ``backbone``, ``benchmark``,
+  ``length``, ``task``, ``setting``, ``method`` (the label: ``snapkv+reskv~validate=false``),
+  ``ratio``; ``setting`` and ``ratio`` are empty for the full cache, which serves every ratio;
+- the label split up: ``base_method`` (the baseline without ``+reskv``), ``residual`` (whether
+  ResKV is on), ``options`` (the non-default method options after ``~``, "" for none).
+
+``samples`` adds ``index``, ``score`` (a fraction in [0, 1], empty for a sample ``skipped``
+before its prefill; ``skipped`` holds the reason) and every other scalar field of the sample
+record, named by its JSON path: ``prompt_tokens``, ``prediction``, ``timings.decode_s``,
+``timings.prefill_shared_by``, and quality measures such as an answer log-likelihood or a KL
+divergence when the runner records them. The per-layer, per-KV-head lists of ``cache_stats``
+(``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
+layers and heads. Other lists (references, token ids) are left out.
+
+``configs`` adds ``samples_total`` (the sample range the files cover), ``n_recorded``
+(samples present, scored or skipped), ``n_samples`` (scored), ``n_skipped``, ``task_samples``
+(the most samples any configuration of the task has: ``samples_total`` or recorded), ``score``
+(the benchmark's task score in percent over the scored samples, ``benchmarks.task_score``),
+``status`` (``complete``, or ``partial`` when it has fewer samples than ``task_samples``, the
+dagger of the tables) and ``mean_<column>`` for every numeric sample column (mean over the scored
+samples: ``mean_timings.decode_s``, ``mean_cache_stats.residual_entries``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+import benchmarks
+from baselines import RESIDUAL_SUFFIX
+from scripts.results_store import TaskResult, load_results
+
+KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
+TASK_COLUMNS = KEY_COLUMNS[:4]
+LABEL_COLUMNS = ["base_method", "residual", "options"]
+OPTIONS_SEPARATOR = "~"  # scripts.experiment.method_label: method name, "~", the differing options
+STATUSES = ("complete", "partial", "unavailable")
+# The columns every frame has, even an empty one (no results yet).
+SAMPLE_COLUMNS = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "score", "skipped"]
+CONFIG_COLUMNS = [
+    *KEY_COLUMNS,
+    *LABEL_COLUMNS,
+    "status",
+    "score",
+    "n_samples",
+    "n_skipped",
+    "n_recorded",
+    "samples_total",
+    "task_samples",
+]
+
+
+def label_parts(method: str) -> dict[str, Any]:
+    """``base_method``, ``residual`` and ``options`` of a method label (scripts.experiment.method_label)."""
+    name, _, options = method.partition(OPTIONS_SEPARATOR)
+    return {
+        "base_method": name.removesuffix(RESIDUAL_SUFFIX),
+        "residual": name.endswith(RESIDUAL_SUFFIX),
+        "options": options,
+    }
+
+
+def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(JSON path, value) of every scalar in a sample record; cache_stats lists as their mean."""
+    for name, value in record.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict):
+            yield from _scalar_fields(value, f"{path}.")
+        elif isinstance(value, list):
+            if prefix == "cache_stats.":
+                numbers = np.asarray(value, dtype=float)
+                yield path, float(numbers.mean()) if numbers.size else np.nan
+        else:
+            yield path, value
+
+
+def _sample_rows(result: TaskResult) -> Iterator[dict[str, Any]]:
+    configuration = {**result.key.to_json(), **label_parts(result.key.method)}
+    for index in sorted(result.samples):
+        fields = dict(_scalar_fields(result.samples[index]))
+        yield {**configuration, "index": index, "score": None, "skipped": None} | fields
+
+
+def _task_score(group: pd.DataFrame) -> float:
+    scores = group["score"].dropna()
+    return benchmarks.task_score(group.name[1], scores.tolist()) if len(scores) else np.nan
+
+
+def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
+    """One row per configuration: sample counts, task score, status and per-sample means."""
+    totals = pd.DataFrame(
+        [{**result.key.to_json(), "samples_total": result.samples_total} for result in results],
+        columns=[*KEY_COLUMNS, "samples_total"],
+    )
+    if samples.empty:
+        return pd.DataFrame(columns=CONFIG_COLUMNS)
+    groups = samples.groupby(KEY_COLUMNS, dropna=False, sort=False)
+    scored = samples[samples["score"].notna()]
+    numeric = [
+        column
+        for column in samples.select_dtypes("number").columns
+        if column not in ("length", "ratio", "index", "score")
+    ]
+    means = scored.groupby(KEY_COLUMNS, dropna=False, sort=False)[numeric].mean().add_prefix("mean_")
+    configs = pd.concat(
+        [
+            groups[LABEL_COLUMNS].first(),
+            groups.size().rename("n_recorded"),
+            groups["score"].count().rename("n_samples"),
+            groups.apply(_task_score, include_groups=False).rename("score"),
+            means,
+        ],
+        axis=1,
+    ).reset_index()
+    configs["n_skipped"] = configs["n_recorded"] - configs["n_samples"]
+    configs = configs.merge(totals, on=KEY_COLUMNS, how="left")
+    most = configs[["samples_total", "n_recorded"]].max(axis=1)
+    configs["task_samples"] = most.groupby([configs[column] for column in TASK_COLUMNS]).transform("max")
+    configs["status"] = np.where(configs["n_recorded"] < configs["task_samples"], "partial", "complete")
+    return configs[CONFIG_COLUMNS + list(means.columns)]
+
+
+def load_frames(results_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """The samples and configurations frames of ``<results_dir>/runs``, and load warnings."""
+    results, unavailable, warnings = load_results(Path(results_dir) / "runs")
+    rows = [row for result in results for row in _sample_rows(result)]
+    samples = pd.DataFrame(rows or None, columns=None if rows else SAMPLE_COLUMNS)
+    samples["score"] = samples["score"].astype(float)
+    configs = _configs(samples, results)
+    missing = pd.DataFrame(
+        [
+            {
+                **{column: entry[column] for column in TASK_COLUMNS},
+                "status": "unavailable",
+                "reason": entry["reason"],
+            }
+            for entry in unavailable
+        ],
+        columns=[*TASK_COLUMNS, "status", "reason"],
+    )
+    configs = pd.concat([configs, missing], ignore_index=True) if len(missing) else configs
+    return samples, configs, warnings
+
+
+def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """``samples.csv`` and ``results.csv`` (the configurations) under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "samples.csv", out_dir / "results.csv"]
+    for frame, path in zip((samples, configs), paths, strict=True):
+        frame.to_csv(path, index=False)
+    return paths
