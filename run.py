@@ -215,9 +215,6 @@ def main(config: DictConfig) -> None:
     except run_errors() as error:
         remove_log_dir(Path(config.results_dir))
         fail(error)
-    except KeyboardInterrupt:
-        log.warning(INTERRUPTED)
-        sys.exit(130)
 
 
 if __name__ == "__main__":
@@ -229,6 +226,6 @@ if __name__ == "__main__":
         main()
     except PlanError as error:
         fail(error)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # result files are closed by then; their journals hold every sample
         print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
