@@ -222,11 +222,12 @@ def test_a_finished_configuration_is_reported_before_the_next_sample(tmp_path, r
 
 
 def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, backbone, monkeypatch):
-    passed = []
+    passed, question_prefilled = [], []
     generate = reskv.engine.Prefill.generate
 
     def spy(self, *args, **kwargs):
         passed.append(kwargs["min_new_tokens"])
+        question_prefilled.append("question_prefill_s" in self.timings)
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(reskv.engine.Prefill, "generate", spy)
@@ -237,6 +238,9 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
     grid.open()
     grid.run()
     assert passed == [0, 0, 3, 3]
+    # The question's prefill happens before the first generation, so the full cache's compress_s
+    # (its first, query-aware, generation) holds no prefill.
+    assert all(question_prefilled)
     for path in sorted(plan.runs_dir.rglob("*.json")):
         document = json.loads(path.read_text())
         samples = document["samples"]
