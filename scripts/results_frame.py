@@ -138,7 +138,12 @@ def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
 
 def load_frames(results_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """The samples and configurations frames of ``<results_dir>/runs``, and load warnings."""
-    results, unavailable, warnings = load_results(Path(results_dir) / "runs")
+    return frames_from_runs(Path(results_dir) / "runs")
+
+
+def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """``load_frames`` of the runs directory itself."""
+    results, unavailable, warnings = load_results(runs_dir)
     rows = [row for result in results for row in _sample_rows(result)]
     samples = pd.DataFrame(rows or None, columns=None if rows else SAMPLE_COLUMNS)
     samples["score"] = samples["score"].astype(float)

@@ -31,10 +31,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+
 import benchmarks
 from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench import ENGLISH_TASKS
-from scripts.results_store import FULL_METHOD, TaskResult, load_results
+from scripts.results_frame import TASK_COLUMNS, frames_from_runs, write_frames
+from scripts.results_store import FULL_METHOD
 
 # Baselines with a +ResKV pair, in the paper's row order (AdaKV first), then methods without one.
 PAIRED_BASES = ("adakv", "snapkv", "h2o", "tova")
@@ -55,7 +58,7 @@ BACKBONE_NAMES = {
     "tiny-llama": "tiny-llama",
     "tiny-qwen2": "tiny-qwen2",
 }
-BENCHMARK_NAMES = {"ruler": "RULER", "longbench": "LongBench"}
+BENCHMARK_NAMES = {"ruler": "RULER", "longbench": "LongBench", "longbench-e": "LongBench-E"}
 # Column heads; the paper's where it names a task (NrtvQA, RB-P, S-1, ...).
 TASK_NAMES = {
     "niah_single_1": "S-1",
@@ -102,7 +105,10 @@ ABLATIONS = (
 )
 DAGGER = r"$^\dagger$"
 MISSING_NOTE = "--: not run"
-PARTIAL_NOTE = "\u2020: partial (fewer samples than the task has so far)"
+PARTIAL_NOTE = (
+    "\u2020: partial (fewer samples than the task has so far; rows compared side by side are scored "
+    "on the samples they all have)"
+)
 UNAVAILABLE_NOTE = "n/a: task data unavailable here, excluded from averages"
 
 
@@ -124,6 +130,11 @@ def length_name(benchmark: str, length: int) -> str:
     return f"{length // 1024}K" if benchmark == "ruler" and length % 1024 == 0 else str(length)
 
 
+def benchmark_name(benchmark: str, length: int) -> str:
+    """A benchmark and length as tables and figures title them: ``RULER-4K``."""
+    return f"{BENCHMARK_NAMES.get(benchmark, benchmark)}-{length_name(benchmark, length)}"
+
+
 @dataclass
 class Cell:
     """One number of a table; ``value`` None is a missing cell."""
@@ -134,6 +145,7 @@ class Cell:
     bold: bool = False
     span: int = 1
     delta: float | None = None  # shown in parentheses (ablation drops)
+    n: tuple[int, int] | None = None  # fewest and most scored samples per task behind the value
 
 
 @dataclass
@@ -178,8 +190,9 @@ def _number(value: float) -> str:
     return f"{value:.2f}"
 
 
-def cell_text(cell: Cell, style: str) -> str:
-    """A cell as LaTeX (``latex``), markdown (``markdown``) or plain text (``csv``)."""
+def cell_text(cell: Cell, style: str, show_n: bool = False) -> str:
+    """A cell as LaTeX (``latex``), markdown (``markdown``) or plain text (``csv``); ``show_n``
+    appends the samples per task behind the value (markdown and csv: ``(n=2)``, ``(n=2-3)``)."""
     if cell.unavailable:
         return "n/a"
     if cell.value is None:
@@ -194,6 +207,9 @@ def cell_text(cell: Cell, style: str) -> str:
     if cell.delta is not None:
         delta = f"({cell.delta:+.2f})"
         text += rf" {{\scriptsize {delta}}}" if style == "latex" else f" {delta}"
+    if show_n and style != "latex" and cell.n is not None:
+        low, high = cell.n
+        text += f" (n={low})" if low == high else f" (n={low}-{high})"
     return text
 
 
@@ -276,7 +292,7 @@ def to_latex(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _grid(table: Table, style: str) -> list[list[str]]:
+def _grid(table: Table, style: str, show_n: bool = False) -> list[list[str]]:
     """Header plus rows as strings, spans repeated in each column they cover."""
     stubs = (
         _stub_rows(table)
@@ -289,13 +305,13 @@ def _grid(table: Table, style: str) -> list[list[str]]:
     )
     rows = [table.stub_heads + table.column_names()]
     for stub, row in zip(stubs, (row for row in table.body if isinstance(row, Row)), strict=True):
-        cells = [cell_text(cell, style) for cell in row.cells for _ in range(cell.span)]
+        cells = [cell_text(cell, style, show_n) for cell in row.cells for _ in range(cell.span)]
         rows.append(stub + cells)
     return rows
 
 
-def to_markdown(table: Table) -> str:
-    rows = _grid(table, "markdown")
+def to_markdown(table: Table, show_n: bool = False) -> str:
+    rows = _grid(table, "markdown", show_n)
     lines = [
         f"**{table.caption}**",
         "",
@@ -306,16 +322,16 @@ def to_markdown(table: Table) -> str:
     return "\n".join(lines + [""] + [f"- {note}" for note in table.notes]) + "\n"
 
 
-def to_csv(table: Table) -> str:
+def to_csv(table: Table, show_n: bool = False) -> str:
     buffer = io.StringIO()
-    csv.writer(buffer, lineterminator="\n").writerows(_grid(table, "csv"))
+    csv.writer(buffer, lineterminator="\n").writerows(_grid(table, "csv", show_n))
     return buffer.getvalue()
 
 
 def mark_better(cells: Sequence[Cell]) -> None:
-    """Bold the highest of ``cells`` (all of them on a tie) when at least two have a value."""
+    """Bold the highest of ``cells`` when it is a strict winner among at least two values."""
     values = [round(cell.value, 2) for cell in cells if cell.value is not None]
-    if len(values) < 2:
+    if len(values) < 2 or values.count(max(values)) > 1:
         return
     for cell in cells:
         cell.bold = cell.value is not None and round(cell.value, 2) == max(values)
@@ -326,117 +342,124 @@ def _ordered(values: Iterable, order: Sequence) -> list:
     return sorted(set(values), key=lambda value: (position.get(value, len(order)), value))
 
 
-class ResultIndex:
-    """The results on disk, looked up by configuration, with task scores and averages as cells."""
+def _ratio_key(ratio: float | None) -> float:
+    """A ratio as a lookup key: six decimals; 0 for the full cache, which has none."""
+    return 0.0 if ratio is None or pd.isna(ratio) else round(float(ratio), 6)
 
-    def __init__(self, results: Iterable[TaskResult], unavailable: Iterable[dict]):
-        self.results = {
-            self._lookup(
-                result.key.backbone,
-                result.key.benchmark,
-                result.key.length,
-                result.key.task,
-                result.key.setting,
-                result.key.method,
-                result.key.ratio,
-            ): result
-            for result in results
-        }
-        self.unavailable = {
-            (entry["backbone"], entry["benchmark"], entry["length"], entry["task"]) for entry in unavailable
-        }
+
+class ResultIndex:
+    """The results frames (scripts.results_frame) as the tables look them up: blocks of compared
+    methods scored on shared samples, averages, and which configurations exist."""
+
+    def __init__(self, samples: pd.DataFrame, configs: pd.DataFrame):
+        available = configs["status"] != "unavailable"
+        self.configs = configs[available].assign(
+            setting=lambda frame: frame["setting"].fillna(""),
+            ratio=lambda frame: frame["ratio"].map(_ratio_key),
+        )
+        self.unavailable = set(configs.loc[~available, TASK_COLUMNS].itertuples(index=False, name=None))
+        self.task_samples = (
+            self.configs.groupby(TASK_COLUMNS)["task_samples"].max().to_dict() if len(self.configs) else {}
+        )
+        slices = samples.assign(setting=samples["setting"].fillna(""), ratio=samples["ratio"].map(_ratio_key))
+        self.slices = dict(list(slices.groupby(["backbone", "benchmark", "length", "setting", "ratio"])))
 
     @classmethod
     def from_directory(cls, runs_dir: Path) -> tuple[ResultIndex, list[str]]:
-        results, unavailable, warnings = load_results(runs_dir)
-        return cls(results, unavailable), warnings
+        samples, configs, warnings = frames_from_runs(runs_dir)
+        return cls(samples, configs), warnings
 
-    @staticmethod
-    def _lookup(backbone, benchmark, length, task, setting, method, ratio) -> tuple:
-        if method == FULL_METHOD:
-            setting, ratio = None, None
-        return backbone, benchmark, length, task, setting, method, None if ratio is None else round(ratio, 6)
-
-    def keys(self):
-        return [result.key for result in self.results.values()]
+    def _configs(self, **values) -> pd.DataFrame:
+        """Configurations matching ``values``; a None value matches any."""
+        frame = self.configs
+        for column, value in values.items():
+            if value is not None:
+                frame = frame[frame[column] == (_ratio_key(value) if column == "ratio" else value)]
+        return frame
 
     def backbones(self, benchmark: str) -> list[str]:
-        return sorted({key.backbone for key in self.keys() if key.benchmark == benchmark})
+        return sorted(set(self._configs(benchmark=benchmark)["backbone"]))
 
     def lengths(self, backbone: str, benchmark: str) -> list[int]:
-        return sorted(
-            {key.length for key in self.keys() if (key.backbone, key.benchmark) == (backbone, benchmark)}
-        )
+        return sorted(set(self._configs(backbone=backbone, benchmark=benchmark)["length"]))
 
     def ratios(self, backbone: str, benchmark: str, length: int | None = None) -> list[float]:
         """Ratios present, the tightest budget (largest ratio) first as the paper orders them."""
-        return sorted(
-            {
-                key.ratio
-                for key in self.keys()
-                if (key.backbone, key.benchmark) == (backbone, benchmark)
-                and key.ratio is not None
-                and length in (None, key.length)
-            },
-            reverse=True,
-        )
+        ratios = self._configs(backbone=backbone, benchmark=benchmark, length=length)["ratio"]
+        return sorted(set(ratios) - {0.0}, reverse=True)
 
     def tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """Tasks with a result or an unavailable mark, in the benchmark's order."""
-        found = {
-            key.task
-            for key in self.keys()
-            if (key.backbone, key.benchmark, key.length) == (backbone, benchmark, length)
-        }
-        found |= {
-            task for b, bench, n, task in self.unavailable if (b, bench, n) == (backbone, benchmark, length)
-        }
+        found = set(self._configs(backbone=backbone, benchmark=benchmark, length=length)["task"])
+        found |= {task for *where, task in self.unavailable if tuple(where) == (backbone, benchmark, length)}
         return _ordered(found, benchmarks.tasks(benchmark))
 
     def averaged_tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """The tasks an average covers: available ones (LongBench: its 16 English tasks only)."""
-        tasks = [
+        return [
             task
             for task in self.tasks(backbone, benchmark, length)
             if (backbone, benchmark, length, task) not in self.unavailable
+            and task in averaged_task_set(benchmark)
         ]
-        return [task for task in tasks if task in averaged_task_set(benchmark)]
 
     def has(self, backbone, benchmark, length, setting, method, ratio=None) -> bool:
         """Whether any result matches; None for length, setting or ratio matches any."""
-        return any(
-            (key.backbone, key.benchmark, key.method) == (backbone, benchmark, method)
-            and length in (None, key.length)
-            and setting in (None, key.setting)
-            and (ratio is None or (key.ratio is not None and round(key.ratio, 6) == round(ratio, 6)))
-            for key in self.keys()
-        )
+        return not self._configs(
+            backbone=backbone, benchmark=benchmark, length=length, setting=setting, method=method, ratio=ratio
+        ).empty
 
-    def task_cell(self, backbone, benchmark, length, task, setting, method, ratio) -> Cell:
-        if (backbone, benchmark, length, task) in self.unavailable:
-            return Cell(unavailable=True)
-        result = self.results.get(self._lookup(backbone, benchmark, length, task, setting, method, ratio))
-        if result is None or not result.samples:
-            return Cell()
-        score = benchmarks.task_score([sample["score"] for sample in result.samples.values()])
-        return Cell(score, partial=not result.complete)
+    def compare(self, backbone, benchmark, length, setting, ratio, methods: Sequence[str]) -> dict[str, dict]:
+        """Task cells ``{method: {task: Cell}}`` of methods shown side by side (a baseline and its
+        +ResKV, the CaM or ablation rows): per task, every method present is scored on the samples
+        all of them scored, so a pair never compares different samples (issue 9). A cell is partial
+        when the samples all of them ran are fewer than the task has so far (``task_samples``)."""
+        tasks = self.tasks(backbone, benchmark, length)
+        cells = {
+            method: {
+                task: Cell(unavailable=(backbone, benchmark, length, task) in self.unavailable)
+                for task in tasks
+            }
+            for method in methods
+        }
+        rows = self.slices.get((backbone, benchmark, length, setting or "", _ratio_key(ratio)))
+        if rows is None:
+            return cells
+        for task, group in rows[rows["method"].isin(methods)].groupby("task"):
+            if (backbone, benchmark, length, task) in self.unavailable:
+                continue
+            present = group["method"].nunique()
+            shared = group.groupby("index")["method"].nunique() == present
+            scored = group[group["score"].notna()].groupby("index")["method"].nunique() == present
+            partial = shared.sum() < self.task_samples[(backbone, benchmark, length, task)]
+            for method, method_rows in group.groupby("method"):
+                scores = method_rows.loc[method_rows["index"].isin(scored[scored].index), "score"].tolist()
+                value = benchmarks.task_score(benchmark, scores) if scores else None
+                cells[method][task] = Cell(value, partial=partial, n=(len(scores), len(scores)))
+        return cells
 
-    def average_cell(self, backbone, benchmark, length, setting, method, ratio) -> Cell:
-        tasks = self.averaged_tasks(backbone, benchmark, length)
-        cells = [self.task_cell(backbone, benchmark, length, task, setting, method, ratio) for task in tasks]
+    def average(self, backbone, benchmark, length, task_cells: dict[str, Cell]) -> Cell:
+        """Unweighted mean of the averaged tasks' cells, missing unless every one has a value."""
+        cells = [task_cells[task] for task in self.averaged_tasks(backbone, benchmark, length)]
         if not cells or any(cell.value is None for cell in cells):
             return Cell()
         return Cell(
             round(sum(cell.value for cell in cells) / len(cells), 2),
             partial=any(cell.partial for cell in cells),
+            n=(min(cell.n[0] for cell in cells), max(cell.n[1] for cell in cells)),
         )
+
+    def block_averages(self, backbone, benchmark, length, setting, ratio, methods) -> dict[str, Cell]:
+        """Average cell of each method of a block, its members compared on shared samples."""
+        compared = self.compare(backbone, benchmark, length, setting, ratio, methods)
+        return {method: self.average(backbone, benchmark, length, compared[method]) for method in methods}
 
     def coverage_notes(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """Say when an average covers fewer tasks than the benchmark's full set, and which are n/a."""
         notes = []
         full_set = averaged_task_set(benchmark)
         averaged = self.averaged_tasks(backbone, benchmark, length)
-        where = f"{backbone_name(backbone)} {BENCHMARK_NAMES[benchmark]}-{length_name(benchmark, length)}"
+        where = f"{backbone_name(backbone)} {benchmark_name(benchmark, length)}"
         if len(averaged) < len(full_set):
             notes.append(
                 f"{where}: averages over {len(averaged)} of {len(full_set)} tasks ({', '.join(averaged)})."
@@ -453,13 +476,13 @@ class ResultIndex:
         return notes
 
 
-def _method_blocks(
+def method_blocks(
     index: ResultIndex,
     backbone: str | None,
     benchmark: str,
     length: int | None,
     setting: str,
-    bases: Sequence[str],
+    bases: Sequence[str] = PAIRED_BASES + UNPAIRED_METHODS,
     ratio: float | None = None,
 ) -> list[list[str]]:
     """Row groups of a setting: [base, base+reskv] pairs, then unpaired methods, those with any result."""
@@ -478,14 +501,25 @@ def method_row_name(method: str) -> str:
     return "+ResKV" if method.endswith(RESIDUAL_SUFFIX) else METHOD_NAMES.get(method, method)
 
 
+def samples_note(cells: Iterable[Cell]) -> str | None:
+    """How many samples per task the values cover (a range when they differ)."""
+    counts = [count for cell in cells if cell.value is not None for count in cell.n]
+    if not counts:
+        return None
+    low, high = min(counts), max(counts)
+    return f"n = {low} samples per task." if low == high else f"n = {low} to {high} samples per task."
+
+
 def _notes(table: Table, extra: Iterable[str]) -> None:
-    texts = [cell_text(cell, "csv") for row in table.body if isinstance(row, Row) for cell in row.cells]
+    cells = [cell for row in table.body if isinstance(row, Row) for cell in row.cells]
     table.notes = list(extra)
-    if any(text == "" for text in texts):
+    if note := samples_note(cells):
+        table.notes.append(note)
+    if any(cell.value is None and not cell.unavailable for cell in cells):
         table.notes.append(MISSING_NOTE + ".")
-    if any("\u2020" in text for text in texts):
+    if any(cell.partial and cell.value is not None for cell in cells):
         table.notes.append(PARTIAL_NOTE + ".")
-    if "n/a" in texts:
+    if any(cell.unavailable for cell in cells):
         table.notes.append(UNAVAILABLE_NOTE + ".")
 
 
@@ -520,44 +554,36 @@ def averages_table(
         ["Setting", "Method"],
         heads,
     )
-    full_cells = [
-        index.average_cell(backbone, benchmark, length, None, FULL_METHOD, None)
-        for backbone, length, _ in groups
-    ]
-    for cell, (_, _, ratios) in zip(full_cells, groups, strict=True):
-        cell.span = len(ratios)
     if any(index.has(backbone, benchmark, length, None, FULL_METHOD) for backbone, length, _ in groups):
+        full_cells = [
+            index.block_averages(backbone, benchmark, length, None, None, [FULL_METHOD])[FULL_METHOD]
+            for backbone, length, _ in groups
+        ]
+        for cell, (_, _, ratios) in zip(full_cells, groups, strict=True):
+            cell.span = len(ratios)
         table.body.append(Row(["Full Cache"], full_cells))
     for setting in SETTING_NAMES:
-        blocks = _method_blocks(index, None, benchmark, None, setting, bases)
-        if not blocks:
-            continue
-        table.body.append(MIDRULE)
+        blocks = method_blocks(index, None, benchmark, None, setting, bases)
+        if blocks:
+            table.body.append(MIDRULE)
         for number, block in enumerate(blocks):
             if number:
                 table.body.append(CMIDRULE)
-            rows = [
-                Row(
-                    [SETTING_NAMES[setting], method_row_name(method)],
-                    [
-                        index.average_cell(backbone, benchmark, length, setting, method, ratio)
-                        for backbone, length, ratios in groups
-                        for ratio in ratios
-                    ],
-                )
+            columns = [
+                index.block_averages(backbone, benchmark, length, setting, ratio, block)
+                for backbone, length, ratios in groups
+                for ratio in ratios
+            ]
+            for column in columns:
+                mark_better(list(column.values()) if len(block) == 2 else ())
+            table.body += [
+                Row([SETTING_NAMES[setting], method_row_name(method)], [column[method] for column in columns])
                 for method in block
             ]
-            for column in zip(*(row.cells for row in rows), strict=True):
-                mark_better(column if len(block) == 2 else ())
-            table.body.extend(rows)
-    _notes(
-        table,
-        [
-            note
-            for backbone, length, _ in groups
-            for note in index.coverage_notes(backbone, benchmark, length)
-        ],
-    )
+    coverage = [
+        note for backbone, length, _ in groups for note in index.coverage_notes(backbone, benchmark, length)
+    ]
+    _notes(table, coverage)
     return table
 
 
@@ -570,39 +596,37 @@ def task_table(
 ) -> Table:
     """The appendix table of one backbone and benchmark: every task plus the average."""
     tasks = index.tasks(backbone, benchmark, length)
-    where = f"{BENCHMARK_NAMES[benchmark]}-{length_name(benchmark, length)}"
     table = Table(
         f"tasks_{backbone.replace('/', '--')}_{benchmark}-{length}",
-        f"{where} results for {backbone_name(backbone)}. Bold marks the better average within each "
-        "paired setting.",
+        f"{benchmark_name(benchmark, length)} results for {backbone_name(backbone)}. Bold marks the better "
+        "average within each paired setting.",
         f"tab:{benchmark}{length}_{backbone}_tasks",
         ["Budget", "Setting", "Method"],
         [[(TASK_NAMES.get(task, task), 1) for task in tasks] + [("Avg.", 1)]],
     )
 
-    def row(stub: list[str], setting: str | None, method: str, ratio: float | None) -> Row:
-        cells = [index.task_cell(backbone, benchmark, length, task, setting, method, ratio) for task in tasks]
-        return Row(stub, cells + [index.average_cell(backbone, benchmark, length, setting, method, ratio)])
+    def block_rows(stub: list[str], setting: str | None, ratio: float | None, block: list[str]) -> list[Row]:
+        compared = index.compare(backbone, benchmark, length, setting, ratio, block)
+        rows = [
+            Row(
+                stub + [method_row_name(method)] if len(stub) > 1 else stub,
+                [compared[method][task] for task in tasks]
+                + [index.average(backbone, benchmark, length, compared[method])],
+            )
+            for method in block
+        ]
+        mark_better([row.cells[-1] for row in rows] if len(block) == 2 else ())
+        return rows
 
     if index.has(backbone, benchmark, length, None, FULL_METHOD):
-        table.body.append(row(["Full Cache"], None, FULL_METHOD, None))
+        table.body += block_rows(["Full Cache"], None, None, [FULL_METHOD])
     for ratio in index.ratios(backbone, benchmark, length):
         for setting in SETTING_NAMES:
-            blocks = _method_blocks(index, backbone, benchmark, length, setting, bases, ratio)
-            for number, block in enumerate(blocks):
+            for number, block in enumerate(
+                method_blocks(index, backbone, benchmark, length, setting, bases, ratio)
+            ):
                 table.body.append(CMIDRULE if number else MIDRULE)
-                rows = [
-                    row(
-                        [retained(ratio), SETTING_NAMES[setting], method_row_name(method)],
-                        setting,
-                        method,
-                        ratio,
-                    )
-                    for method in block
-                ]
-                if len(block) == 2:
-                    mark_better([rows[0].cells[-1], rows[1].cells[-1]])
-                table.body.extend(rows)
+                table.body += block_rows([retained(ratio), SETTING_NAMES[setting]], setting, ratio, block)
     _notes(table, index.coverage_notes(backbone, benchmark, length))
     return table
 
@@ -611,17 +635,10 @@ def _task_columns(
     index: ResultIndex, backbone: str, methods: Sequence[str], setting: str, ratio: float
 ) -> list[tuple[str, int, str]]:
     """(benchmark, length, task) with a result for any of ``methods``, benchmark by benchmark."""
-    found = {
-        (key.benchmark, key.length, key.task)
-        for key in index.keys()
-        if key.backbone == backbone
-        and key.method in methods
-        and key.setting == setting
-        and key.ratio is not None
-        and round(key.ratio, 6) == round(ratio, 6)
-    }
+    found = index._configs(backbone=backbone, setting=setting, ratio=ratio)
+    found = found[found["method"].isin(methods)]
     return sorted(
-        found,
+        set(found[["benchmark", "length", "task"]].itertuples(index=False, name=None)),
         key=lambda column: (
             list(benchmarks.BENCHMARKS).index(column[0]),
             column[1],
@@ -633,7 +650,7 @@ def _task_columns(
 def _column_heads(columns: Sequence[tuple[str, int, str]]) -> list[list[tuple[str, int]]]:
     groups: list[tuple[str, int]] = []
     for benchmark, length, _ in columns:
-        name = f"{BENCHMARK_NAMES[benchmark]}-{length_name(benchmark, length)}"
+        name = benchmark_name(benchmark, length)
         groups[-1:] = (
             [(name, groups[-1][1] + 1)] if groups and groups[-1][0] == name else [*groups[-1:], (name, 1)]
         )
@@ -642,10 +659,24 @@ def _column_heads(columns: Sequence[tuple[str, int, str]]) -> list[list[tuple[st
 
 def _comparison_settings(index: ResultIndex, marker_method) -> list[tuple[str, str, float]]:
     """(backbone, setting, ratio) combinations where a method selected by ``marker_method`` has results."""
-    return sorted(
-        {(key.backbone, key.setting, key.ratio) for key in index.keys() if marker_method(key.method)},
-        key=lambda combo: (combo[0], combo[1], -combo[2]),
-    )
+    marked = index.configs[index.configs["method"].map(marker_method)]
+    combos = set(marked[["backbone", "setting", "ratio"]].itertuples(index=False, name=None))
+    return sorted(combos, key=lambda combo: (combo[0], combo[1], -combo[2]))
+
+
+def _task_rows(index, backbone, setting, ratio, columns, names, methods) -> list[Row]:
+    """One row per method over task columns of several benchmarks, the methods compared per task."""
+    compared = {
+        (benchmark, length): index.compare(backbone, benchmark, length, setting, ratio, methods)
+        for benchmark, length, _ in columns
+    }
+    rows = [
+        Row([name], [compared[benchmark, length][method][task] for benchmark, length, task in columns])
+        for name, method in zip(names, methods, strict=True)
+    ]
+    for column in zip(*(row.cells for row in rows), strict=True):
+        mark_better(column)
+    return rows
 
 
 def cam_tables(index: ResultIndex) -> list[Table]:
@@ -662,19 +693,9 @@ def cam_tables(index: ResultIndex) -> list[Table]:
             ["Method"],
             _column_heads(columns),
         )
-        rows = [
-            Row(
-                [name],
-                [
-                    index.task_cell(backbone, benchmark, length, task, setting, method, ratio)
-                    for benchmark, length, task in columns
-                ],
-            )
-            for name, method in zip(("SnapKV", "+CaM", "+ResKV"), methods, strict=True)
-        ]
-        for column in zip(*(row.cells for row in rows), strict=True):
-            mark_better(column)
-        table.body.extend(rows)
+        table.body += _task_rows(
+            index, backbone, setting, ratio, columns, ("SnapKV", "+CaM", "+ResKV"), methods
+        )
         _notes(table, [])
         tables.append(table)
     return tables
@@ -701,22 +722,14 @@ def ablation_tables(index: ResultIndex) -> list[Table]:
                 ["Method"],
                 _column_heads(columns),
             )
-            rows = [
-                Row(
-                    [name],
-                    [
-                        index.task_cell(backbone, benchmark, length, task, setting, method, ratio)
-                        for benchmark, length, task in columns
-                    ],
-                )
-                for (name, _), method in zip(ABLATIONS, methods, strict=True)
-            ]
+            rows = _task_rows(
+                index, backbone, setting, ratio, columns, [name for name, _ in ABLATIONS], methods
+            )
             for column in zip(*(row.cells for row in rows), strict=True):
-                mark_better(column)
                 for cell in column[1:]:
                     if cell.value is not None and column[0].value is not None:
                         cell.delta = round(cell.value - column[0].value, 2)
-            table.body.extend(rows)
+            table.body += rows
             _notes(table, [])
             tables.append(table)
     return tables
@@ -735,20 +748,24 @@ def all_tables(index: ResultIndex) -> list[Table]:
     return tables + cam_tables(index) + ablation_tables(index)
 
 
-def write_tables(tables: Sequence[Table], out_dir: Path) -> list[Path]:
+def write_tables(tables: Sequence[Table], out_dir: Path, show_n: bool = False) -> list[Path]:
     """Each table as .tex, .md and .csv, plus tables.tex (inputs every .tex) and tables.md (all of them)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for table in tables:
-        for suffix, render in ((".tex", to_latex), (".md", to_markdown), (".csv", to_csv)):
+        for suffix, text in (
+            (".tex", to_latex(table)),
+            (".md", to_markdown(table, show_n)),
+            (".csv", to_csv(table, show_n)),
+        ):
             path = out_dir / f"{table.name}{suffix}"
-            path.write_text(render(table))
+            path.write_text(text)
             written.append(path)
     (out_dir / "tables.tex").write_text(
         "% Needs \\usepackage{booktabs,graphicx}.\n"
         + "".join(rf"\input{{{table.name}.tex}}" + "\n" for table in tables)
     )
-    (out_dir / "tables.md").write_text("\n".join(to_markdown(table) for table in tables))
+    (out_dir / "tables.md").write_text("\n".join(to_markdown(table, show_n) for table in tables))
     return written
 
 
@@ -761,14 +778,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="results root (reads <dir>/runs; default: results)",
     )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/tables")
+    parser.add_argument(
+        "--show-n", action="store_true", help="append each cell's samples per task to the .md and .csv cells"
+    )
     args = parser.parse_args(argv)
-    index, warnings = ResultIndex.from_directory(args.results_dir / "runs")
+    samples, configs, warnings = frames_from_runs(args.results_dir / "runs")
     for warning in warnings:
         print(f"warning: {warning}")
-    tables = all_tables(index)
+    tables = all_tables(ResultIndex(samples, configs))
     out_dir = args.out_dir or args.results_dir / "tables"
-    write_tables(tables, out_dir)
-    print(f"{len(tables)} tables written to {out_dir} (.tex, .md, .csv; tables.md has them all)")
+    write_tables(tables, out_dir, args.show_n)
+    frames = write_frames(samples, configs, out_dir)
+    print(
+        f"{len(tables)} tables written to {out_dir} (.tex, .md, .csv; tables.md has them all); "
+        f"the results as data: {', '.join(path.name for path in frames)}"
+    )
 
 
 if __name__ == "__main__":
