@@ -7,6 +7,7 @@ random backbone with short RULER prompts (predictions are noise, the plumbing is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import run
 from baselines.names import METHODS
 from reskv.backbones import load_backbone
 from scripts.experiment import GridRun, compose_plan, load_task_items, run_plan
-from scripts.results_store import load_results
+from scripts.results_store import load_results, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_VT = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=4", "benchmark.tasks=[vt]"]
@@ -267,3 +268,20 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
         assert (machine["device"], machine["dtype"]) == ("cpu", "float32")
         assert machine["torch_threads"] >= 1 and machine["cpu_count"] == os.cpu_count()
         assert len(machine["load_average"]) == 3 and machine["started_at"].startswith(time.strftime("%Y-"))
+
+
+def test_summary_scores_are_percent_and_leave_skipped_samples_out():
+    samples = [
+        {"index": 0, "prompt_tokens": 10, "generated_tokens": 2, "score": 1.0},
+        {"index": 1, "prompt_tokens": 20, "generated_tokens": 4, "score": 0.5},
+        {"index": 2, "prompt_tokens": 30, "score": None, "skipped": "no KV slot"},
+    ]
+    summary = summarize(samples, functools.partial(benchmarks.task_score, "ruler"))
+    assert summary == {
+        "score": 75.0,
+        "score_percent": 75.0,
+        "num_samples": 2,
+        "num_skipped": 1,
+        "prompt_tokens_mean": 15.0,
+        "generated_tokens_mean": 3.0,
+    }
