@@ -160,6 +160,8 @@ def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         columns=[*TASK_COLUMNS, "status", "reason"],
     )
     configs = pd.concat([configs, missing], ignore_index=True) if len(missing) else configs
+    counts = ["n_samples", "n_skipped", "n_recorded", "samples_total", "task_samples"]
+    configs[counts] = configs[counts].astype("Int64")  # integers, empty on unavailable rows
     return samples, configs, warnings
 
 

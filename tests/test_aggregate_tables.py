@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from scripts.results_store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
-from scripts.tables import ResultIndex, all_tables, main, to_csv, to_latex, to_markdown
+from scripts.tables import Cell, ResultIndex, all_tables, main, mark_better, to_csv, to_latex, to_markdown
 
 BACKBONE = "llama3.1-8b-instruct"
 
@@ -173,3 +173,64 @@ def test_cli_writes_every_format(results_dir, tmp_path):
         for suffix in (".tex", ".md", ".csv"):
             assert (tmp_path / f"{name}{suffix}").is_file()
     assert r"\input{ruler_averages.tex}" in (tmp_path / "tables.tex").read_text()
+    # The results as data beside the tables: one row per configuration (and the unavailable task).
+    results = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert len(results) == sum(len(tasks) for tasks in RUNS.values()) + 1
+    adakv = [row for row in results if row["method"] == "adakv" and row["task"] == "niah_single_1"]
+    assert [(row["score"], row["n_samples"], row["status"]) for row in adakv] == [("100.0", "2", "partial")]
+    samples = list(csv.DictReader((tmp_path / "samples.csv").open()))
+    assert len(samples) == sum(len(scores) for tasks in RUNS.values() for scores in tasks.values())
+
+
+def test_show_n_puts_each_cells_sample_count_in_markdown_and_csv(tables):
+    table = tables["ruler_averages"]
+    assert "| q-Aware | AdaKV | 50.00\u2020 (n=2-4) | -- |" in to_markdown(table, show_n=True)
+    assert ["q-Agnostic", "SnapKV", "6.25 (n=4)", ""] in list(
+        csv.reader(to_csv(table, show_n=True).splitlines())
+    )
+    assert "(n=" not in to_latex(table) and "(n=" not in to_markdown(table)
+
+
+def test_bold_marks_only_a_strict_winner():
+    cells = [Cell(50.0), Cell(50.0), Cell(20.0)]
+    mark_better(cells)
+    assert [cell.bold for cell in cells] == [False, False, False]
+    equal_when_shown = [Cell(50.004), Cell(49.996)]  # both print as 50.00
+    mark_better(equal_when_shown)
+    assert [cell.bold for cell in equal_when_shown] == [False, False]
+    winner = [Cell(None), Cell(60.0), Cell(50.0)]
+    mark_better(winner)
+    assert [cell.bold for cell in winner] == [False, True, False]
+    alone = [Cell(70.0), Cell(None)]
+    mark_better(alone)
+    assert [cell.bold for cell in alone] == [False, False]
+
+
+def test_pair_with_mixed_sample_counts_is_compared_on_shared_samples(tmp_path):
+    """Issue 9: TOVA ran 3 samples, its +ResKV and the full cache 2 (each a complete file of its run).
+
+    On all its samples TOVA would lead (1/3 = 33.33 against 25.00); on the 2 samples both have it
+    scores 0.00, so +ResKV is the winner, and every cell has fewer samples than the task has (3).
+    """
+    runs_dir = tmp_path / "runs"
+    for setting, method, ratio, scores in (
+        (None, "full", None, [1, 1]),
+        ("aware", "tova", 0.7, [0, 0, 1]),
+        ("aware", "tova+reskv", 0.7, [0, 0.5]),
+    ):
+        key = ResultKey("smollm2-135m", "ruler", 4096, "niah_single_1", setting, method, ratio)
+        write_result(runs_dir, key, scores, samples_total=len(scores))
+    tables = {table.name: table for table in all_tables(ResultIndex.from_directory(runs_dir)[0])}
+    averages = to_latex(tables["ruler_averages"])
+    assert body_lines(averages) == [
+        r"\midrule",
+        r"\multicolumn{2}{@{}l}{Full Cache} & 100.00$^\dagger$ \\",
+        r"\midrule",
+        r"q-Aware & TOVA & 0.00$^\dagger$ \\",
+        r" & +ResKV & \textbf{25.00}$^\dagger$ \\",
+    ]
+    assert r"$^\dagger$: partial" in averages and "n = 2 samples per task." in averages
+    task_lines = body_lines(to_latex(tables["tasks_smollm2-135m_ruler-4096"]))
+    assert r"30\% & q-Aware & TOVA & 0.00$^\dagger$ & 0.00$^\dagger$ \\" in task_lines
+    assert r" &  & +ResKV & 25.00$^\dagger$ & \textbf{25.00}$^\dagger$ \\" in task_lines
+    assert "| q-Aware | TOVA | 0.00\u2020 (n=2) |" in to_markdown(tables["ruler_averages"], show_n=True)
