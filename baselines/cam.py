@@ -1,26 +1,35 @@
-"""CaM: SnapKV selection, then each evicted value is merged, with some probability, into the next
-retained values instead of being dropped.
+"""CaM as the field ran it: merge values along the prompt, then select with SnapKV.
 
-References: zyxxmu/cam ``cam_hf/utils_hh/modify_llama_cam.py`` (``local_cam_mask``: merge
-probability = the evicted token's score over the mean score of its merge window, Bernoulli
-mask, value added with weight 1 / 32 to the window) and NVIDIA kvpress
-``kvpress/presses/cam_press.py`` (bulk eviction: the window is the next ``merge_budget``
-*retained* tokens). Fixed by baselines.md (CaM): selection is SnapKV's; per KV head, evicted
-token ``i`` (position order) merges into ``T_i``, the next up to 32 retained tokens after it, with
-``p_i = clamp(s_i / mean(s_T_i), 0, 1)`` on the *un-pooled* SnapKV window scores, ``m_i ~
-Bernoulli(p_i)`` from a generator seeded by the run seed, ``V_t += m_i V_i / |T_i|``; keys never
-change.
+Rule of baselines.md (CaM, revised 2026-11-22), the prefill form of Zefan-Cai/KVCache-Factory
+``pyramidkv/pyramidkv_utils.py`` ``CAMKVCluster.update_kv`` / ``_update_kv_kv_head`` (c97f9d7),
+itself a port of zyxxmu/cam's ``local_cam_mask``. Per KV head, with ``a`` the un-pooled window
+attention (SnapKV's statistic before pooling: the last ``W`` queries, fp32 causal softmax, group
+mean, mean over the queries), ``start = ceil(0.1 s)`` and merge window ``m = 64``:
 
-Where the spec is silent:
-- ``s`` on targets inside the protected window is the same statistic on those columns (the
-  window queries' mean causal attention), since merge targets may lie there.
-- Randomness: ``torch.Generator`` seeded with ``seed * LAYER_SEED_STRIDE + layer_idx``, so layers
-  draw independent streams and a run is reproducible; one ``torch.rand(H_kv, s)`` call gives
-  ``u[h, i]`` and ``m_i = u[h, i] < p_i`` (a Bernoulli draw whose outcome for a token does not
-  depend on which other tokens were evicted).
-- ``0 / 0`` (no attention on the token nor its targets) gives ``p = 0``; ``x / 0`` gives ``p = 1``
-  (as kvpress). An evicted token with no retained token after it has no targets: no merge.
-- Merges accumulate in fp32 and the result is cast back to the values' dtype once.
+    for i = start, ..., s - m - 1 in order:
+        p_i = a_i / max(a[0:start] ∪ a[i : i+m])         (NaN -> 0, inf -> 1; so p_i <= 1)
+        m_i ~ Bernoulli(p_i)
+        if m_i: V[i+1 : i+m+1] += V[i] / m              (V[i] as already merged into: cascade)
+
+Keys never change, and every position in the range takes part whether or not it is retained.
+The retained set is then SnapKV's own (pooled) selection: KVCache-Factory selects CaM's tokens by
+the un-pooled window sum, but this project keeps SnapKV's selection so that "SnapKV vs +CaM"
+differs by the merge alone, as the paper's table frames it.
+
+Where this differs from KVCache-Factory (baselines.md decides):
+- The merge runs in fp32 (float64 for float64 values) and is cast back once; upstream adds in
+  place in the model dtype and casts the softmax weights to it before averaging.
+- ``start`` is ``ceil(s / 10)`` in exact arithmetic; upstream's ``ceil(0.1 * s)`` in floating
+  point gives one more for some multiples of 10 (``s = 30`` -> 4).
+- Draws: ``torch.bernoulli`` on the global generator upstream; here ``m_i = u[h, i] < p_i`` with
+  ``u = torch.rand(H_kv, s)`` from a ``torch.Generator`` seeded with
+  ``seed * LAYER_SEED_STRIDE + layer_idx``, so layers draw independent streams, a run is
+  reproducible, and the draws do not depend on the device.
+- Upstream merges only when the prompt is longer than the budget; so does this project
+  (``compress_layer`` leaves a covered prompt untouched and never calls ``adjust_values``).
+
+The cascade is the banded linear recurrence ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` with
+``c_i = m_i / m``, solved ``m`` positions at a time (``cascade``): no ``s x s`` matrix.
 """
 
 from __future__ import annotations
@@ -32,59 +41,97 @@ from baselines.snapkv import SnapKV, observation_queries, window_attention
 from reskv.scoring import LayerObservation
 
 LAYER_SEED_STRIDE = 1000  # more than any model's layer count: (seed, layer) pairs never collide
+MERGE_WINDOW = 64  # baselines.md (CaM) 2: each merge spreads over the next 64 positions
 
 
-def running_sums(rows: Tensor, width: int, ahead: bool) -> Tensor:
-    """Sums of ``width`` consecutive entries along dim 0, zeros outside: entries ``r .. r + width - 1``
-    when ``ahead``, else ``r - width + 1 .. r``. Sliding views, so no cancellation as with cumsums."""
-    pad = rows.new_zeros(width - 1, *rows.shape[1:])
-    return torch.cat([rows, pad] if ahead else [pad, rows]).unfold(0, width, 1).sum(dim=-1)
+def merge_start(seq_len: int) -> int:
+    """The first position that may merge: ``ceil(0.1 s)``, in exact arithmetic."""
+    return -(-seq_len // 10)
 
 
-def merge_evicted(
-    values: Tensor, scores: Tensor, kept: Tensor, uniforms: Tensor, merge_targets: int
-) -> Tensor:
-    """Values ``[H_kv, s, d]`` after merging the evicted tokens of ``kept`` (``[H_kv, s]`` bool).
+def merge_probabilities(attention: Tensor, merge_window: int) -> Tensor:
+    """``p`` ``[H_kv, s]`` (baselines.md, CaM 3): ``a_i / max(a[0:start] ∪ a[i:i+m])`` for
+    ``i = start .. s-m-1``, zero elsewhere (those positions never merge)."""
+    heads, seq_len = attention.shape
+    start = merge_start(seq_len)
+    probabilities = attention.new_zeros(heads, seq_len)
+    if seq_len - merge_window <= start:  # no position leaves a full window behind it
+        return probabilities
+    sources = slice(start, seq_len - merge_window)
+    ahead = attention[:, start:-1].unfold(1, merge_window, 1).amax(dim=-1)  # max a[i:i+m], i in sources
+    sinks = attention[:, :start].amax(dim=-1, keepdim=True)
+    ratio = attention[:, sources] / torch.maximum(sinks, ahead)
+    probabilities[:, sources] = ratio.nan_to_num(nan=0.0, posinf=1.0)
+    return probabilities
 
-    ``scores`` are the un-pooled window scores ``[H_kv, s]``, ``uniforms`` the ``[H_kv, s]`` draws.
-    Vectorised over tokens, as ranks among a head's retained tokens: evicted token ``i``'s targets
-    are ranks ``start_i .. start_i + |T_i| - 1`` with ``start_i`` the number retained before ``i``
-    (a cumulative count), so ``mean(s_T_i)`` is a forward window sum, and retained rank ``r``
-    receives the weighted values of all ``i`` with ``start_i`` in ``r - merge_targets + 1 .. r``:
-    a backward window sum of the values grouped by ``start_i``.
+
+def cascade(values: Tensor, coefficients: Tensor, merge_window: int) -> Tensor:
+    """Solve ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` for ``values`` ``[H, s, d]`` and
+    ``coefficients`` ``[H, s]`` (``m`` = ``merge_window``), in the values' dtype.
+
+    Blocks of ``m`` positions: position ``r`` of a block receives from positions ``k >= r`` of the
+    previous block (known) and ``k < r`` of its own, so each block is the unit lower-triangular
+    system ``(I - L) V'_block = V_block + U V'_previous`` with ``L[r, k] = c_k (k < r)`` and
+    ``U[r, k] = c_k (k >= r)``: ``[H, m, m]`` matrices, never ``s x s``.
     """
-    merged = values.to(torch.float32, copy=True)
-    for head in range(values.shape[0]):
-        retained = kept[head].nonzero().squeeze(1)
-        if retained.numel() == 0:  # nothing to merge into
-            continue
-        evicted = (~kept[head]).nonzero().squeeze(1)
-        start = kept[head].cumsum(0)[evicted]  # i itself is not retained; == |retained| if none follow
-        count = (retained.numel() - start).clamp(max=merge_targets)  # |T_i|
-        retained_scores = torch.cat([scores[head, retained], scores.new_zeros(1)])  # rank |retained|: none
-        target_mean = running_sums(retained_scores, merge_targets, ahead=True)[start] / count.clamp(min=1)
-        ratio = (scores[head, evicted] / target_mean).nan_to_num(nan=0.0, posinf=1.0).clamp(0, 1)
-        weight = ((uniforms[head, evicted] < ratio) & (count > 0)) / count.clamp(min=1)  # m_i / |T_i|
-        by_start = merged.new_zeros(retained.numel() + 1, values.shape[2])
-        by_start.index_add_(0, start, values[head, evicted].float() * weight[:, None])
-        merged[head, retained] += running_sums(by_start[:-1], merge_targets, ahead=False)
+    seq_len = values.shape[1]
+    identity = torch.eye(merge_window, dtype=values.dtype, device=values.device)
+    earlier = torch.ones(merge_window, merge_window, dtype=torch.bool, device=values.device).tril(-1)
+    # Only blocks holding a source or following one change. With real attention few tokens merge
+    # (p_i is small next to the sink tokens' attention), so most blocks are skipped.
+    source_blocks = coefficients.ne(0).any(dim=0).nonzero().squeeze(1) // merge_window
+    changed = sorted({int(block) + after for block in source_blocks.unique() for after in (0, 1)})
+    merged = values.clone()
+    for first in (block * merge_window for block in changed if block * merge_window < seq_len):
+        block = slice(first, first + merge_window)
+        size = min(merge_window, seq_len - first)
+        rhs = values[:, block]
+        if first > 0:
+            reach = (~earlier[:size]) * coefficients[:, first - merge_window : first, None].mT
+            rhs = rhs + reach @ merged[:, first - merge_window : first]
+        own = earlier[:size, :size] * coefficients[:, block, None].mT
+        merged[:, block] = torch.linalg.solve_triangular(
+            identity[:size, :size] - own, rhs, upper=False, unitriangular=True
+        )
+    return merged
+
+
+def merge_values(
+    values: Tensor, attention: Tensor, uniforms: Tensor, merge_window: int = MERGE_WINDOW
+) -> Tensor:
+    """Values ``[H_kv, s, d]`` after CaM's cascading merges (baselines.md, CaM 3), a new tensor.
+
+    ``attention`` is the un-pooled window attention ``[H_kv, s]``, ``uniforms`` the ``[H_kv, s]``
+    draws in ``[0, 1)``: position ``i`` merges when ``uniforms[h, i] < p_i``. Computed in fp32
+    (float64 for float64 values) and cast back to the values' dtype once.
+    """
+    start = merge_start(values.shape[1])
+    merges = uniforms < merge_probabilities(attention, merge_window)
+    compute = torch.float64 if values.dtype == torch.float64 else torch.float32
+    merged = values.to(compute, copy=True)
+    # Positions before ``start`` neither merge nor receive, so the recurrence starts there.
+    coefficients = merges[:, start:].to(compute) / merge_window
+    merged[:, start:] = cascade(merged[:, start:], coefficients, merge_window)
     return merged.to(values.dtype)
 
 
 class CaM(SnapKV):
-    """SnapKV selection with value merging of the evicted tokens (baselines.md, CaM)."""
+    """SnapKV selection on values merged CaM's way (baselines.md, CaM)."""
 
     name = "cam"
 
-    def __init__(self, window: int = 64, kernel_size: int = 5, merge_targets: int = 32, seed: int = 42):
+    def __init__(
+        self, window: int = 64, kernel_size: int = 5, merge_window: int = MERGE_WINDOW, seed: int = 42
+    ):
         super().__init__(window, kernel_size)
-        self.merge_targets = merge_targets
+        self.merge_window = merge_window
         self.seed = seed
 
     def adjust_values(self, obs: LayerObservation, kept: Tensor) -> Tensor:
-        """New values (``obs.values`` is never modified); keys are not touched."""
+        """New values (``obs.values`` is never modified); keys are not touched. ``kept`` plays no
+        part: every position in the merge range takes part, retained or not."""
         queries, positions = observation_queries(obs, self.window)
-        scores = window_attention(queries, positions, obs.keys, obs.scaling)
+        attention = window_attention(queries, positions, obs.keys, obs.scaling)
         generator = torch.Generator().manual_seed(self.seed * LAYER_SEED_STRIDE + obs.layer_idx)
-        uniforms = torch.rand(kept.shape, generator=generator).to(kept.device)
-        return merge_evicted(obs.values, scores, kept, uniforms, self.merge_targets)
+        uniforms = torch.rand(attention.shape, generator=generator).to(attention.device)
+        return merge_values(obs.values, attention, uniforms, self.merge_window)

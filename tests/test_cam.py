@@ -1,79 +1,223 @@
-"""CaM (baselines.md, CaM), moved out of test_baselines.py."""
+"""CaM (baselines.md, CaM, revised 2026-11-22) against a plain loop in KVCache-Factory's form.
+
+``plain_cam`` is written from the spec, step by step as ``CAMKVCluster.update_kv`` runs it: for
+``i = start .. s-65`` in order, ``p_i`` from the window attention, a draw, and an in-place add of
+the (already merged) ``V[i] / 64`` to the next 64 positions. The code under test solves the same
+recurrence 64 positions at a time with triangular solves.
+"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from test_baselines import SCALING, kept_by, make_obs
 
-from baselines.cam import LAYER_SEED_STRIDE, CaM, merge_evicted
+from baselines.cam import LAYER_SEED_STRIDE, CaM, merge_probabilities, merge_values
 from baselines.snapkv import SnapKV, window_attention
+from reskv.compress import compress_layer
 from reskv.scoring import LayerObservation
+from reskv.selection import gather_tokens
+
+D = 4
+SCALING = 1 / math.sqrt(D)
 
 
-def plain_merge(values, scores, kept, uniforms, merge_targets: int) -> torch.Tensor:
-    """Token by token in position order; draw for (head, i) is ``uniforms[h, i]``, as CaM documents."""
+def plain_cam(values, attention, uniforms, merge_window: int = 64) -> torch.Tensor:
+    """The spec's loop in float64; ``p_i`` in fp32 like the attention it divides."""
     merged = values.double().clone()
-    heads, seq_len = kept.shape
-    for head in range(heads):
-        for i in range(seq_len):
-            if kept[head, i]:
-                continue
-            targets = [t for t in range(i + 1, seq_len) if kept[head, t]][:merge_targets]
-            if not targets:
-                continue
-            mean = sum(float(scores[head, t]) for t in targets) / len(targets)
-            own = float(scores[head, i])
-            ratio = (0.0 if own == 0 else 1.0) if mean == 0 else min(max(own / mean, 0.0), 1.0)
-            if float(uniforms[head, i]) < ratio:
-                for t in targets:
-                    merged[head, t] += values[head, i].double() / len(targets)
+    heads, seq_len, _ = values.shape
+    start = math.ceil(seq_len / 10)  # exact for these lengths
+    for i in range(start, seq_len - merge_window):
+        for head in range(heads):
+            row = attention[head]
+            candidates = torch.cat([row[:start], row[i : i + merge_window]])
+            probability = float(row[i] / candidates.max())
+            probability = 0.0 if math.isnan(probability) else min(probability, 1.0)
+            if float(uniforms[head, i]) < probability:
+                merged[head, i + 1 : i + merge_window + 1] += merged[head, i] / merge_window
     return merged
 
 
-def cam_uniforms(obs: LayerObservation, seed: int) -> torch.Tensor:
+def observation(seq_len: int, kv_heads: int = 2, group: int = 2, seed: int = 0, layer_idx: int = 0):
+    """Random keys/values and the last 64 queries (the window attention's queries)."""
+    gen = torch.Generator().manual_seed(seed)
+    return LayerObservation(
+        layer_idx=layer_idx,
+        keys=torch.randn(kv_heads, seq_len, D, generator=gen),
+        values=torch.randn(kv_heads, seq_len, D, generator=gen),
+        queries=torch.randn(kv_heads * group, min(seq_len, 64), D, generator=gen),
+        accumulated=None,
+        scaling=SCALING,
+    )
+
+
+def attention_of(obs: LayerObservation) -> torch.Tensor:
+    return window_attention(obs.queries, obs.query_positions, obs.keys, SCALING)
+
+
+def uniforms_of(obs: LayerObservation, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * LAYER_SEED_STRIDE + obs.layer_idx)
     return torch.rand(obs.keys.shape[:2], generator=generator)
 
 
-@pytest.mark.parametrize(("group", "merge_targets"), [(1, 32), (2, 3)])
-def test_cam_matches_plain_merge_loop(group, merge_targets):
-    obs, _ = make_obs(40, 2, group, 8, seed=19 + group, layer_idx=3)
-    scorer = CaM(window=4, merge_targets=merge_targets, seed=7)
-    kept = kept_by(scorer, obs, 12)
-    assert torch.equal(kept, kept_by(SnapKV(window=4), obs, 12))  # selection is SnapKV's
-    scores = window_attention(obs.queries[:, -4:], obs.query_positions[-4:], obs.keys, SCALING)
-    expected = plain_merge(obs.values, scores, kept, cam_uniforms(obs, 7), merge_targets)
-    assert torch.allclose(scorer.adjust_values(obs, kept).double(), expected, atol=1e-6)
+# ---- the merge against the loop ----------------------------------------------------------------
 
 
-def test_cam_tokens_without_retained_successors_are_not_merged():
-    values = torch.arange(1.0, 9.0).reshape(1, 8, 1)
-    kept = torch.tensor([[False, True, False, True, False, False, False, False]])
-    scores = torch.ones(1, 8)  # p = 1: every token with targets merges
-    merged = merge_evicted(values, scores, kept, torch.zeros(1, 8), merge_targets=32)
-    # token 0 -> {1, 3} (half each), token 2 -> {3}; tokens 4..7 have no retained successor
-    assert merged.flatten().tolist() == [1.0, 2.5, 3.0, 4.0 + 0.5 + 3.0, 5.0, 6.0, 7.0, 8.0]
+@pytest.mark.parametrize("seq_len", [73, 100, 128, 200, 257, 333])
+@pytest.mark.parametrize("draws", ["seeded", "all-merge"])
+def test_merge_matches_plain_loop(seq_len, draws):
+    """Float64: equal to the loop up to summation order (the solve adds in another order)."""
+    gen = torch.Generator().manual_seed(seq_len)
+    values = torch.randn(3, seq_len, 5, generator=gen, dtype=torch.float64)
+    attention = torch.rand(3, seq_len, generator=gen)
+    uniforms = torch.rand(3, seq_len, generator=gen) if draws == "seeded" else torch.zeros(3, seq_len)
+    merged = merge_values(values, attention, uniforms)
+    expected = plain_cam(values, attention, uniforms)
+    assert not torch.equal(expected, values)  # merges happened
+    assert merged.dtype == torch.float64
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-13)
 
 
-def test_cam_changes_values_only_and_is_seeded():
-    obs, _ = make_obs(40, 2, 2, 8, seed=23, layer_idx=1)
+def test_merge_equals_plain_loop_bit_for_bit_when_arithmetic_is_exact():
+    """Integer values divisible by 64^3 and cascades at most 3 deep: every partial sum is an exact
+    integer, so any summation order gives the loop's bits. Blocks 0..4 of 64, sources in 3 of them,
+    chains 20 -> 21 -> 22 and 100 -> 101 -> 150 (150 - 101 < 64: a cascade across blocks)."""
+    gen = torch.Generator().manual_seed(5)
+    seq_len = 300  # start 30: sources from 30 on
+    values = torch.randint(-8, 9, (2, seq_len, 3), generator=gen).double() * 64**3
+    attention = torch.rand(2, seq_len, generator=gen) + 0.01  # every p_i > 0
+    uniforms = torch.ones(2, seq_len)
+    uniforms[0, [30, 31, 32, 100, 101, 150]] = 0.0  # merge for sure
+    uniforms[1, [64, 127, 190, 235]] = 0.0  # the last source of the range is s - 65 = 235
+    merged = merge_values(values, attention, uniforms)
+    expected = plain_cam(values, attention, uniforms)
+    assert not torch.equal(expected, values)
+    assert torch.equal(merged, expected)
+
+
+@pytest.mark.parametrize("seq_len", [1, 30, 64, 72])
+def test_prompts_without_a_source_position_are_unchanged(seq_len):
+    """``start = ceil(0.1 s) > s - 65``: the range is empty even with every draw merging."""
+    gen = torch.Generator().manual_seed(seq_len)
+    values = torch.randn(2, seq_len, 3, generator=gen, dtype=torch.float64)
+    merged = merge_values(values, torch.ones(2, seq_len), torch.zeros(2, seq_len))
+    assert torch.equal(merged, values) and torch.equal(
+        plain_cam(values, torch.ones(2, seq_len), torch.zeros(2, seq_len)), values
+    )
+
+
+def test_one_source_position_at_seq_len_73():
+    """``s = 73``: start 8 = s - 65, so only position 8 merges, into 9..72, by exactly ``V[8] / 64``."""
+    values = torch.arange(73.0, dtype=torch.float64).reshape(1, 73, 1)
+    merged = merge_values(values, torch.ones(1, 73), torch.zeros(1, 73))
+    expected = values.clone()
+    expected[0, 9:] += 8.0 / 64
+    assert torch.equal(merged, expected)
+
+
+def test_no_draw_merges_leaves_values_bit_for_bit():
+    values = torch.randn(2, 200, 3, dtype=torch.float64)
+    assert torch.equal(merge_values(values, torch.rand(2, 200), torch.ones(2, 200)), values)
+
+
+def test_cascade_carries_a_merged_value_onwards():
+    """Sources 20 and 21 (s = 200, start 20): 21 passes on its own value plus 20's share."""
+    values = torch.zeros(1, 200, 1, dtype=torch.float64)
+    values[0, 20, 0] = 64.0 * 64
+    values[0, 21, 0] = 64.0
+    uniforms = torch.ones(1, 200)
+    uniforms[0, [20, 21]] = 0.0
+    merged = merge_values(values, torch.ones(1, 200), uniforms).flatten()
+    assert merged[21] == 64 + 64  # 20 -> 21
+    assert merged[22] == 64 + (64 + 64) / 64  # 20 -> 22 and the merged 21 -> 22
+    assert merged[84] == 64 + 2  # 20's window is 21..84; 21's reaches 85
+    assert merged[85] == 2 and merged[86] == 0
+
+
+# ---- the probabilities -------------------------------------------------------------------------
+
+
+def test_probabilities_by_hand():
+    """``s = 80``: start 8, sources 8..15. Sinks max 0.2; ``a_8 = 0.3`` is its own window's max
+    (p = 1); windows of 9..15 reach position 72 (0.4): p = 0.1 / 0.4; ``a_12 = 0``: p = 0."""
+    attention = torch.full((1, 80), 0.1)
+    attention[0, 3] = 0.2
+    attention[0, 8] = 0.3
+    attention[0, 72] = 0.4
+    attention[0, 12] = 0.0
+    expected = torch.zeros(1, 80)
+    expected[0, 8] = 1.0
+    expected[0, 9:16] = 0.25
+    expected[0, 12] = 0.0
+    assert torch.equal(merge_probabilities(attention, 64), expected)
+
+
+def test_probabilities_see_the_sinks_and_zero_attention_gives_zero():
+    """A sink above the window caps p; a head with no attention at all gives 0 / 0 -> 0."""
+    attention = torch.full((2, 100), 0.1)
+    attention[0, 0] = 0.5
+    attention[1] = 0.0
+    probabilities = merge_probabilities(attention, 64)
+    assert torch.allclose(probabilities[0, 10:36], torch.tensor(0.2))
+    assert probabilities[0, 36:].eq(0).all() and probabilities[0, :10].eq(0).all()
+    assert probabilities[1].eq(0).all()
+
+
+# ---- CaM as a method ---------------------------------------------------------------------------
+
+
+def test_keys_unchanged_and_selection_is_snapkvs():
+    """Through the compressor: same kept set and main keys as SnapKV; main values are the merged
+    values at the kept positions."""
+    obs = observation(300, seed=3, layer_idx=2)
     keys, values = obs.keys.clone(), obs.values.clone()
-    kept = kept_by(CaM(window=4), obs, 10)
-    scores = window_attention(obs.queries[:, -4:], obs.query_positions[-4:], obs.keys, SCALING)
-    ratio = scores[~kept] / scores[kept].mean()
-    assert ((ratio > 0.05) & (ratio < 0.95)).sum() >= 4  # draws actually decide something
-    first = CaM(window=4, seed=1).adjust_values(obs, kept)
-    assert torch.equal(obs.keys, keys) and torch.equal(obs.values, values)
-    assert first is not obs.values and first.dtype == values.dtype
-    assert torch.equal(first[~kept], values[~kept])  # merges only ever land on retained tokens
-    assert not torch.equal(first, values)
-    assert torch.equal(first, CaM(window=4, seed=1).adjust_values(obs, kept))
-    assert not torch.equal(first, CaM(window=4, seed=2).adjust_values(obs, kept))
+    cam_state = compress_layer(obs, CaM(seed=9), ratio=0.7)
+    snap_state = compress_layer(obs, SnapKV(), ratio=0.7)
+    assert torch.equal(cam_state.kept, snap_state.kept)
+    assert torch.equal(cam_state.main_keys, snap_state.main_keys)
+    assert torch.equal(obs.keys, keys) and torch.equal(obs.values, values)  # inputs untouched
+    merged = merge_values(values, attention_of(obs), uniforms_of(obs, 9))
+    positions = torch.stack([row.nonzero().squeeze(1) for row in cam_state.kept])
+    assert torch.equal(cam_state.main_values, gather_tokens(merged, positions))
+    assert not torch.equal(cam_state.main_values, snap_state.main_values)
 
 
-def test_cam_keeps_low_precision_dtype():
-    obs, _ = make_obs(20, 1, 1, 8, seed=29)
+def test_adjust_values_is_seeded_per_run_and_layer():
+    obs = observation(300, seed=4, layer_idx=1)
+    kept = torch.zeros(obs.keys.shape[:2], dtype=torch.bool)  # kept plays no part in the merge
+    probabilities = merge_probabilities(attention_of(obs), 64)
+    assert ((probabilities > 0.05) & (probabilities < 0.95)).sum() >= 20  # draws decide something
+    first = CaM(seed=1).adjust_values(obs, kept)
+    assert torch.equal(first, merge_values(obs.values, attention_of(obs), uniforms_of(obs, 1)))
+    assert torch.equal(first, CaM(seed=1).adjust_values(obs, ~kept))
+    assert not torch.equal(first, obs.values)
+    assert not torch.equal(first, CaM(seed=2).adjust_values(obs, kept))
+    obs.layer_idx = 2
+    assert not torch.equal(first, CaM(seed=1).adjust_values(obs, kept))
+
+
+def test_low_precision_values_merge_in_fp32_and_cast_once():
+    obs = observation(300, seed=6)
     obs.values = obs.values.to(torch.bfloat16)
-    kept = kept_by(CaM(window=4), obs, 8)
-    assert CaM(window=4).adjust_values(obs, kept).dtype == torch.bfloat16
+    merged = CaM(seed=1).adjust_values(obs, torch.ones(obs.keys.shape[:2], dtype=torch.bool))
+    fp32 = merge_values(obs.values.float(), attention_of(obs), uniforms_of(obs, 1))
+    assert merged.dtype == torch.bfloat16
+    assert torch.equal(merged, fp32.to(torch.bfloat16))
+
+
+def test_32k_prompt_is_solved_in_window_sized_blocks(monkeypatch):
+    """s = 32768 with every position merging: every triangular system is at most 64 x 64."""
+    sizes = []
+    solve = torch.linalg.solve_triangular
+
+    def recording_solve(matrix, rhs, **kwargs):
+        sizes.append(tuple(matrix.shape))
+        return solve(matrix, rhs, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "solve_triangular", recording_solve)
+    values = torch.randn(1, 32768, 2)
+    merged = merge_values(values, torch.ones(1, 32768), torch.zeros(1, 32768))
+    assert len(sizes) == math.ceil((32768 - 3277) / 64)  # blocks of 64 from start = 3277 on
+    assert max(sizes) == (1, 64, 64)
+    assert torch.isfinite(merged).all() and not torch.equal(merged, values)
