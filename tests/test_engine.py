@@ -220,8 +220,12 @@ def test_min_new_tokens_masks_the_stop_ids_until_reached(prefill):
     assert prefill.generate(full, "aware", 4, min_new_tokens=4).token_ids[:1] == [first]
 
 
-def test_prompt_plus_generation_past_the_backbone_positions_is_refused(backbone, prefill):
-    limit = backbone.model.config.max_position_embeddings
-    with pytest.raises(ValueError, match=f"260 prompt tokens \\+ {limit} new tokens .* {limit}"):
-        prefill.generate(build_method("full"), "aware", max_new_tokens=limit)
+def test_prompt_plus_generation_past_the_backbone_positions_is_refused(backbone, monkeypatch):
+    monkeypatch.setattr(backbone.model.config, "max_position_embeddings", 262)
+    prompt = random_prompt(260, seed=5)
+    prefill = Prefill(backbone, prompt, 230, [])
+    with pytest.raises(ValueError, match="260 prompt tokens \\+ 3 new tokens = 263 positions .* 262"):
+        prefill.generate(build_method("full"), "aware", max_new_tokens=3)
     assert len(prefill.generate(build_method("full"), "aware", max_new_tokens=2).token_ids) <= 2
+    with pytest.raises(ValueError, match="263 prompt tokens \\+ 0 new tokens"):
+        Prefill(backbone, random_prompt(263, seed=5), 230, [])

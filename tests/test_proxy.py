@@ -154,8 +154,19 @@ def reference_errors(obs, kv: int, scores, budget: int, size: int, window: int, 
     return errors, entries
 
 
-def reference_prompt_scores(obs: LayerObservation) -> list[list[float]]:
-    """SnapKV's deployed scores per KV head over the prefix ``[0, s - 64)``: the last 64 queries."""
+def reference_prompt_scores(obs: LayerObservation, base: str = "snapkv") -> list[list[float]]:
+    """Deployed scores per KV head over the prefix before the protected window: SnapKV's from the
+    last 64 queries, pooled; TOVA's from the last query, averaged over every query head."""
+    if base == "tova":
+        last = obs.seq_len - 1
+        row = (
+            sum(
+                causal_probs(obs.queries[h, -1], obs.keys[h // obs.group_size], last, obs.scaling)
+                for h in range(obs.queries.shape[0])
+            )
+            / obs.queries.shape[0]
+        )
+        return [row[:last].tolist()] * obs.num_kv_heads
     prefix = obs.seq_len - 64
     rows = []
     for kv in range(obs.num_kv_heads):
@@ -219,6 +230,25 @@ def test_proxy_choice_equals_an_independent_float64_recomputation(observation, b
         m + r for m, r in zip(state.stats["main_slots"], state.stats["residual_slots"], strict=True)
     ] == budgets
     assert state.stats["residual_slots"] == [chosen for chosen, _, _ in choices]
+    proxy = proxy_for(obs, base)  # the losses themselves, candidate by candidate
+    budget_tensor = torch.tensor(budgets)
+    for kv, (_, losses, main_only) in enumerate(choices):
+        for size, expected in [(0, main_only), *losses.items()]:
+            loss = proxy.losses(budget_tensor, torch.full_like(budget_tensor, size))[kv]
+            torch.testing.assert_close(
+                loss.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-3, atol=0
+            )
+    # A delta between the heads' best-to-main-only ratios: some heads keep r*, others fall back to 0.
+    ratios = sorted(min(losses.values()) / main_only for _, losses, main_only in choices if losses)
+    assert ratios[-1] > 1.02 * ratios[0]  # 1% either side of the threshold: far above float noise
+    delta = 1 - math.sqrt(ratios[0] * ratios[-1])
+    expected = [
+        min(losses, key=losses.get) if min(losses.values()) < (1 - delta) * main_only else 0
+        for _, losses, main_only in choices
+    ]
+    assert 0 in expected and max(expected) > 0
+    split = compress_layer(obs, build_scorer(base), RATIO, ResidualConfig(delta=delta))
+    assert split.stats["residual_slots"] == expected
 
 
 def proxy_for(obs: LayerObservation, base: str, config: ResidualConfig | None = None) -> ValidationProxy:
@@ -257,27 +287,30 @@ def test_9_a_validation_query_error_ignores_every_later_token(observation, base)
             )
 
 
-def test_fit_switch_deploys_the_validated_cache(observation):
+@pytest.mark.parametrize("base", ["snapkv", "tova"])
+def test_fit_switch_deploys_the_validated_cache(observation, base):
     """``final_selection="fit"``: ``M' ∪ [β, s)`` selected by the fit scores and the entries of
-    ``E'``; ``"base"``: the plain SnapKV selection of ``b - r`` tokens. Both against the reference."""
-    obs, budget = observation, budget_for(observation.seq_len, RATIO)
+    ``E'``; ``"base"``: the plain selection of ``b - r`` tokens. Both against the reference."""
+    obs, budget, window = observation, budget_for(observation.seq_len, RATIO), WINDOWS[base]
     boundary = obs.seq_len - VALIDATION
-    base_state = compress_layer(obs, build_scorer("snapkv"), RATIO, ResidualConfig())
-    fit_state = compress_layer(obs, build_scorer("snapkv"), RATIO, ResidualConfig(final_selection="fit"))
+    base_state = compress_layer(obs, build_scorer(base), RATIO, ResidualConfig())
+    fit_state = compress_layer(obs, build_scorer(base), RATIO, ResidualConfig(final_selection="fit"))
     sizes = fit_state.stats["residual_slots"]
     assert sizes == base_state.stats["residual_slots"] and max(sizes) > 0
-    fit_scores = reference_fit_scores("snapkv", obs, boundary)
-    prompt_scores = reference_prompt_scores(obs)
+    fit_scores = reference_fit_scores(base, obs, boundary)
+    prompt_scores = reference_prompt_scores(obs, base)
     for kv, size in enumerate(sizes):
-        fit_main = reference_kept(fit_scores[kv], boundary, 64, budget - size - VALIDATION)
+        fit_main = reference_kept(fit_scores[kv], boundary, window, budget - size - VALIDATION)
         fit_kept = fit_main + list(range(boundary, obs.seq_len))
-        base_kept = reference_kept(torch.tensor(prompt_scores[kv]), obs.seq_len, 64, budget - size)
+        base_kept = reference_kept(torch.tensor(prompt_scores[kv]), obs.seq_len, window, budget - size)
         assert fit_kept != base_kept  # the two readings differ here
         assert fit_state.kept[kv].nonzero().flatten().tolist() == fit_kept
         assert base_state.kept[kv].nonzero().flatten().tolist() == base_kept
         evicted = [p for p in range(boundary) if p not in set(fit_main)]
         entries = reference_entries(obs.keys[kv], obs.values[kv], evicted, fit_scores[kv], size)
         used = torch.isfinite(fit_state.residual.log_counts[kv])
+        if size == 0:
+            continue
         assert int(used.sum()) == len(entries) > 0
         expected_keys = torch.stack([key for key, _, _ in entries])
         torch.testing.assert_close(
