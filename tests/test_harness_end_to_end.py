@@ -47,10 +47,17 @@ def run_smoke(results_dir: Path, ruler_cache: Path) -> str:
     return result.stdout + result.stderr
 
 
-def journal_records(results_dir: Path) -> int:
-    return sum(
-        max(len(path.read_bytes().splitlines()) - 1, 0) for path in (results_dir / "runs").rglob("*.jsonl")
-    )
+def samples_on_disk(results_dir: Path) -> int:
+    """Samples in journals (lines after the header) and in finished files (closed as each completes)."""
+    runs = results_dir / "runs"
+    journaled = sum(max(len(path.read_bytes().splitlines()) - 1, 0) for path in runs.rglob("*.jsonl"))
+    finished = 0
+    for path in runs.rglob("*.json"):
+        try:
+            finished += len(json.loads(path.read_text())["samples"])
+        except (json.JSONDecodeError, KeyError):  # being renamed into place, or not a result file
+            continue
+    return journaled + finished
 
 
 def interrupt_smoke(results_dir: Path, ruler_cache: Path, signal_number: int, after_records: int) -> None:
@@ -65,7 +72,7 @@ def interrupt_smoke(results_dir: Path, ruler_cache: Path, signal_number: int, af
     deadline = time.monotonic() + 600
     try:
         while process.poll() is None and time.monotonic() < deadline:
-            if (results_dir / "runs").exists() and journal_records(results_dir) >= after_records:
+            if (results_dir / "runs").exists() and samples_on_disk(results_dir) >= after_records:
                 os.killpg(process.pid, signal_number)
                 break
             time.sleep(0.02)
@@ -81,7 +88,7 @@ def comparable_files(results_dir: Path) -> dict[str, dict]:
     files = {}
     for path in sorted(runs.rglob("*.json")):
         document = deterministic_view(json.loads(path.read_text()))
-        assert set(document.pop("provenance")) == {"versions", "git_commit", "git_dirty"}
+        assert set(document.pop("provenance")) == {"versions", "git_commit", "git_dirty", "machine"}
         files[str(path.relative_to(runs))] = document
     return files
 
