@@ -23,15 +23,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
+import benchmarks  # noqa: E402
 from scripts.tables import (  # noqa: E402
     METHOD_NAMES,
-    PAIRED_BASES,
     RESIDUAL_SUFFIX,
     SETTING_NAMES,
-    UNPAIRED_METHODS,
+    TASK_NAMES,
+    Cell,
     ResultIndex,
+    averaged_task_set,
     backbone_name,
-    length_name,
+    benchmark_name,
+    method_blocks,
+    samples_note,
 )
 
 FORMATS = ("png", "pdf")
@@ -89,53 +93,77 @@ def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
     return save(figure, out_dir, f"efficiency_{measurements['backbone'].replace('/', '--')}")
 
 
+MARKERS = "osD^vP*X"
+OFFSET_SHARE = 0.08  # of the narrowest budget gap between neighbouring curves, so equal curves stay visible
+
+
+def budget_curves(index: ResultIndex, backbone: str, benchmark: str, length: int, setting: str) -> dict:
+    """``{method: [Cell per ratio]}`` as the averages table shows them (pairs on shared samples)."""
+    curves = {}
+    for block in method_blocks(index, backbone, benchmark, length, setting):
+        columns = [
+            index.block_averages(backbone, benchmark, length, setting, ratio, block)
+            for ratio in index.ratios(backbone, benchmark, length)
+        ]
+        curves |= {method: [column[method] for column in columns] for method in block}
+    return {
+        method: cells for method, cells in curves.items() if any(cell.value is not None for cell in cells)
+    }
+
+
 def budget_figures(index: ResultIndex, out_dir: Path) -> list[Path]:
     """Average score versus retained budget per method, one figure per backbone x benchmark x setting."""
-    paths = []
-    methods = [m for base in PAIRED_BASES for m in (base, base + RESIDUAL_SUFFIX)] + list(UNPAIRED_METHODS)
-    for benchmark in ("ruler", "longbench"):
-        for backbone in index.backbones(benchmark):
-            for length in index.lengths(backbone, benchmark):
-                ratios = index.ratios(backbone, benchmark, length)
-                full = index.average_cell(backbone, benchmark, length, None, "full", None).value
-                for setting in SETTING_NAMES:
-                    curves = {
-                        method: [
-                            index.average_cell(backbone, benchmark, length, setting, method, ratio).value
-                            for ratio in ratios
-                        ]
-                        for method in methods
-                    }
-                    curves = {
-                        method: values
-                        for method, values in curves.items()
-                        if any(value is not None for value in values)
-                    }
-                    if not curves:
-                        continue
-                    figure, axis = plt.subplots(figsize=(4.5, 3.4), layout="constrained")
-                    budgets = [round((1 - ratio) * 100, 1) for ratio in ratios]
-                    for method, values in curves.items():
-                        axis.plot(
-                            budgets,
-                            [np.nan if v is None else v for v in values],
-                            marker="o",
-                            linestyle="--" if method.endswith(RESIDUAL_SUFFIX) else "-",
-                            label=method_name(method),
-                        )
-                    if full is not None:
-                        axis.axhline(full, color="black", linewidth=1, label="Full Cache")
-                    axis.set_xlabel("retained KV budget (%)")
-                    axis.set_ylabel("average score")
-                    axis.set_title(
-                        f"{backbone_name(backbone)} {benchmark}-{length_name(benchmark, length)} "
-                        f"{SETTING_NAMES[setting]}"
-                    )
-                    axis.grid(alpha=0.3)
-                    axis.legend(fontsize=7)
-                    name = f"budget_{backbone.replace('/', '--')}_{benchmark}-{length}_{setting}"
-                    paths += save(figure, out_dir, name)
-    return paths
+    return [
+        path
+        for benchmark in benchmarks.BENCHMARKS
+        for backbone in index.backbones(benchmark)
+        for length in index.lengths(backbone, benchmark)
+        for setting in SETTING_NAMES
+        for path in budget_figure(index, backbone, benchmark, length, setting, out_dir)
+    ]
+
+
+def budget_figure(index: ResultIndex, backbone, benchmark, length, setting, out_dir: Path) -> list[Path]:
+    """One budget figure (none without results). Each method has its own marker and a slight
+    horizontal offset, so a curve equal to another (SnapKV and +ResKV on a tiny model) stays
+    visible; the note under the plot names the averaged tasks and the samples per task."""
+    curves = budget_curves(index, backbone, benchmark, length, setting)
+    if not curves:
+        return []
+    budgets = np.array([round((1 - ratio) * 100, 1) for ratio in index.ratios(backbone, benchmark, length)])
+    gap = np.diff(np.sort(budgets)).min() if len(budgets) > 1 else 10.0
+    full = index.block_averages(backbone, benchmark, length, None, None, ["full"])["full"]
+    figure, axis = plt.subplots(figsize=(4.5, 3.6), layout="constrained")
+    for number, (method, cells) in enumerate(curves.items()):
+        axis.plot(
+            budgets + (number - (len(curves) - 1) / 2) * OFFSET_SHARE * gap,
+            [np.nan if cell.value is None else cell.value for cell in cells],
+            marker=MARKERS[number % len(MARKERS)],
+            markerfacecolor="none",
+            linestyle="--" if method.endswith(RESIDUAL_SUFFIX) else "-",
+            label=method_name(method),
+        )
+    if full.value is not None:
+        axis.axhline(full.value, color="black", linewidth=1, label="Full Cache")
+    axis.set_xlabel("retained KV budget (%)")
+    axis.set_ylabel("average score")
+    axis.set_title(f"{backbone_name(backbone)} {benchmark_name(benchmark, length)} {SETTING_NAMES[setting]}")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    cells = [cell for cells in curves.values() for cell in cells] + [full]
+    figure.text(0, 0, budget_note(index, backbone, benchmark, length, cells), fontsize=6, va="top")
+    return save(figure, out_dir, f"budget_{backbone.replace('/', '--')}_{benchmark}-{length}_{setting}")
+
+
+def budget_note(index: ResultIndex, backbone: str, benchmark: str, length: int, cells: list[Cell]) -> str:
+    """Tasks averaged and samples per task of a budget figure, and why curves are offset."""
+    tasks = [TASK_NAMES.get(task, task) for task in index.averaged_tasks(backbone, benchmark, length)]
+    lines = [f"Average over {len(tasks)} of {len(averaged_task_set(benchmark))} tasks: {', '.join(tasks)}."]
+    lines += [note for note in [samples_note(cells)] if note]
+    if any(cell.partial for cell in cells if cell.value is not None):
+        lines.append("Some points have fewer samples than their task has (see the tables' \u2020).")
+    lines.append("Curves are offset slightly along x so equal values stay visible.")
+    return "\n".join(lines)
 
 
 def pca_projection(points: np.ndarray) -> np.ndarray:
@@ -164,15 +192,25 @@ def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) ->
 
 
 def all_figures(results_dir: Path, out_dir: Path) -> list[Path]:
-    """Every figure whose data is present under ``results_dir``."""
+    """Every figure whose data is present under ``results_dir``; says which is missing and how to make it."""
     runs_dir = results_dir / "runs"
     index, _ = ResultIndex.from_directory(runs_dir)
     paths = budget_figures(index, out_dir)
-    for path in sorted((runs_dir / "_bench").glob("efficiency_*.json")):
-        paths += efficiency_figure(json.loads(path.read_text()), out_dir)
-    for path in sorted((runs_dir / "_bench").glob("evicted_keys_*.json")):
-        data = json.loads(path.read_text())
-        paths += evicted_keys_figure(data["panels"], data["backbone"], out_dir)
+    if not paths:
+        print(f"budget figures: no results under {runs_dir}; `make run` (or python run.py) produces them")
+    bench_dir = runs_dir / "_bench"
+    for kind, draw in (
+        ("efficiency", lambda data: efficiency_figure(data, out_dir)),
+        ("evicted_keys", lambda data: evicted_keys_figure(data["panels"], data["backbone"], out_dir)),
+    ):
+        found = sorted(bench_dir.glob(f"{kind}_*.json"))
+        for path in found:
+            paths += draw(json.loads(path.read_text()))
+        if not found:
+            print(
+                f"{kind} figure: no {kind}_<backbone>.json under {bench_dir}; "
+                f"`make bench RESULTS={results_dir}` produces it"
+            )
     return paths
 
 

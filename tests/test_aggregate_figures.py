@@ -8,9 +8,22 @@ import numpy as np
 import pytest
 import torch
 
+import scripts.figures
 from scripts.evicted_keys import evicted_with_clusters
 from scripts.figures import all_figures, efficiency_figure, evicted_keys_figure, pca_projection
 from scripts.results_store import SCHEMA, ResultKey
+from scripts.tables import ResultIndex
+
+
+def write_runs(runs, configurations, task="vt") -> None:
+    """Result files of (method, ratio, setting, per-sample scores) for SmolLM2 on RULER-4K."""
+    for method, ratio, setting, scores in configurations:
+        key = ResultKey("smollm2-135m", "ruler", 4096, task, setting, method, ratio)
+        key.path(runs).parent.mkdir(parents=True, exist_ok=True)
+        samples = [{"index": index, "score": score} for index, score in enumerate(scores)]
+        key.path(runs).write_text(
+            json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 2, "samples": samples})
+        )
 
 
 def test_pca_projection_finds_the_main_direction():
@@ -33,18 +46,15 @@ def test_evicted_keys_are_the_rows_outside_the_main_cache_with_their_nearest_ent
 
 def test_every_figure_is_written_from_the_results_directory(tmp_path):
     runs = tmp_path / "runs"
-    for method, ratio, setting, scores in (
-        ("full", None, None, [1, 1]),
-        ("snapkv", 0.9, "aware", [1, 0]),
-        ("snapkv", 0.6, "aware", [1, 1]),
-        ("snapkv+reskv", 0.9, "aware", [1, 0.5]),
-    ):
-        key = ResultKey("smollm2-135m", "ruler", 4096, "vt", setting, method, ratio)
-        key.path(runs).parent.mkdir(parents=True, exist_ok=True)
-        samples = [{"index": index, "score": score} for index, score in enumerate(scores)]
-        key.path(runs).write_text(
-            json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 2, "samples": samples})
-        )
+    write_runs(
+        runs,
+        (
+            ("full", None, None, [1, 1]),
+            ("snapkv", 0.9, "aware", [1, 0]),
+            ("snapkv", 0.6, "aware", [1, 1]),
+            ("snapkv+reskv", 0.9, "aware", [1, 0.5]),
+        ),
+    )
     bench = runs / "_bench"
     bench.mkdir()
     rows = [
@@ -105,3 +115,41 @@ def test_efficiency_figure_needs_no_results_directory(tmp_path):
         {"backbone": "tiny-llama", "memory_kind": "CUDA max allocated", "rows": rows}, tmp_path
     )
     assert [path.name for path in paths] == ["efficiency_tiny-llama.png", "efficiency_tiny-llama.pdf"]
+
+
+def test_budget_figure_keeps_equal_curves_visible_and_names_tasks_and_samples(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    equal = [1, 0]  # SnapKV and +ResKV score the same at both budgets
+    write_runs(
+        runs,
+        [(method, ratio, "aware", equal) for method in ("snapkv", "snapkv+reskv") for ratio in (0.9, 0.6)],
+    )
+    drawn = []
+    monkeypatch.setattr(scripts.figures, "save", lambda figure, out_dir, name: drawn.append(figure) or [name])
+    index, _ = ResultIndex.from_directory(runs)
+    assert scripts.figures.budget_figures(index, tmp_path) == ["budget_smollm2-135m_ruler-4096_aware"]
+    (axis,) = drawn[0].axes
+    assert axis.get_title() == "SmolLM2-135M RULER-4K q-Aware"  # the tables' names
+    snapkv, reskv = axis.get_lines()
+    assert list(snapkv.get_ydata()) == list(reskv.get_ydata()) == [50.0, 50.0]
+    # Equal values, yet neither curve hides the other: other markers and shifted x positions.
+    assert snapkv.get_marker() != reskv.get_marker()
+    assert all(a < b for a, b in zip(snapkv.get_xdata(), reskv.get_xdata(), strict=True))
+    assert all(abs(x - budget) < 3 for x, budget in zip(snapkv.get_xdata(), (10, 40), strict=True))
+    note = "\n".join(text.get_text() for text in drawn[0].texts)
+    assert "Average over 1 of 13 tasks: VT." in note and "n = 2 samples per task." in note
+
+
+def test_missing_figure_data_names_the_make_target(tmp_path, capsys):
+    write_runs(tmp_path / "runs", [("snapkv", 0.9, "aware", [1, 0])])
+    names = sorted(path.name for path in all_figures(tmp_path, tmp_path / "figures"))
+    assert names == ["budget_smollm2-135m_ruler-4096_aware.pdf", "budget_smollm2-135m_ruler-4096_aware.png"]
+    printed = capsys.readouterr().out
+    bench = tmp_path / "runs" / "_bench"
+    assert (
+        f"efficiency figure: no efficiency_<backbone>.json under {bench}; `make bench RESULTS={tmp_path}`"
+        in printed
+    )
+    assert f"evicted_keys figure: no evicted_keys_<backbone>.json under {bench}; `make bench" in printed
+    all_figures(tmp_path / "empty", tmp_path / "figures")
+    assert "budget figures: no results under" in capsys.readouterr().out
