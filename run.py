@@ -115,7 +115,8 @@ def summary_line(entry: GridEntry, task: str, document: dict | None) -> str:
 
 def result_table(plan: Plan, available_tasks: set[str]):
     """Scores of this plan's configurations as found on disk (resumed and earlier shards included);
-    ``n/a`` for a task whose data is unavailable here, ``–`` for a configuration not run yet."""
+    ``n/a`` for a task whose data is unavailable here, ``skipped`` where no sample could run (the
+    result file says why), ``–`` for a configuration not run yet."""
     from rich.table import Table
 
     from scripts.results_store import load_results, scored
@@ -135,6 +136,8 @@ def result_table(plan: Plan, available_tasks: set[str]):
                 row.append("n/a")
             elif scores:
                 row.append(f"{benchmarks.task_score(plan.benchmark, scores):.2f} ({len(scores)})")
+            elif result and result.samples:
+                row.append(f"skipped ({len(result.samples)})")
             else:
                 row.append("–")
         table.add_row(*row)

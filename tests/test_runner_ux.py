@@ -135,23 +135,24 @@ def test_counts_are_pluralised():
 
 
 def test_end_table_marks_unavailable_tasks_na(tmp_path, ruler_cache, backbone):
-    plan = plan_for(
-        [*TINY_VT[:3], "benchmark.tasks=[vt,qa_1]", "num_samples=1", "method=[snapkv]", "ratio=[0.6,0.9]"],
-        tmp_path,
-        ruler_cache,
-    )
-    run_plan(
-        plan_for([*TINY_VT, "num_samples=1", "method=snapkv", "ratio=0.6"], tmp_path, ruler_cache), backbone
-    )
+    grid = ["num_samples=1", "method=snapkv", "ratio=[0.6,0.9,0.9995]"]
+    plan = plan_for([*TINY_VT[:3], "benchmark.tasks=[vt,qa_1]", *grid], tmp_path, ruler_cache)
+    for ratio in (0.6, 0.9995):  # 0.9995 leaves no KV slot: skipped
+        one = plan_for([*TINY_VT, "num_samples=1", "method=snapkv", f"ratio={ratio}"], tmp_path, ruler_cache)
+        run_plan(one, backbone)
     console = Console(record=True, width=200)
     console.print(run.result_table(plan, {"vt"}))
     rows = {
         line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "snapkv" in line
     }
     cells = {name: [cell.strip() for cell in line.split("│")[2:4]] for name, line in rows.items()}
-    (vt_06,) = load_results(plan.runs_dir)[0]
+    vt_06, _ = load_results(plan.runs_dir)[0]
     expected = f"{100 * vt_06.samples[0]['score']:.2f} (1)"
-    assert cells == {"aware snapkv 0.6": [expected, "n/a"], "aware snapkv 0.9": ["–", "n/a"]}
+    assert cells == {
+        "aware snapkv 0.6": [expected, "n/a"],
+        "aware snapkv 0.9": ["–", "n/a"],
+        "aware snapkv 0.9995": ["skipped (1)", "n/a"],
+    }
 
 
 def budget(tokens: int, ratio: float) -> int:
