@@ -3,7 +3,9 @@
 The flow follows reskv.md: ``b = floor(s * (1 - ratio))`` slots per KV head; the base method's
 scorer gives token scores, the protected window and the per-head split of the layer's budget;
 ``M = P ∪ Top_{m-|P|}(scores)``; with a residual, ``b = m + r`` and the evicted side ``E`` is
-summarised by ``r`` k-means entries, ``r`` chosen per head by the validation proxy.
+summarised by ``r`` k-means entries, ``r`` chosen per head by the validation proxy
+(``reskv.proxy``). ``build_cache`` is the one builder (select, gather, residual entries) for the
+deployed cache and the proxy's candidates alike.
 """
 
 from __future__ import annotations

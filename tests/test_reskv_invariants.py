@@ -12,7 +12,7 @@ import torch
 import reskv.residual
 from baselines import build_method, build_scorer
 from reskv.attention import DecodeRule, residual_attention
-from reskv.compress import ResidualConfig, budget_for, compress_layer
+from reskv.compress import ResidualConfig, budget_for, compress_layer, kmeans_peak_memory
 from reskv.engine import Method, Prefill
 from reskv.residual import build_residual, nearest_centers
 from reskv.scoring import LayerObservation
@@ -396,3 +396,17 @@ def test_adakv_padded_cache_equals_the_per_head_computation_after_appended_token
             weights = torch.cat([main_logits, residual_logits]).softmax(-1)
             expected = weights @ torch.cat([own_values[:visible], layer.residual.values[kv, used].double()])
             torch.testing.assert_close(output[position, head].double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_kmeans_memory_is_bounded_by_the_distance_chunk(monkeypatch):
+    """The measured peak sees the whole ``[H, E, r]`` distance matrix without chunking, and stays
+    far below it with 1 MiB chunks (the measurement the engine benchmark reports at 32K)."""
+    shape = dict(seq_len=8192, ratio=0.6, residual_ratio=0.2, num_kv_heads=2, head_dim=16)
+    points, entries = 8192 - budget_for(8192, 0.6), math.floor(0.2 * budget_for(8192, 0.6) + 0.5)
+    distance_bytes = 4 * 2 * points * entries
+    monkeypatch.setattr(reskv.residual, "DISTANCE_CHUNK_BYTES", 1 << 40)
+    whole = kmeans_peak_memory(**shape)
+    assert (whole["points"], whole["entries"]) == (points, entries)
+    assert whole["peak_bytes"] >= distance_bytes
+    monkeypatch.setattr(reskv.residual, "DISTANCE_CHUNK_BYTES", 1 << 20)
+    assert kmeans_peak_memory(**shape)["peak_bytes"] < distance_bytes / 4
