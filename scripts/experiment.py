@@ -344,6 +344,7 @@ def sample_fields(index: int, item: Item, max_new_tokens: int) -> dict[str, Any]
         "max_new_tokens": max_new_tokens,
         "references": list(item.references),
         "metric": item.metric,
+        "metadata": item.metadata,  # e.g. LongBench's sample length (LongBench-E buckets), RULER depths
     }
 
 

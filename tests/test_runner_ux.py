@@ -246,6 +246,7 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
     for path in sorted(plan.runs_dir.rglob("*.json")):
         document = json.loads(path.read_text())
         samples = document["samples"]
+        assert [sample["metadata"] for sample in samples] == [item.metadata for item in items["vt"]]
         assert all(0 <= sample["score"] <= 1 for sample in samples)
         percent = round(sum(sample["score"] for sample in samples) / len(samples) * 100, 2)
         assert document["summary"]["score_percent"] == document["summary"]["score"] == percent
