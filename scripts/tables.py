@@ -1,8 +1,9 @@
-"""The paper's tables from the JSON results: LaTeX (booktabs), markdown and CSV.
+"""The paper's tables from the results frames (scripts.results_frame): LaTeX (booktabs), markdown, CSV.
 
-    python -m scripts.tables [--results-dir results] [--out-dir results/tables]
+    python -m scripts.tables [--results-dir results] [--out-dir results/tables] [--show-n]
 
-Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all):
+Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
+and the frames themselves as ``results.csv`` (one row per configuration) and ``samples.csv``:
 
 - ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
   per setting x method x backbone x length x retained budget, a full-cache row, bold for the better
@@ -15,11 +16,15 @@ Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` in
   ablations per task with the drop from ResKV; bold on the best of each column.
 
 Rules every table follows: a configuration that was not run is shown as missing (``--``),
-never as 0; a configuration with fewer samples than its task has is marked partial (dagger); a
-task whose data is unavailable is shown as ``n/a`` and left out of averages; an average needs
-every averaged task of its row, otherwise it is missing. Averages are the unweighted mean of the
-task scores shown (each ``round(100 * mean, 2)``), rounded to two decimals; bold compares the
-two-decimal values and marks both on a tie. LongBench averages cover its 16 English tasks.
+never as 0; rows shown side by side (a baseline and its +ResKV, the CaM and ablation rows) are
+scored, task by task, on the samples all of them scored, so a pair never compares different
+samples (issue 9); a cell whose samples are fewer than its task has so far (the most any
+configuration of the task has) is marked partial (dagger); the notes give the samples per task
+(``--show-n``: per cell in .md and .csv); a task whose data is unavailable is shown as ``n/a`` and
+left out of averages; an average needs every averaged task of its row, otherwise it is missing.
+Averages are the unweighted mean of the task scores shown (each the benchmark's own
+``task_score``), rounded to two decimals; bold marks a strict winner of the two-decimal values
+only, none on a tie. LongBench averages cover its 16 English tasks.
 """
 
 from __future__ import annotations
@@ -659,7 +664,7 @@ def _column_heads(columns: Sequence[tuple[str, int, str]]) -> list[list[tuple[st
 
 def _comparison_settings(index: ResultIndex, marker_method) -> list[tuple[str, str, float]]:
     """(backbone, setting, ratio) combinations where a method selected by ``marker_method`` has results."""
-    marked = index.configs[index.configs["method"].map(marker_method)]
+    marked = index.configs[index.configs["method"].map(marker_method).astype(bool)]
     combos = set(marked[["backbone", "setting", "ratio"]].itertuples(index=False, name=None))
     return sorted(combos, key=lambda combo: (combo[0], combo[1], -combo[2]))
 

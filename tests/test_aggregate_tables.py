@@ -234,3 +234,9 @@ def test_pair_with_mixed_sample_counts_is_compared_on_shared_samples(tmp_path):
     assert r"30\% & q-Aware & TOVA & 0.00$^\dagger$ & 0.00$^\dagger$ \\" in task_lines
     assert r" &  & +ResKV & 25.00$^\dagger$ & \textbf{25.00}$^\dagger$ \\" in task_lines
     assert "| q-Aware | TOVA | 0.00\u2020 (n=2) |" in to_markdown(tables["ruler_averages"], show_n=True)
+
+
+def test_cli_on_a_results_directory_without_results(tmp_path, capsys):
+    main(["--results-dir", str(tmp_path), "--out-dir", str(tmp_path / "tables")])
+    assert "0 tables written" in capsys.readouterr().out
+    assert (tmp_path / "tables" / "results.csv").read_text().startswith("backbone,benchmark,length,task")
