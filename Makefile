@@ -40,9 +40,13 @@ lint: install
 # Experiments (README, "Running experiments"). RESULTS is the results root run.py writes to.
 RESULTS ?= results
 
-# The paper's tables and figures from whatever results exist under $(RESULTS)/runs.
+# The paper's tables and figures from whatever results exist under $(RESULTS)/runs. `make tables`
+# also writes the results as data (pandas frames, scripts/results_frame.py): $(RESULTS)/tables/
+# results.csv (one row per configuration) and samples.csv (one per sample); ARGS=--show-n puts
+# each cell's sample count in the .md/.csv tables. `make figures` names the target behind any
+# figure whose data is missing.
 tables: install
-	$(PY) -m scripts.tables --results-dir $(RESULTS)
+	$(PY) -m scripts.tables --results-dir $(RESULTS) $(ARGS)
 
 figures: install
 	$(PY) -m scripts.figures --results-dir $(RESULTS)
