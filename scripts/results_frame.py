@@ -1,7 +1,8 @@
 """Every result file under a results directory as tidy pandas DataFrames (issue 9).
 
-    from scripts.results_frame import load_frames
-    samples, configs, warnings = load_frames("results")
+    from scripts.results_frame import configs_frame, load_frames, samples_frame
+    samples, configs, warnings = load_frames("results")   # both, read once
+    configs = configs_frame("results")                      # or one of them
 
 ``samples``: one row per configuration and sample. ``configs``: one row per configuration, plus
 one row per task whose data is unavailable here (``status`` "unavailable", ``reason``).
@@ -139,6 +140,16 @@ def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
 def load_frames(results_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """The samples and configurations frames of ``<results_dir>/runs``, and load warnings."""
     return frames_from_runs(Path(results_dir) / "runs")
+
+
+def samples_frame(results_dir: str | Path) -> pd.DataFrame:
+    """One row per configuration and sample of ``<results_dir>/runs``."""
+    return load_frames(results_dir)[0]
+
+
+def configs_frame(results_dir: str | Path) -> pd.DataFrame:
+    """One row per configuration (and per unavailable task) of ``<results_dir>/runs``."""
+    return load_frames(results_dir)[1]
 
 
 def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:

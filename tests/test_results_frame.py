@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.results_frame import load_frames, write_frames
+from scripts.results_frame import configs_frame, load_frames, samples_frame, write_frames
 from scripts.results_store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
 
 BACKBONE = "tiny-llama"
@@ -132,6 +132,12 @@ def test_configs_frame_counts_scores_and_status(frames):
     unavailable = configs[configs["status"] == "unavailable"]
     assert unavailable[["task", "reason"]].values.tolist() == [["qa_1", "SQuAD not found"]]
     assert unavailable["method"].isna().all()
+
+
+def test_single_frame_loaders_equal_load_frames(results_dir, frames):
+    samples, configs = frames
+    assert samples_frame(results_dir).equals(samples)
+    assert configs_frame(results_dir).equals(configs)
 
 
 def test_frames_written_as_csv(frames, tmp_path):
