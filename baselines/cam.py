@@ -29,7 +29,7 @@ Where this differs from KVCache-Factory (baselines.md decides):
   (``compress_layer`` leaves a covered prompt untouched and never calls ``adjust_values``).
 
 The cascade is the banded linear recurrence ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` with
-``c_i = m_i / m``, solved ``m`` positions at a time (``cascade``): no ``s x s`` matrix.
+``c_i = m_i / m``, solved ``m`` positions at a time (``cascade_``): no ``s x s`` matrix.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from reskv.scoring import LayerObservation
 
 LAYER_SEED_STRIDE = 1000  # more than any model's layer count: (seed, layer) pairs never collide
 MERGE_WINDOW = 64  # baselines.md (CaM) 2: each merge spreads over the next 64 positions
+INVERSE_CHUNK = 64  # blocks whose inverses are held at once: H * 64 * m * m floats (8 MiB for 8 heads)
 
 
 def merge_start(seq_len: int) -> int:
@@ -65,35 +66,45 @@ def merge_probabilities(attention: Tensor, merge_window: int) -> Tensor:
     return probabilities
 
 
-def cascade(values: Tensor, coefficients: Tensor, merge_window: int) -> Tensor:
-    """Solve ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` for ``values`` ``[H, s, d]`` and
-    ``coefficients`` ``[H, s]`` (``m`` = ``merge_window``), in the values' dtype.
+def block_inverses(coefficients: Tensor, merge_window: int) -> Tensor:
+    """``(I - L_b)^-1`` ``[H, n_blocks, m, m]`` for consecutive blocks of ``m`` positions, with
+    ``L_b[r, k] = c_k`` for ``k < r`` (a short last block is padded with zeros: the leading part of
+    the inverse is the short block's inverse, the system being lower-triangular)."""
+    heads, length = coefficients.shape
+    padded = torch.nn.functional.pad(coefficients, (0, -length % merge_window))
+    blocks = padded.view(heads, -1, 1, merge_window)
+    identity = torch.eye(merge_window, dtype=coefficients.dtype, device=coefficients.device)
+    earlier = identity.new_ones(merge_window, merge_window).tril(-1)
+    return torch.linalg.solve_triangular(
+        identity - earlier * blocks, identity, upper=False, unitriangular=True
+    )
+
+
+def cascade_(values: Tensor, coefficients: Tensor, merge_window: int) -> Tensor:
+    """Solve ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` in place for ``values`` ``[H, s, d]``
+    and ``coefficients`` ``[H, s]`` (``m`` = ``merge_window``); returns ``values``.
 
     Blocks of ``m`` positions: position ``r`` of a block receives from positions ``k >= r`` of the
-    previous block (known) and ``k < r`` of its own, so each block is the unit lower-triangular
-    system ``(I - L) V'_block = V_block + U V'_previous`` with ``L[r, k] = c_k (k < r)`` and
-    ``U[r, k] = c_k (k >= r)``: ``[H, m, m]`` matrices, never ``s x s``.
+    previous block (already solved) and ``k < r`` of its own, so each block is the unit
+    lower-triangular system ``(I - L) V'_block = V_block + U V'_previous`` with
+    ``L[r, k] = c_k (k < r)`` and ``U[r, k] = c_k (k >= r)``: ``[H, m, m]`` matrices, never
+    ``s x s``. The blocks' inverses do not depend on each other, so they are computed
+    ``INVERSE_CHUNK`` blocks at a time and the sequential part is two small products per block.
     """
     seq_len = values.shape[1]
-    identity = torch.eye(merge_window, dtype=values.dtype, device=values.device)
-    earlier = torch.ones(merge_window, merge_window, dtype=torch.bool, device=values.device).tril(-1)
-    # Only blocks holding a source or following one change. With real attention few tokens merge
-    # (p_i is small next to the sink tokens' attention), so most blocks are skipped.
-    source_blocks = coefficients.ne(0).any(dim=0).nonzero().squeeze(1) // merge_window
-    changed = sorted({int(block) + after for block in source_blocks.unique() for after in (0, 1)})
-    merged = values.clone()
-    for first in (block * merge_window for block in changed if block * merge_window < seq_len):
+    reaching = torch.ones(merge_window, merge_window, dtype=torch.bool, device=values.device).triu()
+    for index, first in enumerate(range(0, seq_len, merge_window)):
+        if index % INVERSE_CHUNK == 0:
+            chunk = coefficients[:, first : first + INVERSE_CHUNK * merge_window]
+            inverses = block_inverses(chunk, merge_window)
         block = slice(first, first + merge_window)
         size = min(merge_window, seq_len - first)
         rhs = values[:, block]
         if first > 0:
-            reach = (~earlier[:size]) * coefficients[:, first - merge_window : first, None].mT
-            rhs = rhs + reach @ merged[:, first - merge_window : first]
-        own = earlier[:size, :size] * coefficients[:, block, None].mT
-        merged[:, block] = torch.linalg.solve_triangular(
-            identity[:size, :size] - own, rhs, upper=False, unitriangular=True
-        )
-    return merged
+            reach = reaching[:size] * coefficients[:, first - merge_window : first, None].mT
+            rhs = rhs + reach @ values[:, first - merge_window : first]
+        values[:, block] = inverses[:, index % INVERSE_CHUNK, :size, :size] @ rhs
+    return values
 
 
 def merge_values(
@@ -111,7 +122,7 @@ def merge_values(
     merged = values.to(compute, copy=True)
     # Positions before ``start`` neither merge nor receive, so the recurrence starts there.
     coefficients = merges[:, start:].to(compute) / merge_window
-    merged[:, start:] = cascade(merged[:, start:], coefficients, merge_window)
+    cascade_(merged[:, start:], coefficients, merge_window)
     return merged.to(values.dtype)
 
 

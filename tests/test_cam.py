@@ -208,17 +208,18 @@ def test_low_precision_values_merge_in_fp32_and_cast_once():
 
 
 def test_32k_prompt_is_solved_in_window_sized_blocks(monkeypatch):
-    """s = 32768 with every position merging: every triangular system is at most 64 x 64."""
-    sizes = []
+    """s = 32768 with every position merging: every triangular system is 64 x 64, at most 64 of
+    them at once, and together they cover the positions from ``start`` on once."""
+    systems = []
     solve = torch.linalg.solve_triangular
 
     def recording_solve(matrix, rhs, **kwargs):
-        sizes.append(tuple(matrix.shape))
+        systems.append(tuple(matrix.shape))
         return solve(matrix, rhs, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "solve_triangular", recording_solve)
     values = torch.randn(1, 32768, 2)
     merged = merge_values(values, torch.ones(1, 32768), torch.zeros(1, 32768))
-    assert len(sizes) == math.ceil((32768 - 3277) / 64)  # blocks of 64 from start = 3277 on
-    assert max(sizes) == (1, 64, 64)
+    assert {shape[-2:] for shape in systems} == {(64, 64)} and max(shape[1] for shape in systems) == 64
+    assert sum(shape[1] for shape in systems) == math.ceil((32768 - 3277) / 64)  # from start = 3277 on
     assert torch.isfinite(merged).all() and not torch.equal(merged, values)
