@@ -28,8 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import benchmarks
 from baselines.names import METHODS
-from reskv.compress import ResidualConfig
-from reskv.engine import SETTINGS
+from reskv.config import SETTINGS, ResidualConfig
 from scripts.experiment import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 
 log = logging.getLogger("run")

@@ -7,22 +7,29 @@ head's budget spent on residual entries; ``cam`` is SnapKV selection plus CaM va
 
 from __future__ import annotations
 
-from baselines.adakv import AdaKV
-from baselines.cam import CaM
-from baselines.h2o import H2O
-from baselines.snapkv import SnapKV
-from baselines.tova import TOVA
-from reskv.compress import ResidualConfig
-from reskv.engine import Method
+from typing import TYPE_CHECKING
 
-BASE_METHODS = ("h2o", "tova", "snapkv", "adakv", "cam")
-RESIDUAL_BASES = ("h2o", "tova", "snapkv", "adakv")
-RESIDUAL_SUFFIX = "+reskv"
-METHODS = ("full", *BASE_METHODS, *(base + RESIDUAL_SUFFIX for base in RESIDUAL_BASES))
+from baselines.names import BASE_METHODS, METHODS, RESIDUAL_BASES, RESIDUAL_SUFFIX
+from reskv.config import ResidualConfig
+
+if TYPE_CHECKING:
+    from reskv.engine import Method
+
+__all__ = ["BASE_METHODS", "METHODS", "RESIDUAL_BASES", "RESIDUAL_SUFFIX", "build_method", "build_scorer"]
 
 
 def build_scorer(base: str, seed: int = 42, h2o_window_only: bool = False):
-    """A fresh scorer for a base method name (``seed`` is CaM's merge sampling seed)."""
+    """A fresh scorer for a base method name (``seed`` is CaM's merge sampling seed).
+
+    The rules (and torch) are imported here, not at the top: the runner reads the names in
+    ``baselines.names`` before it loads torch, and importing that module runs this package first.
+    """
+    from baselines.adakv import AdaKV
+    from baselines.cam import CaM
+    from baselines.h2o import H2O
+    from baselines.snapkv import SnapKV
+    from baselines.tova import TOVA
+
     return {
         "h2o": lambda: H2O(window_only=h2o_window_only),
         "tova": TOVA,
@@ -48,6 +55,8 @@ def build_method(
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {list(METHODS)}")
     if name == "full":
+        from reskv.engine import Method
+
         return Method("full")
     if ratio is None or not 0 < ratio < 1:
         raise ValueError(f"compression ratio {ratio!r} for {name!r} must lie strictly between 0 and 1")
@@ -58,5 +67,7 @@ def build_method(
             f"residual settings given for {name!r}; use one of "
             f"{[b + RESIDUAL_SUFFIX for b in RESIDUAL_BASES]}"
         )
+    from reskv.engine import Method
+
     scorer = build_scorer(base, seed, h2o_window_only)
     return Method(name, ratio, scorer, (residual or ResidualConfig()) if with_residual else None)

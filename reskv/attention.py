@@ -7,22 +7,10 @@ head keeps its own logits and gate. Everything is computed in fp32 whatever the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class DecodeRule:
-    """The decode-time rule of reskv.md: gate parameters, population weight and ablation switches."""
-
-    tau: float = 0.25
-    alpha: float = 12.0  # 1 / T_g
-    g_min: float = 0.0
-    beta: float = 1.0  # weight of log(count) in the residual logits
-    gate: bool = True  # False: "w/o dynamic gate", g = 1
-    shared_softmax: bool = True  # False: "w/o shared softmax" (this project's reading, reskv.md)
+from reskv.config import DecodeRule
 
 
 def gate_values(main_max: Tensor, main_lse: Tensor, rule: DecodeRule) -> Tensor:

@@ -26,8 +26,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import DecodeRule, residual_attention
+from reskv.attention import residual_attention
 from reskv.compress import CompressedLayerState, additive_mask
+from reskv.config import DecodeRule
 from reskv.scoring import LayerObservation, accumulated_attention
 
 ATTENTION_NAME = "reskv"

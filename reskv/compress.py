@@ -15,52 +15,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 from torch import Tensor
 
-from reskv.attention import DecodeRule, residual_attention
+from reskv.attention import residual_attention
+from reskv.config import DecodeRule, ResidualConfig, budget_for
 from reskv.residual import ResidualEntries, build_residual
 from reskv.scoring import LayerObservation, TokenScorer
 from reskv.selection import gather_tokens, select_main
-
-FINAL_SELECTIONS = ("base", "fit")
-
-
-@dataclass(frozen=True)
-class ResidualConfig(DecodeRule):
-    """ResKV hyper-parameters and ablation switches (defaults: the paper's, reskv.md).
-
-    It *is* the decode rule (gate, ``beta``, shared softmax: the inherited ``DecodeRule`` fields)
-    extended with the residual size and validation settings, so one flat constructor takes every
-    option by name and the cache layers use it as their rule directly.
-    """
-
-    grid: tuple[float, ...] = (0.0, 0.05, 0.10, 0.15, 0.20)
-    validate: bool = True  # False: "w/o validation", every head uses fixed_ratio
-    fixed_ratio: float = 0.10
-    delta: float = 0.01
-    kmeans_iterations: int = 4
-    fit_queries: int = 96
-    validation_queries: int = 32
-    # "base": the final main cache is selected with the base method's own scores, so a head
-    # that falls back to r = 0 equals the plain baseline (this project's reading of "rebuild
-    # (M, S) with the chosen r"). "fit": the literal alternative, the validated cache itself
-    # (reskv.proxy.ValidationProxy.fit_selection says how it maps to the whole prompt).
-    final_selection: str = "base"
-
-    def __post_init__(self) -> None:
-        if self.final_selection not in FINAL_SELECTIONS:
-            raise ValueError(f"final_selection {self.final_selection!r}: choose one of {FINAL_SELECTIONS}")
-        if any(not 0 <= ratio < 1 for ratio in self.grid):
-            raise ValueError(f"residual grid {self.grid}: every ratio must lie in [0, 1)")
-        if min(self.fit_queries, self.validation_queries) < 1:
-            raise ValueError("fit_queries and validation_queries must be at least 1")
-
-    @property
-    def observation_window(self) -> int:
-        return self.fit_queries + self.validation_queries
 
 
 @dataclass
@@ -94,17 +57,6 @@ class CompressedLayerState:
             rule,
             self.evicted_fraction,
         )
-
-
-def budget_for(seq_len: int, ratio: float) -> int:
-    """Retained slots per KV head: ``b = floor(s * (1 - ratio))`` computed exactly on the decimal
-    value of ``ratio`` (reskv.md, Budget): ``s = 4000, ratio = 0.9`` gives 400, where floating
-    point gives 399."""
-    exact = Fraction(str(ratio))
-    if not 0 <= exact < 1:
-        raise ValueError(f"compression ratio {ratio!r} must lie in [0, 1)")
-    kept_num, den = (1 - exact).as_integer_ratio()
-    return seq_len * kept_num // den
 
 
 def kept_positions(kept: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reskv.attention import DecodeRule
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
-from reskv.compress import ResidualConfig, compress_layer
+from reskv.compress import compress_layer
+from reskv.config import SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
 from reskv.scoring import LayerObservation, TokenScorer
 
-SETTINGS = ("aware", "agnostic")
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
 # the validation proxy (96 fit + 32 validation).
 DEFAULT_OBSERVATION_WINDOW = 128

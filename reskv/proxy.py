@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from reskv.attention import residual_attention
-from reskv.compress import CompressedLayerState, ResidualConfig, additive_mask, build_cache
+from reskv.compress import CompressedLayerState, additive_mask, build_cache
+from reskv.config import ResidualConfig
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 
 

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import benchmarks
 from baselines.names import METHODS, RESIDUAL_SUFFIX
 from benchmarks.item import Item
-from reskv.compress import ResidualConfig
-from reskv.engine import SETTINGS
+from reskv.config import SETTINGS, ResidualConfig
 from scripts.results_store import (
     FULL_METHOD,
     ResultFile,
@@ -508,7 +507,7 @@ class GridRun:
         ratio must leave at least one KV slot for what the setting compresses (the whole prompt
         query-aware, the context query-agnostic; budget as in reskv.md, Budget).
         """
-        from reskv.compress import budget_for
+        from reskv.config import budget_for
 
         max_new_tokens = self.plan.answer_length(item)
         max_positions = self.backbone.model.config.max_position_embeddings

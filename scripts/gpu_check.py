@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 
 from baselines import METHODS, build_method
-from reskv.attention import DecodeRule
 from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
 from reskv.compress import compress_layer
-from reskv.engine import SETTINGS, Prefill
+from reskv.config import SETTINGS, DecodeRule
+from reskv.engine import Prefill
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (shape, query heads, KV heads): both architectures, GQA group sizes 1 and 4.

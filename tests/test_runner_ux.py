@@ -94,11 +94,6 @@ def test_bad_values_fail_cleanly_and_leave_no_log_directory(argument, expected, 
     assert not (tmp_path / "logs").exists() and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="baselines/__init__.py and reskv.engine.SETTINGS / reskv.compress.ResidualConfig import torch; "
-    "needs the torch-free names the runner imports (core helper)",
-)
 @pytest.mark.parametrize("arguments", [("--help",), ("backbone=nope",), ("method=nope",), ("ratio=1.5",)])
 def test_help_and_bad_values_answer_before_torch_is_imported(arguments, tmp_path):
     _, (code, torch_loaded, transformers_loaded) = probe(*arguments, f"results_dir={tmp_path}")

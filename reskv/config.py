@@ -1,0 +1,73 @@
+"""ResKV's settings and the budget rule, without importing torch.
+
+The runner validates a configuration and answers ``--help`` from these before it loads torch
+(``run.py``); the engine, the compressor and the attention rule use them as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (reskv.md)
+
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """The decode-time rule of reskv.md: gate parameters, population weight and ablation switches."""
+
+    tau: float = 0.25
+    alpha: float = 12.0  # 1 / T_g
+    g_min: float = 0.0
+    beta: float = 1.0  # weight of log(count) in the residual logits
+    gate: bool = True  # False: "w/o dynamic gate", g = 1
+    shared_softmax: bool = True  # False: "w/o shared softmax" (this project's reading, reskv.md)
+
+
+FINAL_SELECTIONS = ("base", "fit")
+
+
+@dataclass(frozen=True)
+class ResidualConfig(DecodeRule):
+    """ResKV hyper-parameters and ablation switches (defaults: the paper's, reskv.md).
+
+    It *is* the decode rule (gate, ``beta``, shared softmax: the inherited ``DecodeRule`` fields)
+    extended with the residual size and validation settings, so one flat constructor takes every
+    option by name and the cache layers use it as their rule directly.
+    """
+
+    grid: tuple[float, ...] = (0.0, 0.05, 0.10, 0.15, 0.20)
+    validate: bool = True  # False: "w/o validation", every head uses fixed_ratio
+    fixed_ratio: float = 0.10
+    delta: float = 0.01
+    kmeans_iterations: int = 4
+    fit_queries: int = 96
+    validation_queries: int = 32
+    # "base": the final main cache is selected with the base method's own scores, so a head
+    # that falls back to r = 0 equals the plain baseline (this project's reading of "rebuild
+    # (M, S) with the chosen r"). "fit": the literal alternative, the validated cache itself
+    # (reskv.proxy.ValidationProxy.fit_selection says how it maps to the whole prompt).
+    final_selection: str = "base"
+
+    def __post_init__(self) -> None:
+        if self.final_selection not in FINAL_SELECTIONS:
+            raise ValueError(f"final_selection {self.final_selection!r}: choose one of {FINAL_SELECTIONS}")
+        if any(not 0 <= ratio < 1 for ratio in self.grid):
+            raise ValueError(f"residual grid {self.grid}: every ratio must lie in [0, 1)")
+        if min(self.fit_queries, self.validation_queries) < 1:
+            raise ValueError("fit_queries and validation_queries must be at least 1")
+
+    @property
+    def observation_window(self) -> int:
+        return self.fit_queries + self.validation_queries
+
+
+def budget_for(seq_len: int, ratio: float) -> int:
+    """Retained slots per KV head: ``b = floor(s * (1 - ratio))`` computed exactly on the decimal
+    value of ``ratio`` (reskv.md, Budget): ``s = 4000, ratio = 0.9`` gives 400, where floating
+    point gives 399."""
+    exact = Fraction(str(ratio))
+    if not 0 <= exact < 1:
+        raise ValueError(f"compression ratio {ratio!r} must lie in [0, 1)")
+    kept_num, den = (1 - exact).as_integer_ratio()
+    return seq_len * kept_num // den
