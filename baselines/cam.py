@@ -29,7 +29,7 @@ Where this differs from KVCache-Factory (baselines.md decides):
   (``compress_layer`` leaves a covered prompt untouched and never calls ``adjust_values``).
 
 The cascade is the banded linear recurrence ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` with
-``c_i = m_i / m``, solved ``m`` positions at a time (``cascade_``): no ``s x s`` matrix.
+``c_i = m_i / m``, solved ``m`` positions at a time (``cascade``): no ``s x s`` matrix.
 """
 
 from __future__ import annotations
@@ -66,45 +66,44 @@ def merge_probabilities(attention: Tensor, merge_window: int) -> Tensor:
     return probabilities
 
 
-def block_inverses(coefficients: Tensor, merge_window: int) -> Tensor:
-    """``(I - L_b)^-1`` ``[H, n_blocks, m, m]`` for consecutive blocks of ``m`` positions, with
-    ``L_b[r, k] = c_k`` for ``k < r`` (a short last block is padded with zeros: the leading part of
-    the inverse is the short block's inverse, the system being lower-triangular)."""
-    heads, length = coefficients.shape
-    padded = torch.nn.functional.pad(coefficients, (0, -length % merge_window))
-    blocks = padded.view(heads, -1, 1, merge_window)
+def block_inverses(coefficients: Tensor) -> Tensor:
+    """``(I - L_b)^-1`` ``[H, n, m, m]`` for blocks ``coefficients`` ``[H, n, 1, m]``, with
+    ``L_b[r, k] = c_k`` for ``k < r``: a unit lower-triangular system per block."""
+    merge_window = coefficients.shape[-1]
     identity = torch.eye(merge_window, dtype=coefficients.dtype, device=coefficients.device)
     earlier = identity.new_ones(merge_window, merge_window).tril(-1)
     return torch.linalg.solve_triangular(
-        identity - earlier * blocks, identity, upper=False, unitriangular=True
+        identity - earlier * coefficients, identity, upper=False, unitriangular=True
     )
 
 
-def cascade_(values: Tensor, coefficients: Tensor, merge_window: int) -> Tensor:
-    """Solve ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` in place for ``values`` ``[H, s, d]``
-    and ``coefficients`` ``[H, s]`` (``m`` = ``merge_window``); returns ``values``.
+def cascade(values: Tensor, coefficients: Tensor, merge_window: int) -> Tensor:
+    """Solve ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` for ``values`` ``[H, s, d]`` and
+    ``coefficients`` ``[H, s]``, in the coefficients' dtype (``m`` = ``merge_window``).
 
-    Blocks of ``m`` positions: position ``r`` of a block receives from positions ``k >= r`` of the
-    previous block (already solved) and ``k < r`` of its own, so each block is the unit
-    lower-triangular system ``(I - L) V'_block = V_block + U V'_previous`` with
-    ``L[r, k] = c_k (k < r)`` and ``U[r, k] = c_k (k >= r)``: ``[H, m, m]`` matrices, never
-    ``s x s``. The blocks' inverses do not depend on each other, so they are computed
-    ``INVERSE_CHUNK`` blocks at a time and the sequential part is two small products per block.
+    Blocks of ``m`` positions: position ``r`` of block ``b`` receives from positions ``k >= r`` of
+    block ``b - 1`` and ``k < r`` of its own, so ``(I - L_b) V'_b = V_b + U_b V'_{b-1}`` with
+    ``L_b[r, k] = c_k (k < r)`` and ``U_b[r, k] = c_{k of b-1} (k >= r)``, that is
+    ``V'_b = A_b V_b + C_b V'_{b-1}`` with ``A_b = (I - L_b)^-1`` and ``C_b = A_b U_b``. ``A_b V_b``
+    and ``C_b`` do not depend on other blocks and are computed ``INVERSE_CHUNK`` blocks at a time;
+    the sequential part is one ``[H, m, m] @ [H, m, d]`` product per block. Never ``s x s``.
     """
-    seq_len = values.shape[1]
+    heads, seq_len, dim = values.shape
+    padding = -seq_len % merge_window  # a short last block: zero coefficients, dropped at the end
+    blocks = coefficients.new_zeros(heads, seq_len + padding, dim)
+    blocks[:, :seq_len] = values
+    blocks = blocks.view(heads, -1, merge_window, dim)
+    own = torch.nn.functional.pad(coefficients, (0, padding)).view(heads, -1, 1, merge_window)
+    previous = torch.cat([torch.zeros_like(own[:, :1]), own[:, :-1]], dim=1)  # block 0 has none
     reaching = torch.ones(merge_window, merge_window, dtype=torch.bool, device=values.device).triu()
-    for index, first in enumerate(range(0, seq_len, merge_window)):
-        if index % INVERSE_CHUNK == 0:
-            chunk = coefficients[:, first : first + INVERSE_CHUNK * merge_window]
-            inverses = block_inverses(chunk, merge_window)
-        block = slice(first, first + merge_window)
-        size = min(merge_window, seq_len - first)
-        rhs = values[:, block]
-        if first > 0:
-            reach = reaching[:size] * coefficients[:, first - merge_window : first, None].mT
-            rhs = rhs + reach @ values[:, first - merge_window : first]
-        values[:, block] = inverses[:, index % INVERSE_CHUNK, :size, :size] @ rhs
-    return values
+    for first in range(0, blocks.shape[1], INVERSE_CHUNK):
+        chunk = slice(first, first + INVERSE_CHUNK)
+        inverses = block_inverses(own[:, chunk])
+        blocks[:, chunk] = inverses @ blocks[:, chunk]
+        carries = inverses @ (reaching * previous[:, chunk])
+        for index in range(max(first, 1), min(first + INVERSE_CHUNK, blocks.shape[1])):
+            blocks[:, index].baddbmm_(carries[:, index - first], blocks[:, index - 1])
+    return blocks.view(heads, -1, dim)[:, :seq_len]
 
 
 def merge_values(
@@ -119,11 +118,10 @@ def merge_values(
     start = merge_start(values.shape[1])
     merges = uniforms < merge_probabilities(attention, merge_window)
     compute = torch.float64 if values.dtype == torch.float64 else torch.float32
-    merged = values.to(compute, copy=True)
     # Positions before ``start`` neither merge nor receive, so the recurrence starts there.
     coefficients = merges[:, start:].to(compute) / merge_window
-    cascade_(merged[:, start:], coefficients, merge_window)
-    return merged.to(values.dtype)
+    merged = cascade(values[:, start:], coefficients, merge_window).to(values.dtype)
+    return torch.cat([values[:, :start], merged], dim=1)
 
 
 class CaM(SnapKV):

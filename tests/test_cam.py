@@ -80,6 +80,17 @@ def test_merge_matches_plain_loop(seq_len, draws):
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-13)
 
 
+def test_merge_across_inverse_chunks_matches_plain_loop():
+    """s = 4700: 67 blocks of 64 from start = 470 on, more than one chunk of block inverses."""
+    gen = torch.Generator().manual_seed(11)
+    values = torch.randn(1, 4700, 2, generator=gen, dtype=torch.float64)
+    attention = torch.rand(1, 4700, generator=gen)
+    uniforms = torch.rand(1, 4700, generator=gen)
+    merged = merge_values(values, attention, uniforms)
+    torch.testing.assert_close(merged, plain_cam(values, attention, uniforms), rtol=0, atol=1e-12)
+    assert not torch.equal(merged[:, 4400:], values[:, 4400:])  # merges reach the last chunk
+
+
 def test_merge_equals_plain_loop_bit_for_bit_when_arithmetic_is_exact():
     """Integer values divisible by 64^3 and cascades at most 3 deep: every partial sum is an exact
     integer, so any summation order gives the loop's bits. Blocks 0..4 of 64, sources in 3 of them,
