@@ -55,14 +55,18 @@ def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: Tenso
     """fp32 softmax attention ``[H, n, s]`` of queries at ``query_positions`` over keys ``0..s-1``.
 
     Causal: a query at position ``t`` gives zero weight to keys after ``t``. Memory is
-    ``H * n * s`` floats, so callers pass observation-sized query sets (or chunks).
+    ``H * n * s`` floats, so callers pass observation-sized query sets (or chunks). Only the
+    columns from the earliest query position on can be in a query's future, so only they are
+    masked (in place): the prompt-long rest of the logits is touched by the softmax alone.
     """
     num_kv_heads, seq_len, head_dim = keys.shape
     grouped = queries.float().reshape(num_kv_heads, -1, head_dim)  # [H_kv, G*n, d]
-    logits = grouped @ keys.float().transpose(1, 2) * scaling  # [H_kv, G*n, s]
+    logits = (grouped @ keys.float().transpose(1, 2)).mul_(scaling)  # [H_kv, G*n, s]
     logits = logits.reshape(queries.shape[0], queries.shape[1], seq_len)
-    future = torch.arange(seq_len, device=keys.device)[None, :] > query_positions[:, None]
-    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+    first = min(int(query_positions.min()) + 1, seq_len)
+    future = torch.arange(first, seq_len, device=keys.device)[None, :] > query_positions[:, None]
+    logits[..., first:].masked_fill_(future, float("-inf"))
+    return logits.softmax(dim=-1)
 
 
 def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: Tensor, scaling: float) -> Tensor:
