@@ -25,8 +25,10 @@ Where this differs from KVCache-Factory (baselines.md decides):
   ``u = torch.rand(H_kv, s)`` from a ``torch.Generator`` seeded with
   ``seed * LAYER_SEED_STRIDE + layer_idx``, so layers draw independent streams, a run is
   reproducible, and the draws do not depend on the device.
-- Upstream merges only when the prompt is longer than the budget; so does this project
-  (``compress_layer`` leaves a covered prompt untouched and never calls ``adjust_values``).
+- Upstream clamps ``p_i`` to ``[0, 1]``; here ``p_i <= 1`` by construction (the max includes
+  ``a_i``) and a draw ``u < p`` needs no clamp.
+- Upstream returns prompts shorter than its capacity untouched; here a prompt that fits its
+  budget is left untouched (``compress_layer`` returns before calling ``adjust_values``).
 
 The cascade is the banded linear recurrence ``V'[j] = V[j] + sum_{i=j-m}^{j-1} c_i V'[i]`` with
 ``c_i = m_i / m``, solved ``m`` positions at a time (``cascade``): no ``s x s`` matrix.
@@ -42,7 +44,9 @@ from reskv.scoring import LayerObservation
 
 LAYER_SEED_STRIDE = 1000  # more than any model's layer count: (seed, layer) pairs never collide
 MERGE_WINDOW = 64  # baselines.md (CaM) 2: each merge spreads over the next 64 positions
-INVERSE_CHUNK = 64  # blocks whose inverses are held at once: H * 64 * m * m floats (8 MiB for 8 heads)
+INVERSE_CHUNK = (
+    64  # blocks solved at once: inverses and carries of H * 64 * m * m floats each (8 MiB fp32 for 8 heads)
+)
 
 
 def merge_start(seq_len: int) -> int:
