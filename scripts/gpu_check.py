@@ -54,6 +54,8 @@ TINY_MODELS = (
 )
 CHECK_RATIOS = (0.6, 0.9)
 CHECK_PROMPT, CHECK_QUESTION, CHECK_DECODE = 1024, 32, 4
+# Scores closer than this, relative to the layer's largest score, are a tie to fp32 rounding.
+TIE_TOLERANCE = 1e-5
 # Relative error of a compressed layer's output against the CPU fp32 one (same kept set), per
 # device dtype: a few units of the format's rounding (bf16 keeps 8 bits of mantissa, fp16 11).
 OUTPUT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.03}
@@ -106,6 +108,7 @@ def layer_results(prefill: Prefill, method_name: str, ratio: float, setting: str
                 "slots": (state.kept.sum(-1) + state.residual.entries_per_head).tolist(),
                 "budget": state.stats["budget"],
                 "output": state.attend(queries, observation.scaling, rule).float().cpu(),
+                "scores": method.scorer.prompt_scores(observation).float().cpu(),
             }
         )
     return results
@@ -153,6 +156,14 @@ def check_model(shape: str, heads: int, kv_heads: int, device: str, dtypes: Sequ
     return rows
 
 
+def near_tie(got: dict, expected: dict) -> bool:
+    """Whether every token that one cache keeps and the other evicts has a reference score equal,
+    to fp32 rounding, to all the others that swapped: a tie broken differently, not a different rule."""
+    swapped = got["kept"] != expected["kept"]
+    scores = expected["scores"][swapped]
+    return bool((scores.max() - scores.min()) <= TIE_TOLERANCE * expected["scores"].abs().max())
+
+
 def compare_layers(method_name: str, got: list[dict], expected: list[dict]) -> dict:
     """One configuration's per-layer results on the device against the CPU fp32 reference.
 
@@ -171,6 +182,10 @@ def compare_layers(method_name: str, got: list[dict], expected: list[dict]) -> d
     return {
         "layers": len(got),
         "layers_with_equal_caches": sum(same_cache),
+        "layers_with_near_tie_flips": sum(
+            sizes and not kept and near_tie(g, e)
+            for g, e, kept, sizes in zip(got, expected, same_kept, same_sizes, strict=True)
+        ),
         "layers_with_equal_residual_sizes": sum(same_sizes),
         "kept_agreement": sum(
             float((g["kept"] == e["kept"]).float().mean()) for g, e in zip(got, expected, strict=True)
@@ -185,10 +200,11 @@ def compare_layers(method_name: str, got: list[dict], expected: list[dict]) -> d
 
 def passed(row: dict) -> bool:
     """Hard checks: finite outputs, budgets, outputs within tolerance where the caches agree; in
-    fp32 also every layer's kept set and residual sizes equal (low precision may flip near ties)."""
+    fp32 also every layer's kept set and residual sizes equal, except kept sets that differ only by
+    tokens whose reference scores tie to fp32 rounding (low precision may flip any near tie)."""
     ok = row["finite"] and row["budget_ok"] and row["max_output_error"] <= OUTPUT_TOLERANCE[row["dtype"]]
     if row["dtype"] == "fp32":
-        ok = ok and row["layers_with_equal_caches"] == row["layers"]
+        ok = ok and row["layers_with_equal_caches"] + row["layers_with_near_tie_flips"] == row["layers"]
     return ok
 
 
@@ -232,12 +248,9 @@ def efficiency_rows(
     item_bytes = torch.finfo(backbone.model.dtype).bits // 8
     rows = []
     for length in lengths:
+        # The longest setting is the backbone's whole window: prompt plus answer fill its positions.
+        length = min(length, config.max_position_embeddings - new_tokens)
         base = {"shape": backbone.name, "length": length}
-        if length + new_tokens > config.max_position_embeddings:
-            rows.append(
-                {**base, "status": f"exceeds max_position_embeddings {config.max_position_embeddings}"}
-            )
-            continue
         prompt = random_prompt(config.vocab_size, length)
         configurations = [("full", None)] + [
             (name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"
@@ -371,6 +384,20 @@ def plot(report: dict, out: Path) -> list[Path]:
     return paths
 
 
+def merged(reports: Sequence[dict]) -> dict:
+    """One report from several runs on one machine: the first run's machine block (the others'
+    dates listed), all correctness and efficiency rows, correctness passed only if every run's did."""
+    report = {
+        "machine": {**reports[0]["machine"], "runs": [part["machine"]["date"] for part in reports]},
+        "correctness": [row for part in reports for row in part["correctness"]],
+        "efficiency": [row for part in reports for row in part["efficiency"]],
+    }
+    verdicts = [part["correctness_passed"] for part in reports if "correctness_passed" in part]
+    if verdicts:
+        report["correctness_passed"] = all(verdicts)
+    return report
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))
@@ -380,6 +407,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="merge these gpu_check.json reports (runs split over several calls) into --out, then plot",
+    )
     return parser.parse_args(argv)
 
 
@@ -388,8 +422,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine(), "correctness": [], "efficiency": []}
     path = args.out / "gpu_check.json"
+    if args.merge:
+        report = merged([json.loads(part.read_text()) for part in args.merge])
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        plot(report, args.out)
+        return 0 if report.get("correctness_passed", True) else 1
+    report = {"machine": machine(), "correctness": [], "efficiency": []}
 
     def save() -> None:
         path.write_text(json.dumps(report, indent=1) + "\n")

@@ -10,9 +10,12 @@ import torch
 from scripts import gpu_check
 
 
-def layer(kept: list[bool], residual: list[int], output: float, slots: list[int], budget: int) -> dict:
+def layer(
+    kept: list[bool], residual: list[int], output: float, slots: list[int], budget: int, scores=None
+) -> dict:
     return {
         "kept": torch.tensor([kept]),
+        "scores": torch.tensor([scores or [1.0] * len(kept)]),
         "residual_slots": residual,
         "output": torch.full((1, 2, 4), output),
         "slots": slots,
@@ -30,6 +33,15 @@ def test_compare_layers_takes_the_output_error_only_where_the_caches_agree():
     assert row["finite"] and row["budget_ok"]
 
 
+@pytest.mark.parametrize(("scores", "tie"), [([0.5, 0.3, 0.3], True), ([0.5, 0.3, 0.2], False)])
+def test_a_kept_set_flip_between_tokens_of_equal_score_is_a_near_tie(scores, tie):
+    expected = [layer([True, True, False], [0], 1.0, [2], 2, scores)]
+    got = [layer([True, False, True], [0], 1.0, [2], 2, scores)]  # tokens 1 and 2 swapped
+    row = gpu_check.compare_layers("snapkv", got, expected)
+    assert row["layers_with_equal_caches"] == 0 and row["layers_with_near_tie_flips"] == int(tie)
+    assert gpu_check.passed({**row, "dtype": "fp32"}) is tie
+
+
 def test_budget_rule_per_head_and_adakv_per_layer():
     uneven = layer([True], [0], 1.0, [5, 3], 4)
     assert not gpu_check.budget_ok("snapkv", uneven)  # one head above b = 4
@@ -42,6 +54,7 @@ def test_budget_rule_per_head_and_adakv_per_layer():
     [
         ({}, "fp32", True),
         ({"layers_with_equal_caches": 1}, "fp32", False),  # fp32 must keep identical caches
+        ({"layers_with_equal_caches": 1, "layers_with_near_tie_flips": 1}, "fp32", True),
         ({"layers_with_equal_caches": 1}, "bf16", True),  # low precision may flip near ties
         ({"finite": False}, "bf16", False),
         ({"budget_ok": False}, "fp16", False),
@@ -53,6 +66,7 @@ def test_pass_rule(change, dtype, expected):
         "dtype": dtype,
         "layers": 2,
         "layers_with_equal_caches": 2,
+        "layers_with_near_tie_flips": 0,
         "finite": True,
         "budget_ok": True,
         "max_output_error": 0.0,
