@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import residual_attention
+from reskv.attention import joint_attention, joint_bias
 from reskv.compress import CompressedLayerState, additive_mask
 from reskv.config import DecodeRule
 from reskv.scoring import LayerObservation, accumulated_attention
@@ -127,37 +127,68 @@ class ObservedLayer(DynamicLayer):
         )
 
 
-class CompressedLayer(CacheLayerMixin):
-    """Main cache + residual entries after compression; new tokens are appended to main, exact.
+def _with_spare_slots(buffer: Tensor, spare: int) -> Tensor:
+    """``buffer`` extended by ``spare`` uninitialised slots along dim 2 (the slot dim of keys,
+    values and bias rows)."""
+    shape = list(buffer.shape)
+    shape[2] = spare
+    return torch.cat([buffer, buffer.new_empty(shape)], dim=2)
 
-    ``get_seq_length`` reports the uncompressed length so positions continue from it (no
-    re-rotation of cached keys).
+
+class CompressedLayer(CacheLayerMixin):
+    """Residual entries + main cache after compression; new tokens are appended to main, exact.
+
+    Entries and main cache share one key buffer and one value buffer, ``[entries ; main ; appended
+    ; spare]``, with an additive bias row over them (``reskv.attention.joint_attention``): a decode
+    step's logits are one matmul, and a new token is written into spare slots instead of copying
+    the cache (the buffers grow by ``GROWTH_SLOTS`` when full). ``keys``/``values`` (what
+    ``update`` returns) and ``main_bias`` are views of the main part. ``get_seq_length`` reports
+    the uncompressed length so positions continue from it (no re-rotation of cached keys).
     """
 
     is_sliding = False
+    GROWTH_SLOTS = 256  # one copy of the cache per 256 decoded tokens
 
     def __init__(self, state: CompressedLayerState, seq_len: int, rule: DecodeRule):
         super().__init__()
-        self.keys, self.values = state.main_keys[None], state.main_values[None]
-        self.dtype, self.device = self.keys.dtype, self.keys.device
-        self.main_bias = state.main_bias
-        self.residual = state.residual
+        residual = state.residual
+        self.residual, self.residual_slots = residual, residual.keys.shape[1]
+        self.padded = state.main_bias is not None
+        main_keys, main_values = state.main_keys, state.main_values
+        self._keys = torch.cat([residual.keys.to(main_keys.dtype), main_keys], dim=1)[None]
+        self._values = torch.cat([residual.values.to(main_values.dtype), main_values], dim=1)[None]
+        self._bias = joint_bias(residual.log_counts, state.main_bias, main_keys.shape[1], rule.beta)
+        self.length = self._keys.shape[2]  # filled slots of the buffers
+        self.dtype, self.device = main_keys.dtype, main_keys.device
         self.evicted_fraction = state.evicted_fraction
         self.rule = rule
         self.seq_len = seq_len
         self.is_initialized = True
+        self._expose_main()
+
+    def _expose_main(self) -> None:
+        main = slice(self.residual_slots, self.length)
+        self.keys, self.values = self._keys[:, :, main], self._values[:, :, main]
+        self.main_bias = self._bias[..., main] if self.padded else None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         raise RuntimeError("a compressed layer is built from a prefilled one, never lazily")
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         require_single_sequence(key_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        if self.main_bias is not None:
-            appended = self.main_bias.new_zeros(*self.main_bias.shape[:2], key_states.shape[-2])
-            self.main_bias = torch.cat([self.main_bias, appended], dim=-1)
+        end = self.length + key_states.shape[-2]
+        if end > self._keys.shape[2]:
+            spare = end - self.length + self.GROWTH_SLOTS
+            self._keys, self._values, self._bias = (
+                _with_spare_slots(buffer[:, :, : self.length], spare)
+                for buffer in (self._keys, self._values, self._bias)
+            )
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self._bias[..., self.length : end] = 0.0
+        self.length = end
         self.seq_len += key_states.shape[-2]
+        self._expose_main()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -170,25 +201,24 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        """Attention over this layer's buffers (``key``/``value`` are the ``keys``/``values`` views)."""
         _, num_heads, query_len, head_dim = query.shape
         num_kv_heads, key_len = key.shape[1], key.shape[2]
-        bias = self.main_bias
+        bias = self._bias[..., : self.length]
         if query_len > 1:
-            # Tokens fed together (the question suffix) see each other causally.
+            # Tokens fed together (the question suffix) see each other causally; entries are seen by all.
             visible = (
                 torch.arange(key_len, device=key.device)[None, :]
                 <= torch.arange(key_len - query_len, key_len, device=key.device)[:, None]
             )
-            causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)[None]  # grouped query order
-            bias = causal if bias is None else bias + causal
-        output = residual_attention(
+            causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
+            bias = bias + torch.nn.functional.pad(causal, (self.residual_slots, 0))[None]
+        output = joint_attention(
             query[0].reshape(num_kv_heads, -1, head_dim),
-            key[0],
-            value[0],
+            self._keys[0, :, : self.length],
+            self._values[0, :, : self.length],
             bias,
-            self.residual.keys,
-            self.residual.values,
-            self.residual.log_counts,
+            self.residual_slots,
             scaling,
             self.rule,
             self.evicted_fraction,
