@@ -77,20 +77,24 @@ def nearest_centers(points: Tensor, centers: Tensor, chunk_bytes: int) -> Tensor
     return nearest
 
 
-def lloyd_assignments(points: Tensor, weights: Tensor, centers: Tensor, iterations: int) -> Tensor:
-    """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to means).
+def lloyd_assignments(
+    points: Tensor, weights: Tensor, centers: Tensor, iterations: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to
+    means), with the last step's per-cluster sums ``[H, r, d]`` and counts ``[H, r]`` (the entries
+    are their means, so they are not summed twice).
 
     With the init ordered by score, ties in ``nearest_centers`` make the better-scored of two
     identical centres win and the other end empty. A centre that loses all its points keeps its
-    position. ``points`` ``[H, E, d]`` fp32, zero where ``weights`` is 0; ``centers`` ``[H, r, d]``.
+    position. ``points`` ``[H, E, d]`` fp32, zero where ``weights`` is 0; ``centers`` ``[H, r, d]``;
+    ``iterations >= 1``.
     """
     centers = centers.float()
-    assignments = None
     for _ in range(iterations):
         assignments = nearest_centers(points, centers, DISTANCE_CHUNK_BYTES)
         sums, counts = cluster_sums(points, weights, assignments, centers.shape[1])
         centers = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centers)
-    return assignments
+    return assignments, sums, counts
 
 
 def build_residual(
@@ -123,7 +127,12 @@ def build_residual(
             continue
         rows_of_size = torch.nonzero(sizes == size).squeeze(1)
         mean_keys, mean_values, log_counts = _cluster(
-            keys, values, rows_of_size % keys.shape[0], evicted[rows_of_size], scores[rows_of_size], size,
+            keys,
+            values,
+            rows_of_size % keys.shape[0],
+            evicted[rows_of_size],
+            scores[rows_of_size],
+            size,
             iterations,
         )
         entries.keys[rows_of_size, :size] = mean_keys.to(keys.dtype)
@@ -144,12 +153,10 @@ def _cluster(
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :max_points]
     weights = (torch.arange(max_points, device=keys.device)[None, :] < evicted_counts[:, None]).float()
     point_keys = gather_tokens(keys, order, heads).float().mul_(weights[..., None])
-    assignments = lloyd_assignments(point_keys, weights, point_keys[:, :size], iterations)
-    key_sums, counts = cluster_sums(point_keys, weights, assignments, size)
+    assignments, key_sums, counts = lloyd_assignments(point_keys, weights, point_keys[:, :size], iterations)
     del point_keys  # values are gathered only now, so both never sit in memory at once
     point_values = gather_tokens(values, order, heads).float().mul_(weights[..., None])
     value_sums, _ = cluster_sums(point_values, weights, assignments, size)
     denominators = counts.clamp(min=1)[..., None]
     log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf")))
     return key_sums / denominators, value_sums / denominators, log_counts
-
