@@ -111,7 +111,9 @@ class ObservedLayer(DynamicLayer):
 
     def _observe(self, query: Tensor, key: Tensor, scaling: float) -> None:
         recent = query if self.queries is None else torch.cat([self.queries, query], dim=1)
-        self.queries = recent[:, -self.observation_window :]
+        # A copy, not a view: a view of the last rows keeps the whole prompt's queries alive (16 GiB
+        # over the layers of a Llama-3.1-8B-shaped model at 64K, measured by scripts.gpu_check).
+        self.queries = recent[:, -self.observation_window :].clone()
         if not self.accumulate:
             return
         key_len = key.shape[1]
