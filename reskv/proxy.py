@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from reskv.attention import residual_attention
+from reskv.attention import joint_attention, joint_bias
 from reskv.compress import CompressedLayerState, additive_mask, build_cache
 from reskv.config import ResidualConfig
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
@@ -112,24 +112,24 @@ class ValidationProxy:
         (grouped order: query head major), ``ô_r`` the decode rule with its gate over ``M' ∪ {β..t}``."""
         obs = self.obs
         candidate = self.candidate(budgets, sizes)
+        residual = candidate.residual
         num_queries = self.validation_queries.shape[1]
-        main_keys = torch.cat([candidate.main_keys, obs.keys[:, self.boundary :]], dim=1)
-        main_values = torch.cat([candidate.main_values, obs.values[:, self.boundary :]], dim=1)
+        # One buffer [entries ; M' ; β .. s-1] as a decode step reads it (reskv.attention.joint_attention).
+        keys = torch.cat([residual.keys, candidate.main_keys, obs.keys[:, self.boundary :]], dim=1)
+        values = torch.cat([residual.values, candidate.main_values, obs.values[:, self.boundary :]], dim=1)
         padding = candidate.main_bias
         if padding is None:
-            padding = torch.zeros(obs.num_kv_heads, 1, candidate.main_keys.shape[1], device=main_keys.device)
-        bias = torch.cat(
+            padding = torch.zeros(obs.num_kv_heads, 1, candidate.main_keys.shape[1], device=keys.device)
+        main_bias = torch.cat(
             [padding.expand(-1, num_queries, -1), self.exact_bias.expand(obs.num_kv_heads, -1, -1)], dim=-1
         )
-        residual = candidate.residual
-        output = residual_attention(
+        bias = joint_bias(residual.log_counts, main_bias, main_bias.shape[-1], self.config.beta)
+        output = joint_attention(
             self.validation_queries,
-            main_keys,
-            main_values,
+            keys,
+            values,
             bias,
-            residual.keys,
-            residual.values,
-            residual.log_counts,
+            residual.keys.shape[1],
             obs.scaling,
             self.config,
             candidate.evicted_fraction,

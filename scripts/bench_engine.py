@@ -1,17 +1,22 @@
-"""Engine speed figures on the embedded model, every ratio measured within one run.
+"""Engine speed figures on the embedded model, every ratio measured within one run (issue 8).
 
-    python -m scripts.bench_engine            # ~4K and 8K prompts, ratio 0.9
+    python -m scripts.bench_engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
 
-Prints: ResKV construction time (k-means + validation over all layers and heads) against the
-prefill time; decode time per token of ``snapkv+reskv`` against ``snapkv``; compressed against
-full-cache decode at 8K. Decode runs alternate between methods (A B A B ...) so machine noise
-hits both alike; every generation is forced to its full length (EOS ignored).
+Prints a header (cores, threads, torch, load average), then per prompt length and ratio: the
+prefill time; ResKV construction (``snapkv+reskv`` compression minus ``snapkv`` compression:
+validation proxy, k-means and final entries over all layers and heads) and its share of the
+prefill (target <= 10%); decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target
+<= 1.05x) and the full cache. Last, ``reskv.compress.kmeans_peak_memory`` for a
+Llama-3.1-8B-shaped layer at 32K tokens (peak transient MiB and seconds on this machine).
+Decode runs alternate between methods (A B C A B C ...) so machine noise hits all alike; every
+generation is forced to its full length (EOS ignored).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 
 import torch
@@ -20,6 +25,7 @@ from rich.table import Table
 
 from baselines import build_method
 from reskv.backbones import load_backbone
+from reskv.compress import kmeans_peak_memory
 from reskv.engine import Prefill
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -51,62 +57,87 @@ def decode_seconds_per_token(prefill: Prefill, names: list[str], ratio: float, t
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def machine_header() -> str:
+    """Cores, torch threads, torch version and load average: what a reader needs to judge timings."""
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return (
+        f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"load average {load} (1/5/15 min)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--ratio", type=float, default=0.9)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-memory", action="store_true", help="skip the 32K k-means memory figure")
     args = parser.parse_args()
     torch.manual_seed(0)
     console = Console(width=200)  # every column readable when printed to a file or a narrow terminal
+    console.print(machine_header())
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # always decode the full length
-    table = Table(title=f"Engine speed, SmolLM2-135M, ratio {args.ratio}, {torch.get_num_threads()} threads")
+    table = Table(title="Engine speed, SmolLM2-135M (medians; ratios within one run)")
     for column in (
         "prompt tokens",
+        "ratio",
         "prefill s",
         "snapkv compress s",
-        "snapkv+reskv compress s",
+        "+reskv compress s",
+        "construction s",
         "construction / prefill",
         "decode s/tok snapkv",
         "decode s/tok +reskv",
         "+reskv / snapkv",
         "decode s/tok full",
-        "compressed / full",
+        "+reskv / full",
     ):
         table.add_column(column, justify="right")
     for length in args.lengths:
         prompt_ids, context_length = haystack_prompt(backbone.tokenizer, length)
-        methods = [build_method(name, args.ratio) for name in ("snapkv", "snapkv+reskv")]
+        methods = [build_method(name, ratio) for ratio in args.ratios for name in ("snapkv", "snapkv+reskv")]
         prefill = Prefill(backbone, prompt_ids, context_length, methods)
         prefill.generate(methods[0], "aware", 1)  # the aware setting prefills the question too
         prefill_seconds = prefill.timings["prefill_s"] + prefill.timings.get("question_prefill_s", 0.0)
-        compress = {
-            method.name: statistics.median(
-                prefill.generate(method, "aware", 1).timings["compress_s"] for _ in range(args.rounds)
+        for ratio in args.ratios:
+            compress = {
+                name: statistics.median(
+                    prefill.generate(build_method(name, ratio), "aware", 1).timings["compress_s"]
+                    for _ in range(args.rounds)
+                )
+                for name in ("snapkv", "snapkv+reskv")
+            }
+            construction = compress["snapkv+reskv"] - compress["snapkv"]
+            decode = decode_seconds_per_token(
+                prefill, ["snapkv", "snapkv+reskv", "full"], ratio, args.decode_tokens, args.rounds
             )
-            for method in methods
-        }
-        construction = compress["snapkv+reskv"] - compress["snapkv"]
-        decode = decode_seconds_per_token(
-            prefill, ["snapkv", "snapkv+reskv", "full"], args.ratio, args.decode_tokens, args.rounds
-        )
-        table.add_row(
-            str(len(prompt_ids)),
-            f"{prefill_seconds:.2f}",
-            f"{compress['snapkv']:.3f}",
-            f"{compress['snapkv+reskv']:.3f}",
-            f"{construction / prefill_seconds:.3f}",
-            f"{decode['snapkv']:.4f}",
-            f"{decode['snapkv+reskv']:.4f}",
-            f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}",
-            f"{decode['full']:.4f}",
-            f"{decode['snapkv+reskv'] / decode['full']:.3f}",
-        )
+            table.add_row(
+                str(len(prompt_ids)),
+                f"{ratio:.1f}",
+                f"{prefill_seconds:.2f}",
+                f"{compress['snapkv']:.3f}",
+                f"{compress['snapkv+reskv']:.3f}",
+                f"{construction:.3f}",
+                f"{construction / prefill_seconds:.3f}",
+                f"{decode['snapkv']:.4f}",
+                f"{decode['snapkv+reskv']:.4f}",
+                f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}",
+                f"{decode['full']:.4f}",
+                f"{decode['snapkv+reskv'] / decode['full']:.3f}",
+            )
     console.print(table)
+    if not args.skip_memory:
+        memory = kmeans_peak_memory()
+        console.print(
+            f"k-means, Llama-3.1-8B-shaped layer (8 KV heads, head dim 128, bf16) at 32K, ratio 0.6, "
+            f"r = 0.2 b: {memory['points']} points, {memory['entries']} entries per head, "
+            f"peak {memory['peak_bytes'] / 2**20:.0f} MiB, {memory['seconds']:.2f} s"
+        )
+    console.print(machine_header())
 
 
 if __name__ == "__main__":

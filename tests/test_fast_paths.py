@@ -1,0 +1,231 @@
+"""Fast paths against the straightforward computations they replace (issue 8).
+
+Each reference below is the plain form written here from reskv.md: two separate matmuls and an
+explicit softmax for attention, a full ``[n, s]`` causal mask for observation probabilities, a
+loop over points for cluster sums, a growing ``torch.cat`` cache for decoding. None of them
+calls the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baselines import build_scorer
+from reskv.attention import joint_attention
+from reskv.cache import CompressedLayer
+from reskv.compress import ResidualConfig, budget_for, compress_layer
+from reskv.config import DecodeRule
+from reskv.engine import Prefill
+from reskv.proxy import ValidationProxy, observation_split
+from reskv.residual import lloyd_assignments
+from reskv.scoring import LayerObservation, causal_attention_probs
+from tests.conftest import cached_tiny_backbone, random_prompt
+
+PROMPT_LENGTH = 300
+
+
+@pytest.fixture(scope="module", params=[("tiny-llama", 4, 2), ("tiny-qwen2", 6, 2)], ids=["g2", "g3"])
+def observation(request) -> LayerObservation:
+    prefill = Prefill(
+        cached_tiny_backbone(*request.param), random_prompt(PROMPT_LENGTH, seed=5), PROMPT_LENGTH
+    )
+    return prefill._context.cache.layers[1].observation(1, prefill.scaling)
+
+
+def plain_attention(queries, main_keys, main_values, main_bias, entries, scaling, rule: DecodeRule):
+    """The rule with main cache and entries apart: two logits matmuls, one explicit softmax over
+    ``[main ; entries]`` with ``beta log c + log g`` on the entries (unused entries dropped),
+    or for the no-shared-softmax ablation the two normalised branches mixed by ``g |E| / s``.
+    ``entries`` is ``(keys, values, log_counts, evicted_fraction)`` for one batch of heads."""
+    keys, values, log_counts, evicted_fraction = entries
+    main_logits = queries.double() @ main_keys.double().transpose(1, 2) * scaling + main_bias.double()
+    main_probs = main_logits.softmax(dim=-1)
+    gate = torch.sigmoid(rule.alpha * (rule.tau - main_probs.amax(dim=-1))).clamp(min=rule.g_min)
+    if not rule.gate:
+        gate = torch.ones_like(gate)
+    used = torch.isfinite(log_counts)[:, None, :]
+    population = torch.where(
+        used, rule.beta * log_counts.double().masked_fill(~used[:, 0], 0)[:, None, :], -math.inf
+    )
+    residual_logits = queries.double() @ keys.double().transpose(1, 2) * scaling + population
+    if rule.shared_softmax:
+        logits = torch.cat([main_logits, residual_logits + gate.log()[..., None]], dim=-1)
+        return logits.softmax(dim=-1) @ torch.cat([main_values, values], dim=1).double()
+    residual_output = residual_logits.softmax(dim=-1).nan_to_num() @ values.double()
+    weight = (gate * evicted_fraction[:, None].double())[..., None]
+    return (1 - weight) * (main_probs @ main_values.double()) + weight * residual_output
+
+
+def random_entries(obs: LayerObservation, slots: int, unused: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    dim = obs.keys.shape[-1]
+    keys = torch.randn(obs.num_kv_heads, slots, dim, generator=generator) * obs.keys.std()
+    values = torch.randn(obs.num_kv_heads, slots, dim, generator=generator)
+    log_counts = torch.rand(obs.num_kv_heads, slots, generator=generator) * 3
+    log_counts[0, slots - unused :] = -math.inf  # head 0 has unused slots
+    return keys, values, log_counts
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [DecodeRule(), DecodeRule(beta=0.0), DecodeRule(gate=False), DecodeRule(shared_softmax=False)],
+    ids=["default", "beta0", "no-gate", "no-shared-softmax"],
+)
+def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
+    """One matmul over ``[entries ; main]`` with the population bias as the entries' bias row equals
+    the plain two-matmul rule, with padded main slots and unused entries."""
+    obs = observation
+    keys, values, log_counts = random_entries(obs, slots=7, unused=3, seed=1)
+    main_bias = torch.zeros(obs.num_kv_heads, 1, obs.seq_len)
+    main_bias[1, 0, :40] = -math.inf  # head 1 padded
+    queries = obs.queries[:, -3:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
+    evicted_fraction = torch.full((obs.num_kv_heads,), 0.4)
+    population = torch.where(
+        torch.isfinite(log_counts), rule.beta * log_counts.nan_to_num(neginf=0), -math.inf
+    )
+    joint = joint_attention(
+        queries,
+        torch.cat([keys, obs.keys], dim=1),
+        torch.cat([values, obs.values], dim=1),
+        torch.cat([population[:, None, :], main_bias], dim=-1),
+        7,
+        obs.scaling,
+        rule,
+        evicted_fraction,
+    )
+    expected = plain_attention(
+        queries,
+        obs.keys,
+        obs.values,
+        main_bias,
+        (keys, values, log_counts, evicted_fraction),
+        obs.scaling,
+        rule,
+    )
+    assert int(torch.isfinite(log_counts).sum()) == 2 * 7 - 3  # entries exist, some unused
+    torch.testing.assert_close(joint.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_buffer_equals_a_growing_concatenated_cache(observation, monkeypatch):
+    """Tokens written into the layer's spare slots (the buffer regrown every 2 tokens here) give
+    the same keys and the same outputs as a cache rebuilt by ``torch.cat`` at every step."""
+    monkeypatch.setattr(CompressedLayer, "GROWTH_SLOTS", 2)
+    obs, rule = observation, ResidualConfig(validate=False, fixed_ratio=0.2)
+    state = compress_layer(obs, build_scorer("adakv"), 0.5, rule)
+    assert int(state.residual.entries_per_head.min()) > 0 and state.main_bias is not None  # entries, padding
+    layer = CompressedLayer(state, obs.seq_len, rule)
+    plain_keys, plain_values, plain_bias = state.main_keys, state.main_values, state.main_bias
+    generator = torch.Generator().manual_seed(2)
+    dim = obs.keys.shape[-1]
+    for step in range(5):
+        new = 1 + step % 2  # one or two tokens at a time
+        new_keys = torch.randn(1, obs.num_kv_heads, new, dim, generator=generator)
+        new_values = torch.randn(1, obs.num_kv_heads, new, dim, generator=generator)
+        keys, values = layer.update(new_keys, new_values)
+        plain_keys = torch.cat([plain_keys, new_keys[0]], dim=1)
+        plain_values = torch.cat([plain_values, new_values[0]], dim=1)
+        plain_bias = torch.cat([plain_bias, torch.zeros(obs.num_kv_heads, 1, new)], dim=-1)
+        assert torch.equal(keys[0], plain_keys) and torch.equal(values[0], plain_values)
+        assert torch.equal(layer.main_bias, plain_bias)
+        query = torch.randn(1, obs.queries.shape[0], 1, dim, generator=generator)
+        output = layer.attend(None, query, keys, values, obs.scaling)[0, 0]  # [H, d]
+        residual = state.residual
+        expected = plain_attention(
+            query[0].reshape(obs.num_kv_heads, -1, dim),
+            plain_keys,
+            plain_values,
+            plain_bias,
+            (residual.keys, residual.values, residual.log_counts, state.evicted_fraction),
+            obs.scaling,
+            rule,
+        )
+        torch.testing.assert_close(output.double(), expected.reshape(-1, dim), rtol=1e-5, atol=1e-6)
+
+
+def test_observation_probabilities_equal_the_fully_masked_softmax(observation):
+    """Masking only the columns a query's future can reach gives the same bits as masking the
+    whole ``[n, s]`` grid, for query positions anywhere in the prompt (H2O's chunks)."""
+    obs = observation
+    positions = torch.tensor([3, 40, 41, 200, PROMPT_LENGTH - 1])
+    queries = obs.queries[:, : len(positions)]
+    probs = causal_attention_probs(queries, obs.keys, positions, obs.scaling)
+    grouped = queries.reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
+    logits = (grouped @ obs.keys.transpose(1, 2) * obs.scaling).reshape(queries.shape[0], len(positions), -1)
+    future = torch.arange(obs.seq_len)[None, :] > positions[:, None]
+    assert torch.equal(probs, logits.masked_fill(future, -math.inf).softmax(dim=-1))
+    assert probs[:, 0, 4:].abs().sum() == 0 and probs[:, 0, :4].sum() > 0  # causal: the test can tell
+
+
+def test_lloyd_returns_the_last_steps_sums_and_counts(observation):
+    """The sums and counts handed back with the assignments are those of the final assignments,
+    recomputed here point by point."""
+    obs = observation
+    points = obs.keys[:, :120].float()
+    weights = torch.ones(points.shape[:2])
+    weights[1, 100:] = 0  # padded points of head 1
+    points = points * weights[..., None]
+    assignments, sums, counts = lloyd_assignments(points, weights, points[:, :9], iterations=3)
+    for head in range(points.shape[0]):
+        for cluster in range(9):
+            members = [
+                p for p in range(points.shape[1]) if weights[head, p] > 0 and assignments[head, p] == cluster
+            ]
+            assert counts[head, cluster] == len(members)
+            expected = points[head, members].double().sum(0) if members else torch.zeros(points.shape[-1])
+            torch.testing.assert_close(sums[head, cluster].double(), expected.double(), rtol=1e-5, atol=1e-6)
+    assert int(counts[1].sum()) == 100 and int((counts > 0).sum()) > 9  # padding excluded, clusters used
+
+
+def test_proxy_errors_equal_the_two_matmul_rule_over_the_candidate(observation):
+    """The proxy's one-buffer errors equal the plain rule over the candidate's main cache, the exact
+    tokens ``β .. t`` (causal) and its entries, for every candidate of the grid; the chosen ``r``
+    per head is what the plain rule's losses choose."""
+    obs, config = observation, ResidualConfig()
+    proxy = ValidationProxy(obs, build_scorer("snapkv"), config, observation_split(obs, config))
+    budget = budget_for(obs.seq_len, 0.5)
+    budgets = torch.full((obs.num_kv_heads,), budget)
+    boundary = proxy.boundary
+    validation_positions = torch.arange(boundary, obs.seq_len).repeat(obs.group_size)
+    plain_losses = {}
+    grid_sizes = [int(math.floor(ratio * budget + 0.5)) for ratio in config.grid]  # all admissible here
+    for size in grid_sizes:
+        sizes = torch.full_like(budgets, size)
+        candidate = proxy.candidate(budgets, sizes)
+        main_keys = torch.cat([candidate.main_keys, obs.keys[:, boundary:]], dim=1)
+        main_values = torch.cat([candidate.main_values, obs.values[:, boundary:]], dim=1)
+        exact = torch.arange(boundary, obs.seq_len)[None, :] <= validation_positions[:, None]
+        main_bias = torch.cat(
+            [
+                torch.zeros(len(validation_positions), candidate.main_keys.shape[1]),
+                torch.zeros(exact.shape).masked_fill(~exact, -math.inf),
+            ],
+            dim=-1,
+        )[None]
+        residual = candidate.residual
+        output = plain_attention(
+            proxy.validation_queries,
+            main_keys,
+            main_values,
+            main_bias,
+            (residual.keys, residual.values, residual.log_counts, candidate.evicted_fraction),
+            obs.scaling,
+            config,
+        )
+        full_logits = proxy.validation_queries.double() @ obs.keys.double().transpose(1, 2) * obs.scaling
+        future = torch.arange(obs.seq_len)[None, :] > validation_positions[:, None]
+        full_output = full_logits.masked_fill(future, -math.inf).softmax(-1) @ obs.values.double()
+        plain_errors = ((output - full_output) ** 2).sum(-1)
+        assert size == 0 or int(residual.entries_per_head.min()) > 0
+        torch.testing.assert_close(proxy.errors(budgets, sizes).double(), plain_errors, rtol=1e-3, atol=1e-9)
+        plain_losses[size] = plain_errors.mean(-1)
+    best = [
+        min(grid_sizes[1:], key=lambda size: float(plain_losses[size][kv])) for kv in range(obs.num_kv_heads)
+    ]
+    expected = [
+        size if plain_losses[size][kv] < (1 - config.delta) * plain_losses[0][kv] else 0
+        for kv, size in enumerate(best)
+    ]
+    assert compress_layer(obs, build_scorer("snapkv"), 0.5, config).stats["residual_slots"] == expected
