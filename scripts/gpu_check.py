@@ -335,8 +335,16 @@ def machine() -> dict:
     return info
 
 
+PANELS = (
+    ("request_peak_bytes", 2**-30, "peak allocated (GiB)", "Peak memory per request (prefill included)"),
+    ("cache_bytes_after_decode", 2**-30, "KV slots x 2 x head dim (GiB)", "KV cache after decoding"),
+    ("decode_tokens_per_s", 1, "decode tokens / s", "Decode throughput"),
+)
+
+
 def plot(report: dict, out: Path) -> list[Path]:
-    """Peak memory and decode rate versus context length, one line per (shape, method, ratio)."""
+    """Peak memory, cache size and decode rate versus context length, one line per (shape, method,
+    ratio); colour by method and ratio, line style by shape; out-of-memory marked on each panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -345,37 +353,43 @@ def plot(report: dict, out: Path) -> list[Path]:
     rows = [row for row in report["efficiency"] if "method" in row]
     if not rows:
         return []
-    figure, (memory_axis, speed_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    curves = sorted({(row["shape"], row["method"], row["ratio"]) for row in rows}, key=str)
-    markers = "osD^vP*X"
-    for index, (shape, method, ratio) in enumerate(curves):
-        points = sorted(
-            (r for r in rows if (r["shape"], r["method"], r["ratio"]) == (shape, method, ratio)),
-            key=lambda r: r["length"],
-        )
-        label = f"{shape} {method}" + ("" if ratio is None else f" {ratio:g}")
-        ok = [p for p in points if p["status"] == "ok"]
-        style = dict(marker=markers[index % len(markers)], label=label, alpha=0.8)
-        if ok and ok[0]["request_peak_bytes"] is not None:
-            memory_axis.plot(
-                [p["length"] for p in ok], [p["request_peak_bytes"] / 2**30 for p in ok], **style
+    figure, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.5))
+    shapes = sorted({row["shape"] for row in rows})
+    variants = sorted({(row["method"], row["ratio"]) for row in rows}, key=str)
+    markers, styles = "osD^vP*X", ("-", "--", ":")
+    for (method, ratio), colour in zip(variants, plt.cm.tab10.colors, strict=False):
+        for shape in shapes:
+            points = sorted(
+                (r for r in rows if (r["shape"], r["method"], r["ratio"]) == (shape, method, ratio)),
+                key=lambda r: r["length"],
             )
-        speed_axis.plot([p["length"] for p in ok], [p["decode_tokens_per_s"] for p in ok], **style)
-        for p in points:
-            if p["status"] == "OOM":
-                memory_axis.annotate("OOM", (p["length"], memory_axis.get_ylim()[1]), fontsize=7)
-    memory_axis.set(
-        xscale="log",
-        xlabel="context length (tokens)",
-        ylabel="peak allocated (GiB)",
-        title="Peak memory per request",
-    )
-    speed_axis.set(
-        xscale="log", xlabel="context length (tokens)", ylabel="decode tokens / s", title="Decode throughput"
-    )
+            if not points:
+                continue
+            ok = [p for p in points if p["status"] == "ok"]
+            label = f"{shape} {method}" + ("" if ratio is None else f" {ratio:g}")
+            marker = markers[variants.index((method, ratio)) % len(markers)]
+            for axis, (field, scale, _, _) in zip(axes, PANELS, strict=True):
+                measured = [p for p in ok if p.get(field) is not None]
+                axis.plot(
+                    [p["length"] for p in measured],
+                    [p[field] * scale for p in measured],
+                    marker=marker,
+                    linestyle=styles[shapes.index(shape) % len(styles)],
+                    color=colour,
+                    label=label,
+                    alpha=0.8,
+                )
+                for p in points:
+                    if p["status"] == "OOM":
+                        axis.axvline(p["length"], color="grey", linewidth=0.5)
+                        axis.annotate(
+                            "OOM", (p["length"], 0.95), xycoords=("data", "axes fraction"), fontsize=7
+                        )
+    for axis, (_, _, ylabel, title) in zip(axes, PANELS, strict=True):
+        axis.set(xscale="log", xlabel="context length (tokens)", ylabel=ylabel, title=title)
     where = report["machine"].get("gpu", "CPU (tiny shapes)")
-    figure.suptitle(f"{where}, {report['machine']['date'][:10]}, bf16, random weights", fontsize=9)
-    speed_axis.legend(fontsize=6, loc="best")
+    figure.suptitle(f"{where}, {report['machine']['date'][:10]}, random weights", fontsize=9)
+    axes[-1].legend(fontsize=6, loc="best")
     figure.tight_layout()
     paths = [out / "efficiency.png", out / "efficiency.pdf"]
     for path in paths:
@@ -386,11 +400,17 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 def merged(reports: Sequence[dict]) -> dict:
     """One report from several runs on one machine: the first run's machine block (the others'
-    dates listed), all correctness and efficiency rows, correctness passed only if every run's did."""
+    dates listed), all correctness rows, the efficiency rows with a later run's row replacing an
+    earlier one of the same (shape, length, method, ratio), correctness passed only if every run's did."""
+    latest = {
+        (row["shape"], row["length"], row.get("method"), row.get("ratio")): row
+        for part in reports
+        for row in part["efficiency"]
+    }
     report = {
         "machine": {**reports[0]["machine"], "runs": [part["machine"]["date"] for part in reports]},
         "correctness": [row for part in reports for row in part["correctness"]],
-        "efficiency": [row for part in reports for row in part["efficiency"]],
+        "efficiency": list(latest.values()),
     }
     verdicts = [part["correctness_passed"] for part in reports if "correctness_passed" in part]
     if verdicts:
