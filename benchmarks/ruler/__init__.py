@@ -2,7 +2,7 @@
 
 Upstream: NVIDIA/RULER at commit ``templates.UPSTREAM_COMMIT`` (2026-07-22): ``scripts/data/prepare.py``
 (task config + model template + answer prefix), the generators in ``scripts/data/synthetic/``, the
-metrics in ``scripts/eval/synthetic/constants.py``. The spec is ``../shared/spec/benchmarks.md``.
+metrics in ``scripts/eval/synthetic/constants.py``. The spec is ``docs/spec/benchmarks.md``.
 
 Every item is one upstream sample: its prompt is a model template around the task text, then the
 answer prefix. The model template is the backbone's own chat template (``template="model"``, the

