@@ -19,7 +19,16 @@ from benchmarks import BenchmarkError
 from benchmarks.item import Item
 from benchmarks.longbench import items_from_file, score_item, task_score
 
-__all__ = ["BUCKETS", "TASKS", "TASK_SETS", "load_items", "score_buckets", "score_item", "task_score"]
+__all__ = [
+    "BUCKETS",
+    "TASKS",
+    "TASK_SETS",
+    "bucket_scores",
+    "load_items",
+    "score_buckets",
+    "score_item",
+    "task_score",
+]
 
 # pred.py's ``datasets`` when ``args.e`` is set, in its order.
 TASKS = (
@@ -61,9 +70,14 @@ def score_buckets(items: Sequence[Item], sample_scores: Sequence[float]) -> dict
     Python's on some halves. A bucket with no sample is ``None`` (upstream's ``np.mean([])`` gives
     NaN with a warning).
     """
+    return bucket_scores([item.metadata["length"] for item in items], sample_scores)
+
+
+def bucket_scores(lengths: Sequence[int], sample_scores: Sequence[float]) -> dict[str, float | None]:
+    """``score_buckets`` from the samples' ``length`` fields (what a result file keeps of an item)."""
     grouped: dict[str, list[float]] = {name: [] for name in BUCKETS}
-    for item, score in zip(items, sample_scores, strict=True):
-        grouped[bucket_of(item.metadata["length"])].append(score)
+    for length, score in zip(lengths, sample_scores, strict=True):
+        grouped[bucket_of(length)].append(score)
     return {
         name: float(round(100 * np.mean(scores), 2)) if scores else None for name, scores in grouped.items()
     }

@@ -45,6 +45,7 @@ import pandas as pd
 
 import benchmarks
 from baselines import RESIDUAL_SUFFIX
+from benchmarks.longbench_e import BUCKETS, bucket_scores
 from scripts.results_store import TaskResult, load_results
 
 KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
@@ -103,6 +104,16 @@ def _task_score(group: pd.DataFrame) -> float:
     return benchmarks.task_score(group.name[1], scores.tolist()) if len(scores) else np.nan
 
 
+def _bucket_scores(group: pd.DataFrame) -> pd.Series:
+    """LongBench-E's ``scorer_e`` per length bucket (``score_0-4k`` ...), from the scored samples'
+    ``length`` (``benchmarks.longbench_e``); other benchmarks have no buckets."""
+    scored = group[group["score"].notna()]
+    buckets = dict.fromkeys(BUCKETS)
+    if group.name[1] == "longbench-e" and not scored.empty:
+        buckets = bucket_scores(scored["metadata.length"].tolist(), scored["score"].tolist())
+    return pd.Series({f"score_{name}": value for name, value in buckets.items()}, dtype=float)
+
+
 def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
     """One row per configuration: sample counts, task score, status and per-sample means."""
     totals = pd.DataFrame(
@@ -125,6 +136,7 @@ def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
             groups.size().rename("n_recorded"),
             groups["score"].count().rename("n_samples"),
             groups.apply(_task_score, include_groups=False).rename("score"),
+            groups.apply(_bucket_scores, include_groups=False),
             means,
         ],
         axis=1,
@@ -134,7 +146,10 @@ def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
     most = configs[["samples_total", "n_recorded"]].max(axis=1)
     configs["task_samples"] = most.groupby([configs[column] for column in TASK_COLUMNS]).transform("max")
     configs["status"] = np.where(configs["n_recorded"] < configs["task_samples"], "partial", "complete")
-    return configs[CONFIG_COLUMNS + list(means.columns)]
+    buckets = [
+        column for column in configs.columns if column.startswith("score_") and configs[column].notna().any()
+    ]
+    return configs[CONFIG_COLUMNS + buckets + list(means.columns)]
 
 
 def load_frames(results_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:

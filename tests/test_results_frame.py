@@ -157,3 +157,18 @@ def test_empty_results_directory_gives_empty_frames(tmp_path):
     assert samples.empty and configs.empty and warnings == []
     assert {"method", "score", "index"} <= set(samples.columns)
     assert {"method", "score", "status", "n_samples"} <= set(configs.columns)
+
+
+def test_longbench_e_configurations_get_scorer_e_bucket_scores(tmp_path):
+    runs = tmp_path / "runs"
+    key = ResultKey(BACKBONE, "longbench-e", 8192, "qasper", "aware", "snapkv", 0.9)
+    # lengths 3999 / 4000 / 7999 / 8000 / 12000: buckets 0-4k, 4-8k, 4-8k, 8k+, 8k+ (scorer_e's bounds).
+    lengths_scores = [(3999, 0.5), (4000, 1.0), (7999, 0.0), (8000, 0.25), (12000, 1.0)]
+    write(runs, key, [sample(i, s, metadata={"length": n}) for i, (n, s) in enumerate(lengths_scores)], 5)
+    other = ResultKey(BACKBONE, "ruler", 1024, "vt", "aware", "snapkv", 0.9)
+    write(runs, other, [sample(0, 1.0)], 1)
+    configs = configs_frame(tmp_path).set_index("benchmark")
+    assert configs.loc["longbench-e", "score_0-4k"] == 50.0
+    assert configs.loc["longbench-e", "score_4-8k"] == 50.0  # mean(1.0, 0.0)
+    assert configs.loc["longbench-e", "score_8k+"] == 62.5  # mean(0.25, 1.0)
+    assert math.isnan(configs.loc["ruler", "score_0-4k"])
