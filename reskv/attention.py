@@ -92,6 +92,22 @@ def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots
     return torch.cat([population.expand(heads, rows, -1), main_bias.expand(heads, rows, -1)], dim=-1)
 
 
+def joint_buffers(
+    residual_keys: Tensor,
+    residual_values: Tensor,
+    residual_log_counts: Tensor,
+    main_keys: Tensor,
+    main_values: Tensor,
+    main_bias: Tensor | None,
+    beta: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``[entries ; main]`` keys and values (in the main cache's dtype) and their ``joint_bias``:
+    the layout ``joint_attention`` reads."""
+    keys = torch.cat([residual_keys.to(main_keys.dtype), main_keys], dim=1)
+    values = torch.cat([residual_values.to(main_values.dtype), main_values], dim=1)
+    return keys, values, joint_bias(residual_log_counts, main_bias, main_keys.shape[1], beta)
+
+
 def residual_attention(
     queries: Tensor,
     main_keys: Tensor,
@@ -107,8 +123,9 @@ def residual_attention(
     """``joint_attention`` over main cache and residual entries given apart: ``main_bias`` (0 or
     ``-inf``, broadcastable to ``[H_kv, Q, n]``) carries padding and causality, ``residual_log_counts``
     ``[H_kv, r]`` is ``-inf`` on unused slots, which then receive no softmax mass."""
-    residual_slots = residual_keys.shape[1]
-    keys = torch.cat([residual_keys.to(main_keys.dtype), main_keys], dim=1)
-    values = torch.cat([residual_values.to(main_values.dtype), main_values], dim=1)
-    bias = joint_bias(residual_log_counts, main_bias, main_keys.shape[1], rule.beta)
-    return joint_attention(queries, keys, values, bias, residual_slots, scaling, rule, evicted_fraction)
+    keys, values, bias = joint_buffers(
+        residual_keys, residual_values, residual_log_counts, main_keys, main_values, main_bias, rule.beta
+    )
+    return joint_attention(
+        queries, keys, values, bias, residual_keys.shape[1], scaling, rule, evicted_fraction
+    )

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import joint_attention, joint_bias
+from reskv.attention import joint_attention, joint_buffers
 from reskv.compress import CompressedLayerState, additive_mask
 from reskv.config import DecodeRule
 from reskv.scoring import LayerObservation, accumulated_attention
@@ -156,12 +156,13 @@ class CompressedLayer(CacheLayerMixin):
         residual = state.residual
         self.residual, self.residual_slots = residual, residual.keys.shape[1]
         self.padded = state.main_bias is not None
-        main_keys, main_values = state.main_keys, state.main_values
-        self._keys = torch.cat([residual.keys.to(main_keys.dtype), main_keys], dim=1)[None]
-        self._values = torch.cat([residual.values.to(main_values.dtype), main_values], dim=1)[None]
-        self._bias = joint_bias(residual.log_counts, state.main_bias, main_keys.shape[1], rule.beta)
+        keys, values, self._bias = joint_buffers(
+            residual.keys, residual.values, residual.log_counts,
+            state.main_keys, state.main_values, state.main_bias, rule.beta,
+        )  # fmt: skip
+        self._keys, self._values = keys[None], values[None]
         self.length = self._keys.shape[2]  # filled slots of the buffers
-        self.dtype, self.device = main_keys.dtype, main_keys.device
+        self.dtype, self.device = keys.dtype, keys.device
         self.evicted_fraction = state.evicted_fraction
         self.rule = rule
         self.seq_len = seq_len
