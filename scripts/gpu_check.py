@@ -246,21 +246,22 @@ def efficiency_rows(
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
     item_bytes = torch.finfo(backbone.model.dtype).bits // 8
+    configurations = [("full", None)] + [
+        (name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"
+    ]
+    methods = {(name, ratio): build_method(name, ratio) for name, ratio in configurations}
     rows = []
     for length in lengths:
         # The longest setting is the backbone's whole window: prompt plus answer fill its positions.
         length = min(length, config.max_position_embeddings - new_tokens)
         base = {"shape": backbone.name, "length": length}
         prompt = random_prompt(config.vocab_size, length)
-        configurations = [("full", None)] + [
-            (name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"
-        ]
         release_memory(device)
         reset_peak(device)
         try:
             synchronize(device)
             started = time.perf_counter()
-            prefill = Prefill(unstoppable, prompt, length, [build_method(n, r) for n, r in configurations])
+            prefill = Prefill(unstoppable, prompt, length, list(methods.values()))
             synchronize(device)
             prefill_s = time.perf_counter() - started
         except RuntimeError as error:
@@ -276,7 +277,7 @@ def efficiency_rows(
             gc.collect()
             reset_peak(device)
             try:
-                generation = prefill.generate(build_method(name, ratio), "aware", max_new_tokens=new_tokens)
+                generation = prefill.generate(methods[name, ratio], "aware", max_new_tokens=new_tokens)
                 synchronize(device)
             except RuntimeError as error:
                 if not is_out_of_memory(error):
