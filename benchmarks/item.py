@@ -61,3 +61,14 @@ class Item:
     @property
     def length(self) -> int:
         return len(self.prompt_ids)
+
+    def answer_ids(self, tokenizer) -> tuple[int, ...]:
+        """The first reference's tokens as they would follow the prompt (after the answer prefix):
+        one separating space unless the prompt ends in whitespace (RULER's answer prefixes end in a
+        word, "... mentioned in the provided text is"; a chat template ends in a newline). Empty
+        when the item has no reference. The quality measures' answer log-likelihood reads them."""
+        if not self.references:
+            return ()
+        last = tokenizer.decode(self.prompt_ids[-1:])
+        separator = "" if not last or last[-1].isspace() else " "
+        return tuple(tokenizer(separator + self.references[0], add_special_tokens=False)["input_ids"])

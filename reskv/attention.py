@@ -46,7 +46,8 @@ def joint_attention(
     rule: DecodeRule,
     evicted_fraction: Tensor | None = None,
 ) -> Tensor:
-    """ResKV attention output ``[H_kv, Q, d]`` (fp32) over residual entries and main cache held together.
+    """ResKV attention output ``[H_kv, Q, d]`` (fp32) over residual entries and main cache held together
+    (``joint_attention_parts`` without the residual share).
 
     ``keys``/``values`` ``[H_kv, r + n, d]`` hold the ``r = residual_slots`` entries first, then
     the main cache; ``bias`` (broadcastable to ``[H_kv, Q, r + n]``) is additive: ``beta * log(c_j)``
@@ -59,13 +60,31 @@ def joint_attention(
     nothing when the cache is fp32. ``evicted_fraction`` (``[H_kv]``, ``|E| / s``) is
     needed only by the no-shared-softmax ablation.
     """
+    return joint_attention_parts(
+        queries, keys, values, bias, residual_slots, scaling, rule, evicted_fraction
+    )[0]
+
+
+def joint_attention_parts(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    residual_slots: int,
+    scaling: float,
+    rule: DecodeRule,
+    evicted_fraction: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``joint_attention``'s output and the residual share ``1 - w`` ``[H_kv, Q]``: the softmax mass
+    the residual entries received (with the shared softmax; without it, the gate-weighted mixing
+    weight of the residual branch), 0 where there is no residual."""
     values = values.float()
     logits = torch.matmul(queries.float(), keys.float().transpose(1, 2)).mul_(scaling).add_(bias)
     main_logits, residual_logits = logits[..., residual_slots:], logits[..., :residual_slots]
     main_lse = torch.logsumexp(main_logits, dim=-1)
     main_output = _softmax_output(main_logits, main_lse, values[:, residual_slots:])
     if residual_slots == 0:
-        return main_output
+        return main_output, main_lse.new_zeros(main_lse.shape)
     gate = gate_values(main_logits.amax(dim=-1), main_lse, rule)
     if rule.shared_softmax:
         residual_logits.add_(torch.log(gate)[..., None])
@@ -78,8 +97,8 @@ def joint_attention(
         # and the evicted share of the prompt: w = g(q) * |E| / s (this project's reading).
         has_residual = torch.isfinite(residual_lse)
         main_weight = torch.where(has_residual, 1 - gate * evicted_fraction[:, None], torch.ones_like(gate))
-    main_weight = main_weight[..., None]
-    return main_weight * main_output + (1 - main_weight) * residual_output
+    output = main_weight[..., None] * main_output + (1 - main_weight[..., None]) * residual_output
+    return output, 1 - main_weight
 
 
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:

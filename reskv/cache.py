@@ -17,6 +17,7 @@ Batch size 1 throughout: each prompt is compressed on its own.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 
 import torch
@@ -26,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import joint_attention, joint_buffers
+from reskv.attention import joint_attention_parts, joint_buffers
 from reskv.compress import CompressedLayerState, additive_mask
 from reskv.config import DecodeRule
 from reskv.scoring import LayerObservation, accumulated_attention
@@ -203,20 +204,35 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def fork(self, observation_window: int = 0, accumulate: bool = False) -> CompressedLayer:
+        """A twin to extend without touching this layer: it sees only the filled slots, so its first
+        ``update`` copies the buffers into new ones (the arguments are ``ObservedLayer.fork``'s)."""
+        twin = copy.copy(self)
+        twin._keys, twin._values, twin._bias = (
+            buffer[:, :, : self.length] for buffer in (self._keys, self._values, self._bias)
+        )
+        twin._expose_main()
+        return twin
+
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
         """Attention over this layer's buffers (``key``/``value`` are the ``keys``/``values`` views)."""
+        return self.attend_parts(query, scaling)[0]
+
+    def attend_parts(self, query: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+        """The attention output ``[1, q, H, d]`` and the residual share ``[H, q]`` of ``query``
+        ``[1, H, q, d]`` (``reskv.attention.joint_attention_parts``)."""
         _, num_heads, query_len, head_dim = query.shape
-        num_kv_heads, key_len = key.shape[1], key.shape[2]
+        num_kv_heads, key_len = self.keys.shape[1], self.keys.shape[2]
         bias = self._bias[..., : self.length]
         if query_len > 1:
             # Tokens fed together (the question suffix) see each other causally; entries are seen by all.
             visible = (
-                torch.arange(key_len, device=key.device)[None, :]
-                <= torch.arange(key_len - query_len, key_len, device=key.device)[:, None]
+                torch.arange(key_len, device=query.device)[None, :]
+                <= torch.arange(key_len - query_len, key_len, device=query.device)[:, None]
             )
             causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
             bias = bias + torch.nn.functional.pad(causal, (self.residual_slots, 0))[None]
-        output = joint_attention(
+        output, residual_share = joint_attention_parts(
             query[0].reshape(num_kv_heads, -1, head_dim),
             self._keys[0, :, : self.length],
             self._values[0, :, : self.length],
@@ -226,7 +242,8 @@ class CompressedLayer(CacheLayerMixin):
             self.rule,
             self.evicted_fraction,
         )
-        return output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
+        output = output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
+        return output, residual_share.reshape(num_heads, query_len)
 
 
 class ResKVCache(Cache):

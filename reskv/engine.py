@@ -26,6 +26,7 @@ from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
 from reskv.compress import compress_layer
 from reskv.config import SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
+from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
 from reskv.scoring import LayerObservation, TokenScorer
 
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
@@ -88,12 +89,22 @@ class Generation:
     text: str
     cache_stats: dict
     timings: dict = field(default_factory=dict)
+    quality: dict | None = None  # reskv.quality's measures, when asked for (``answer_ids``)
 
 
 @dataclass
 class _PrefilledState:
     cache: ResKVCache
     last_logits: Tensor
+
+
+@dataclass
+class _FullReference:
+    """What the full cache gives for the quality measures, computed once per prompt."""
+
+    forced_ids: list[int]  # its greedy continuation, FORCED_STEPS tokens
+    forced_logits: Tensor  # [FORCED_STEPS, V]: its next-token logits after each of them
+    answer_log_probs: dict[tuple[int, ...], float] = field(default_factory=dict)
 
 
 class Prefill:
@@ -125,6 +136,7 @@ class Prefill:
         self._context = _PrefilledState(cache, self._forward(self.prompt_ids[:context_length], cache))
         self.timings["prefill_s"] = time.perf_counter() - start
         self._whole_prompt: _PrefilledState | None = None
+        self._full_reference: _FullReference | None = None
 
     def _check_positions(self, max_new_tokens: int) -> None:
         """Refuse to run past the backbone's positions (the runner checks earlier and skips)."""
@@ -136,12 +148,17 @@ class Prefill:
             )
 
     @torch.inference_mode()
-    def _forward(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
+    def _forward(self, token_ids: Sequence[int], cache: ResKVCache, every_position: bool = False) -> Tensor:
+        """The next-token logits after ``token_ids`` (``[V]``), or after each of them (``[n, V]``)."""
         ids = torch.tensor([list(token_ids)], device=self.backbone.device)
         output = self.backbone.model(
-            input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache}
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if every_position else 1,
+            **{CACHE_KWARG: cache},
         )
-        return output.logits[0, -1]
+        return output.logits[0] if every_position else output.logits[0, -1]
 
     def _prompt_state(self) -> _PrefilledState:
         """The whole prompt, exact: the context cache extended with the question (computed once)."""
@@ -173,11 +190,14 @@ class Prefill:
         max_new_tokens: int = 32,
         stop_token_ids: Sequence[int] = (),
         min_new_tokens: int = 0,
+        answer_ids: Sequence[int] | None = None,
     ) -> Generation:
         """Compress a copy of the prefilled cache for ``method`` and decode greedily.
 
         Until ``min_new_tokens`` tokens exist, stop tokens (the backbone's and ``stop_token_ids``)
-        cannot be chosen (transformers' ``min_length`` semantics)."""
+        cannot be chosen (transformers' ``min_length`` semantics). With ``answer_ids`` (a reference
+        answer's tokens, possibly empty) the generation also carries ``reskv.quality``'s measures
+        against the full cache (``quality_s`` in its timings)."""
         self._check_positions(max_new_tokens)
         timings = {}
         start = time.perf_counter()
@@ -187,19 +207,91 @@ class Prefill:
         stats["prompt_tokens"] = len(self.prompt_ids)
         stats["compressed_tokens"] = source.cache.layers[0].get_seq_length()
         stats["slots"] = cache.slots()
+        compressed = cache.fork() if answer_ids is not None else None  # before the question
         logits = source.last_logits
         question = self.prompt_ids[self.context_length :]
         if setting == "agnostic" and question:
             start = time.perf_counter()
             logits = self._forward(question, cache)
             timings["question_s"] = time.perf_counter() - start
+        prompted = cache.fork() if answer_ids is not None else None  # after the whole prompt
         start = time.perf_counter()
         stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
         token_ids = self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids)
         timings["decode_s"] = time.perf_counter() - start
         timings["decode_tokens"] = len(token_ids)
         text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return Generation(token_ids, text, stats, timings)
+        quality = None
+        if answer_ids is not None:
+            start = time.perf_counter()
+            quality = self._quality(setting, compressed, prompted, logits, tuple(answer_ids))
+            timings["quality_s"] = time.perf_counter() - start
+        return Generation(token_ids, text, stats, timings, quality)
+
+    def _teacher_forced(self, cache: ResKVCache, last_logits: Tensor, token_ids: Sequence[int]) -> Tensor:
+        """``[1 + n, V]``: ``last_logits``, then the logits after each of ``token_ids`` fed to ``cache``."""
+        if not token_ids:
+            return last_logits[None]
+        return torch.cat([last_logits[None], self._forward(token_ids, cache, every_position=True)])
+
+    def _reference(self) -> _FullReference:
+        """The full cache's greedy continuation and its logits along it (``reskv.quality``)."""
+        if self._full_reference is None:
+            whole = self._prompt_state()
+            self._check_positions(FORCED_STEPS)
+            forced_ids = self._decode(whole.cache.fork(), whole.last_logits, FORCED_STEPS, 0, set())
+            logits = self._teacher_forced(whole.cache.fork(), whole.last_logits, forced_ids)[1:]
+            self._full_reference = _FullReference(forced_ids, logits)
+        return self._full_reference
+
+    def _answer_log_prob(self, cache: ResKVCache, last_logits: Tensor, answer_ids: tuple[int, ...]) -> float:
+        logits = self._teacher_forced(cache, last_logits, answer_ids[:-1])
+        return sequence_log_prob(logits, torch.tensor(answer_ids, device=logits.device))
+
+    def _quality(
+        self,
+        setting: str,
+        compressed: ResKVCache,
+        prompted: ResKVCache,
+        last_logits: Tensor,
+        answer_ids: tuple[int, ...],
+    ) -> dict:
+        """``reskv.quality``'s measures of one generation: ``compressed`` is the method's cache before
+        the question (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt."""
+        reference = self._reference()
+        whole = self._prompt_state()
+        quality: dict = {"answer_tokens": len(answer_ids)}
+        if answer_ids:
+            if answer_ids not in reference.answer_log_probs:
+                reference.answer_log_probs[answer_ids] = self._answer_log_prob(
+                    whole.cache.fork(), whole.last_logits, answer_ids
+                )
+            full = reference.answer_log_probs[answer_ids]
+            own = self._answer_log_prob(prompted.fork(), last_logits, answer_ids)
+            quality.update(answer_log_prob=own, answer_log_prob_full=full, answer_log_prob_gap=own - full)
+        forced_logits = self._teacher_forced(prompted, last_logits, reference.forced_ids)[1:]
+        quality["kl"] = float(kl_divergence(reference.forced_logits, forced_logits).mean())
+        # The probe feeds what the method's cache has not seen yet (the question, query-agnostic)
+        # and the forced tokens; only the forced tokens' queries are measured.
+        fed = list(self.prompt_ids[self.context_length :]) if setting == "agnostic" else []
+        probe = ResKVCache(
+            [
+                ProbeLayer(full_layer, method_layer, len(reference.forced_ids))
+                for full_layer, method_layer in zip(
+                    self._source(setting).cache.fork().layers, compressed.layers, strict=True
+                )
+            ]
+        )
+        self._forward(fed + reference.forced_ids, probe)
+        errors = torch.stack([layer.attention_error for layer in probe.layers])
+        shares = torch.stack([layer.residual_share for layer in probe.layers])
+        quality.update(
+            attention_error=float(errors.mean()),
+            residual_share=float(shares.mean()),
+            attention_error_by_layer=significant(errors),
+            residual_share_by_layer=significant(shares),
+        )
+        return quality
 
     def _decode(
         self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, min_new_tokens: int, stop_ids: set[int]

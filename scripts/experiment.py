@@ -145,6 +145,7 @@ class Plan:
     max_new_tokens: int | None
     results_dir: Path
     grid: tuple[GridEntry, ...] = field(default=())
+    quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)
 
     @property
     def runs_dir(self) -> Path:
@@ -253,6 +254,9 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         raise PlanError(
             f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
         )
+    quality = backbone.get("quality", False)
+    if not isinstance(quality, bool):
+        raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
     residual = residual_config(config["reskv"])
     h2o_window_only = bool(config["h2o_window_only"])
     return Plan(
@@ -276,6 +280,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         max_new_tokens=max_new_tokens,
         results_dir=Path(config["results_dir"]),
         grid=build_grid(methods, ratios, settings, residual, h2o_window_only),
+        quality=quality,
     )
 
 
@@ -361,8 +366,10 @@ def sample_record(
     Wall-clock values go under ``timings`` only: the shared prefills of the prompt (``prefill_s``
     for the context, ``question_prefill_s`` for the question when a query-aware configuration
     needed it) with ``prefill_shared_by`` configurations, and this configuration's own
-    ``compress_s``, ``question_s`` (query-agnostic) and ``decode_s``.
+    ``compress_s``, ``question_s`` (query-agnostic), ``decode_s`` and ``quality_s``; ``quality``
+    holds ``reskv.quality``'s measures when the plan records them.
     """
+    quality = {} if generation.quality is None else {"quality": generation.quality}
     return {
         **sample_fields(index, item, max_new_tokens),
         "prediction": generation.text,
@@ -371,6 +378,7 @@ def sample_record(
         "score": score,
         "cache_stats": generation.cache_stats,
         "timings": {**prefill_timings, **generation.timings, "prefill_shared_by": shared_by},
+        **quality,
     }
 
 
@@ -559,6 +567,7 @@ class GridRun:
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=item.stop_token_ids,
                 min_new_tokens=min(item.min_new_tokens, max_new_tokens),
+                answer_ids=item.answer_ids(self.backbone.tokenizer) if self.plan.quality else None,
             )
             score = benchmarks.score_item(item, generation.text)
             self._file(

@@ -49,6 +49,7 @@ def final_files(results_dir: Path) -> dict[str, dict]:
         ("setting=sideways", ["unknown setting 'sideways'", "aware", "agnostic"]),
         ("num_samples=0", ["num_samples 0"]),
         ("reskv.final_selection=best", ["final_selection 'best'", "base", "fit"]),
+        ("backbone.quality=sometimes", ["backbone.quality 'sometimes'", "true or false"]),
     ],
 )
 def test_bad_overrides_fail_with_the_valid_choices(override, expected, tmp_path):
@@ -224,6 +225,21 @@ def test_grid_and_one_configuration_at_a_time_predict_the_same(tmp_path, ruler_c
         for sample, grid_sample in zip(document["samples"], grid_samples, strict=True):
             assert sample["prediction_token_ids"] == grid_sample["prediction_token_ids"]
             assert deterministic_view(sample) == deterministic_view(grid_sample)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_quality_measures_are_recorded_when_the_backbone_switch_is_on(tmp_path, ruler_cache, switch):
+    overrides = [*TINY_RULER, "benchmark.tasks=[vt]", "num_samples=1", "method=snapkv", "ratio=0.6"]
+    plan = plan_for([*overrides, f"backbone.quality={str(switch).lower()}"], tmp_path, ruler_cache)
+    assert plan.quality is switch
+    run_plan(plan, load_backbone("tiny-llama"))
+    (document,) = final_files(tmp_path).values()
+    (sample,) = document["samples"]
+    assert ("quality" in sample) is switch
+    assert ("quality_s" in sample["timings"]) is switch
+    if switch:
+        assert sample["quality"]["kl"] > 0
+        assert len(sample["quality"]["attention_error_by_layer"]) == 2  # tiny-llama's layers
 
 
 def test_unavailable_task_is_marked_not_scored(tmp_path, ruler_cache):
