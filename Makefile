@@ -8,7 +8,7 @@ TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev,slurm
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results
+.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results reproduce-ruler4k
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -69,6 +69,30 @@ bench-engine: assets
 # and no registry: `python -m scripts.gpu_check --out results/gpu` (needs matplotlib besides them).
 gpu-check: install
 	$(PY) -m scripts.gpu_check --out $(RESULTS)/gpu
+
+# Issue 10's reproduction (results/README.md): RULER at 4K on the embedded model, CPU, with the
+# quality measures. Hours of CPU; resumable: rerun the same command to continue where it stopped.
+# Samples are added one round at a time (1, 2, ... per task), so an interrupted run has every task.
+# TASKS= splits the tasks over parallel invocations (one thread each): TASKS=[vt,cwe] THREADS=1.
+REPRO       ?= results/ruler4k
+REPRO_ROUNDS ?= 10
+TASKS       ?= all
+THREADS     ?= null
+REPRO_RUN   = $(PY) run.py backbone=smollm2-135m benchmark=ruler benchmark.length=4096 \
+	benchmark.tasks=$(TASKS) threads=$(THREADS) results_dir=$(abspath $(REPRO))
+reproduce-ruler4k: assets
+	for n in $$(seq 1 $(REPRO_ROUNDS)); do \
+	  $(REPRO_RUN) num_samples=$$n method=[full,snapkv,snapkv+reskv,adakv,adakv+reskv] \
+	    ratio=[0.6,0.7,0.8,0.9] setting=[aware,agnostic] && \
+	  $(REPRO_RUN) num_samples=$$n method=[tova,tova+reskv,h2o,h2o+reskv,cam] ratio=0.9 \
+	    setting=[aware,agnostic] && \
+	  for ablation in no_validation no_gate no_shared_softmax; do \
+	    $(REPRO_RUN) num_samples=$$n method=snapkv+reskv ratio=0.9 setting=agnostic ablation=$$ablation \
+	      || exit 1; \
+	  done && \
+	  $(REPRO_RUN) num_samples=$$n method=snapkv+reskv ratio=0.9 setting=agnostic \
+	    reskv.final_selection=fit || exit 1; \
+	done
 
 # The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
 smoke: assets
