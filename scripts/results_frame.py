@@ -88,6 +88,8 @@ def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[s
             if prefix == "cache_stats.":
                 numbers = np.asarray(value, dtype=float)
                 yield path, float(numbers.mean()) if numbers.size else np.nan
+                if name == "residual_entries":  # the share of (layer, KV head) pairs with entries
+                    yield f"{prefix}residual_heads", float((numbers > 0).mean()) if numbers.size else np.nan
         else:
             yield path, value
 

@@ -151,6 +151,8 @@ class Cell:
     span: int = 1
     delta: float | None = None  # shown in parentheses (ablation drops)
     n: tuple[int, int] | None = None  # fewest and most scored samples per task behind the value
+    digits: int = 2  # decimals shown
+    count: tuple[int, int] | None = None  # shown as "k/n" instead of a value (samples closer to full)
 
 
 @dataclass
@@ -172,7 +174,7 @@ class Table:
     label: str
     stub_heads: list[str]
     heads: list[list[tuple[str, int]]]  # header rows over the data columns: (text, span)
-    body: list[Row | str] = field(default_factory=list)
+    body: list[Row | str] = field(default_factory=list)  # rows and rules (MIDRULE, CMIDRULE)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -191,8 +193,8 @@ class Table:
         return [" ".join(part for part in parts if part) for parts in names]
 
 
-def _number(value: float) -> str:
-    return f"{value:.2f}"
+def _number(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}"
 
 
 def cell_text(cell: Cell, style: str, show_n: bool = False) -> str:
@@ -200,9 +202,11 @@ def cell_text(cell: Cell, style: str, show_n: bool = False) -> str:
     appends the samples per task behind the value (markdown and csv: ``(n=2)``, ``(n=2-3)``)."""
     if cell.unavailable:
         return "n/a"
+    if cell.count is not None:
+        return f"{cell.count[0]}/{cell.count[1]}"
     if cell.value is None:
         return "" if style == "csv" else "--"
-    text = _number(cell.value)
+    text = _number(cell.value, cell.digits)
     if cell.bold and style == "latex":
         text = rf"\textbf{{{text}}}"
     elif cell.bold and style == "markdown":
@@ -305,11 +309,11 @@ def _grid(table: Table, style: str, show_n: bool = False) -> list[list[str]]:
         else [
             row.stub + [""] * (len(table.stub_heads) - len(row.stub))
             for row in table.body
-            if isinstance(row, Row)
+            if not isinstance(row, str)
         ]
     )
     rows = [table.stub_heads + table.column_names()]
-    for stub, row in zip(stubs, (row for row in table.body if isinstance(row, Row)), strict=True):
+    for stub, row in zip(stubs, (row for row in table.body if not isinstance(row, str)), strict=True):
         cells = [cell_text(cell, style, show_n) for cell in row.cells for _ in range(cell.span)]
         rows.append(stub + cells)
     return rows
@@ -367,6 +371,7 @@ class ResultIndex:
             self.configs.groupby(TASK_COLUMNS)["task_samples"].max().to_dict() if len(self.configs) else {}
         )
         slices = samples.assign(setting=samples["setting"].fillna(""), ratio=samples["ratio"].map(_ratio_key))
+        self.samples = slices
         self.slices = dict(list(slices.groupby(["backbone", "benchmark", "length", "setting", "ratio"])))
 
     @classmethod
@@ -516,7 +521,7 @@ def samples_note(cells: Iterable[Cell]) -> str | None:
 
 
 def _notes(table: Table, extra: Iterable[str]) -> None:
-    cells = [cell for row in table.body if isinstance(row, Row) for cell in row.cells]
+    cells = [cell for row in table.body if not isinstance(row, str) for cell in row.cells]
     table.notes = list(extra)
     if note := samples_note(cells):
         table.notes.append(note)
@@ -750,7 +755,9 @@ def all_tables(index: ResultIndex) -> list[Table]:
                 task_table(index, backbone, benchmark, length)
                 for length in index.lengths(backbone, benchmark)
             ]
-    return tables + cam_tables(index) + ablation_tables(index)
+    from scripts.quality_tables import quality_tables  # it builds on this module's Table and ResultIndex
+
+    return tables + cam_tables(index) + ablation_tables(index) + quality_tables(index)
 
 
 def write_tables(tables: Sequence[Table], out_dir: Path, show_n: bool = False) -> list[Path]:

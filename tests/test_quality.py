@@ -82,10 +82,13 @@ def test_measures_equal_plain_loops_over_the_model(backbone, prefill):
     method_logits = []
     for token in forced:
         method_logits.append(prefill._forward([token], cache).double())
-    expected_kl = sum(
-        float((p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum())
-        for p, q in zip(full_logits, method_logits, strict=True)
-    ) / FORCED_STEPS
+    expected_kl = (
+        sum(
+            float((p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum())
+            for p, q in zip(full_logits, method_logits, strict=True)
+        )
+        / FORCED_STEPS
+    )
     assert quality["kl"] > 0
     assert quality["kl"] == pytest.approx(expected_kl, rel=1e-3)
 
@@ -116,7 +119,9 @@ def test_a_layers_error_depends_on_its_own_compression_only(prefill, setting):
     errors = everywhere.quality["attention_error_by_layer"]
     assert len(errors) > 1 and min(errors) > 0
     for layer in range(len(errors)):
-        alone = prefill.generate(OneLayerOnly("one", layer=layer), setting, max_new_tokens=4, answer_ids=ANSWER)
+        alone = prefill.generate(
+            OneLayerOnly("one", layer=layer), setting, max_new_tokens=4, answer_ids=ANSWER
+        )
         expected = [0.0] * len(errors)
         expected[layer] = errors[layer]
         assert alone.quality["attention_error_by_layer"] == pytest.approx(expected, rel=1e-5)

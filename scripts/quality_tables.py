@@ -1,0 +1,272 @@
+"""Tables of the quality measures (reskv.quality, issue 10) next to the scores; built by scripts.tables.
+
+For every backbone, benchmark and length whose samples carry the measures:
+
+- ``quality_<backbone>_<benchmark>-<length>``: per budget, setting and method, the average score
+  (as in the task tables) and the mean over samples of the answer log-likelihood gap to the full
+  cache, the KL to the full cache over the forced steps, the attention-output error (mean over
+  layers) and the share of attention mass on residual entries, with the residual's footprint: the
+  share of (layer, KV head) pairs that got entries and the mean residual size ``r / b`` the proxy
+  chose.
+- ``pairs_<backbone>_<benchmark>-<length>``: each baseline against its +ResKV, per budget and
+  setting, on the samples both ran: in how many samples +ResKV is closer to the full cache (smaller
+  ``|log-likelihood gap|``, KL, attention error; strictly, so ties count for neither) and in how many
+  tasks its score is higher (strictly).
+- ``pairs_summary_<backbone>_<benchmark>-<length>``: the same pairs counted per configuration (task
+  x budget x setting, means over its shared samples) and per base method, with the mean difference
+  +ResKV minus base: the paper's "beats its base in 63 of 64 configurations" for each measure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pandas as pd
+
+from baselines import RESIDUAL_SUFFIX
+from scripts.results_frame import OPTIONS_SEPARATOR
+from scripts.results_store import FULL_METHOD
+from scripts.tables import (
+    CMIDRULE,
+    MIDRULE,
+    PAIRED_BASES,
+    SETTING_NAMES,
+    UNPAIRED_METHODS,
+    Cell,
+    ResultIndex,
+    Row,
+    Table,
+    backbone_name,
+    benchmark_name,
+    method_row_name,
+    retained,
+)
+
+GAP, KL, ERROR, SHARE = (
+    "quality.answer_log_prob_gap",
+    "quality.kl",
+    "quality.attention_error",
+    "quality.residual_share",
+)
+# (column head, sample column, decimals, how "closer to the full cache" is read)
+MEASURES = (
+    ("LL gap", GAP, 3, "abs"),
+    ("KL", KL, 4, "value"),
+    ("Attn. err.", ERROR, 4, "value"),
+)
+NOTES = [
+    "LL gap: answer log-likelihood under the method minus under the full cache (nats, teacher forced, "
+    "first reference); KL: KL(full || method) of the next-token distributions over the first 16 decode "
+    "steps, both fed the full cache's greedy continuation; Attn. err.: ||o - o_full|| / ||o_full|| of "
+    "the attention output at those steps, every layer fed the full model's hidden states, mean over "
+    "layers, heads and steps; Res. mass: share of attention mass on residual entries; Res. heads: "
+    "(layer, KV head) pairs with residual entries; r/b: residual slots over the budget (reskv.quality).",
+    "Means over the samples every method of a row block (a baseline and its +ResKV) ran.",
+]
+
+
+def method_name(label: str) -> str:
+    """Row name of a method label: ``+ResKV``, ``SnapKV``, or the label's options for variants."""
+    method, _, options = label.partition(OPTIONS_SEPARATOR)
+    name = method_row_name(method)
+    return f"{name} ({options})" if options else name
+
+
+def _blocks(labels: set[str]) -> list[list[str]]:
+    """Pairs first (the paper's order), then unpaired methods, then labels with options alone."""
+    blocks = [[base, base + RESIDUAL_SUFFIX] for base in PAIRED_BASES]
+    blocks = [[label for label in block if label in labels] for block in blocks]
+    blocks += [[method] for method in UNPAIRED_METHODS if method in labels]
+    blocks += [[label] for label in sorted(labels) if OPTIONS_SEPARATOR in label]
+    return [block for block in blocks if block]
+
+
+def _shared(rows: pd.DataFrame, members: list[str]) -> pd.DataFrame:
+    """The rows of ``members`` on the (task, index) samples all of them measured."""
+    rows = rows[rows["method"].isin(members) & rows[KL].notna()]
+    counts = rows.groupby(["task", "index"])["method"].transform("nunique")
+    return rows[counts == len(members)]
+
+
+def _quality_cells(index: ResultIndex, where: tuple, setting: str, ratio: float, block: list[str], rows):
+    backbone, benchmark, length = where
+    compared = index.compare(backbone, benchmark, length, setting or None, ratio or None, block)
+    shared = _shared(rows, block)
+    for method in block:
+        own = shared[shared["method"] == method]
+        score = index.average(backbone, benchmark, length, compared[method])
+        cells = [score]
+        for column, digits in ((GAP, 3), (KL, 4), (ERROR, 4), (SHARE, 3)):
+            cells.append(Cell(own[column].mean() if len(own) else None, digits=digits))
+        footprint = [np.nan, np.nan]
+        if method != FULL_METHOD and len(own):
+            footprint = [
+                100 * own["cache_stats.residual_heads"].mean(),
+                100 * (own["cache_stats.residual_slots"] / own["cache_stats.budget"]).mean(),
+            ]
+        cells += [Cell(None if np.isnan(value) else value, digits=1) for value in footprint]
+        cells.append(Cell(float(len(own)), digits=0))
+        yield method, cells
+
+
+def _slices(index: ResultIndex, where: tuple) -> Iterator[tuple[str, float, pd.DataFrame]]:
+    """(setting, ratio, sample rows) of one backbone/benchmark/length, tightest budget first."""
+    backbone, benchmark, length = where
+    for ratio in index.ratios(backbone, benchmark, length):
+        for setting in SETTING_NAMES:
+            rows = index.slices.get((backbone, benchmark, length, setting, ratio))
+            if rows is not None and rows[KL].notna().any():
+                yield setting, ratio, rows
+
+
+def quality_table(index: ResultIndex, where: tuple) -> Table:
+    backbone, benchmark, length = where
+    table = Table(
+        f"quality_{backbone.replace('/', '--')}_{benchmark}-{length}",
+        f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: score and closeness to the "
+        "full cache.",
+        f"tab:{benchmark}{length}_{backbone}_quality",
+        ["Budget", "Setting", "Method"],
+        [
+            [
+                (head, 1)
+                for head in ("Score", "LL gap", "KL", "Attn. err.", "Res. mass", "Res. heads %", "r/b %", "n")
+            ]
+        ],
+        notes=list(NOTES),
+    )
+    full = index.slices.get((backbone, benchmark, length, "", 0.0))
+    if full is not None and full[KL].notna().any():
+        for _, cells in _quality_cells(index, where, "", 0.0, [FULL_METHOD], full):
+            table.body.append(Row(["Full Cache"], cells))
+    for setting, ratio, rows in _slices(index, where):
+        for number, block in enumerate(_blocks(set(rows["method"]))):
+            table.body.append(CMIDRULE if number else MIDRULE)
+            for method, cells in _quality_cells(index, where, setting, ratio, block, rows):
+                table.body.append(Row([retained(ratio), SETTING_NAMES[setting], method_name(method)], cells))
+    return table
+
+
+def closer(base: pd.Series, reskv: pd.Series, reading: str) -> pd.Series:
+    """Where +ResKV is strictly closer to the full cache than its base (aligned series)."""
+    if reading == "abs":
+        return reskv.abs() < base.abs()
+    return reskv < base
+
+
+COMPARED = (("score", "higher"), *((column, reading) for _, column, _, reading in MEASURES))
+
+
+def wins(frame: pd.DataFrame, column: str, reading: str) -> pd.Series:
+    """Rows of a pairs frame where +ResKV beats its base on ``column``."""
+    base, reskv = frame[f"{column}:base"], frame[f"{column}:reskv"]
+    return reskv > base if reading == "higher" else closer(base, reskv, reading)
+
+
+def pairs_frame(index: ResultIndex, where: tuple) -> pd.DataFrame:
+    """One row per pair and shared sample: ``setting``, ``ratio``, ``base``, ``task``, ``index`` and
+    ``<column>:base`` / ``<column>:reskv`` for the score and each measure."""
+    frames = []
+    for setting, ratio, rows in _slices(index, where):
+        for base in PAIRED_BASES:
+            shared = _shared(rows, [base, base + RESIDUAL_SUFFIX])
+            if shared.empty:
+                continue
+            side = shared["method"].map({base: "base", base + RESIDUAL_SUFFIX: "reskv"})
+            wide = shared.assign(side=side).pivot(
+                index=["task", "index"], columns="side", values=[c for c, _ in COMPARED]
+            )
+            wide.columns = [f"{column}:{side}" for column, side in wide.columns]
+            frames.append(wide.reset_index().assign(setting=setting, ratio=ratio, base=base))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
+    backbone, benchmark, length = where
+    table = Table(
+        f"pairs_{backbone.replace('/', '--')}_{benchmark}-{length}",
+        f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: tasks where +ResKV scores "
+        "higher than its baseline, and samples where it is closer to the full cache (strictly; k/n).",
+        f"tab:{benchmark}{length}_{backbone}_pairs",
+        ["Budget", "Setting", "Baseline"],
+        [[("Score (tasks)", 1), *((f"{head} (samples)", 1) for head, _, _, _ in MEASURES)]],
+        notes=["Ties count for neither side. " + NOTES[0]],
+    )
+    previous = None
+    for (ratio, setting, base), group in pairs.groupby(["ratio", "setting", "base"], sort=False):
+        task_means = group.groupby("task")[["score:base", "score:reskv"]].mean()
+        cells = [Cell(count=(int(wins(task_means, "score", "higher").sum()), len(task_means)))]
+        cells += [
+            Cell(count=(int(wins(group, column, reading).sum()), len(group)))
+            for _, column, _, reading in MEASURES
+        ]
+        table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
+        previous = (ratio, setting)
+        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], method_row_name(base)], cells))
+    return table
+
+
+def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
+    backbone, benchmark, length = where
+    configs = (
+        pairs.groupby(["base", "setting", "ratio", "task"], sort=False).mean(numeric_only=True).reset_index()
+    )
+    heads = [("Score", 1), *((head, 1) for head, _, _, _ in MEASURES)]
+    table = Table(
+        f"pairs_summary_{backbone.replace('/', '--')}_{benchmark}-{length}",
+        f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: configurations (task x budget x "
+        "setting) where +ResKV beats its baseline (k/n: higher score, closer to the full cache), "
+        "and the mean difference +ResKV minus baseline (score in points).",
+        f"tab:{benchmark}{length}_{backbone}_pairs_summary",
+        ["Baseline", "Setting"],
+        [[("Configurations won", len(heads)), ("Mean difference", len(heads))], heads + heads],
+        notes=["A configuration's values are means over the samples both methods ran. " + NOTES[0]],
+    )
+    groups = [
+        (
+            method_row_name(base),
+            SETTING_NAMES[setting],
+            configs[(configs["base"] == base) & (configs["setting"] == setting)],
+        )
+        for base in PAIRED_BASES
+        for setting in SETTING_NAMES
+    ]
+    groups += [
+        ("All", SETTING_NAMES[setting], configs[configs["setting"] == setting]) for setting in SETTING_NAMES
+    ]
+    groups.append(("All", "both", configs))
+    for number, (name, setting, rows) in enumerate(groups):
+        if rows.empty:
+            continue
+        won = [
+            Cell(count=(int(wins(rows, column, reading).sum()), len(rows))) for column, reading in COMPARED
+        ]
+        differences = [
+            Cell(
+                float((rows[f"{column}:reskv"] - rows[f"{column}:base"]).mean())
+                * (100 if column == "score" else 1),
+                digits=2 if column == "score" else 4,
+            )
+            for column, _ in COMPARED
+        ]
+        if name == "All" and groups[number - 1][0] != "All":
+            table.body.append(MIDRULE)
+        table.body.append(Row([name, setting], won + differences))
+    return table
+
+
+def quality_tables(index: ResultIndex) -> list[Table]:
+    samples = index.samples
+    if KL not in samples.columns:
+        return []
+    measured = samples[samples[KL].notna()]
+    tables = []
+    for where in sorted(
+        set(measured[["backbone", "benchmark", "length"]].itertuples(index=False, name=None))
+    ):
+        tables.append(quality_table(index, where))
+        pairs = pairs_frame(index, where)
+        if not pairs.empty:
+            tables += [pairs_table(index, where, pairs), pairs_summary_table(where, pairs)]
+    return tables

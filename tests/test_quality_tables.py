@@ -1,0 +1,97 @@
+"""The quality tables (scripts.quality_tables) on hand-written result files: every count and mean is
+worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.results_store import SCHEMA, ResultKey
+from scripts.tables import ResultIndex, all_tables, to_markdown
+
+BACKBONE = "smollm2-135m"
+# method: {task: [(score, answer_log_prob_gap, kl, attention_error) per sample]}
+SAMPLES = {
+    "snapkv": {
+        "niah_single_1": [(0, -2.0, 0.5, 0.10), (1, -1.0, 0.2, 0.05)],
+        "vt": [(0, -4.0, 1.0, 0.20), (0, -4.0, 1.0, 0.20)],
+    },
+    "snapkv+reskv": {
+        "niah_single_1": [(1, -3.0, 0.4, 0.08), (1, 0.5, 0.25, 0.05)],
+        "vt": [(0, -2.0, 0.9, 0.10)],  # sample 1 missing: the pair is compared on vt sample 0 only
+    },
+}
+RESIDUAL_ENTRIES = {"snapkv": [[0, 0], [0, 0]], "snapkv+reskv": [[2, 0], [1, 1]]}  # 3 of 4 heads
+RESIDUAL_SLOTS = {"snapkv": [[0, 0], [0, 0]], "snapkv+reskv": [[4, 0], [2, 2]]}  # mean 2 of budget 40
+
+
+def sample(index: int, method: str, values: tuple) -> dict:
+    score, gap, kl, error = values
+    return {
+        "index": index,
+        "score": score,
+        "cache_stats": {
+            "budget": 40,
+            "residual_entries": RESIDUAL_ENTRIES[method],
+            "residual_slots": RESIDUAL_SLOTS[method],
+        },
+        "quality": {
+            "answer_log_prob_gap": gap,
+            "kl": kl,
+            "attention_error": error,
+            "residual_share": 0.1 if method.endswith("+reskv") else 0.0,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory) -> dict:
+    runs_dir = tmp_path_factory.mktemp("results") / "runs"
+    for method, tasks in SAMPLES.items():
+        for task, values in tasks.items():
+            key = ResultKey(BACKBONE, "ruler", 4096, task, "aware", method, 0.9)
+            path = key.path(runs_dir)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            samples = [sample(index, method, value) for index, value in enumerate(values)]
+            path.write_text(
+                json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 2, "samples": samples})
+            )
+    index, warnings = ResultIndex.from_directory(runs_dir)
+    assert warnings == []
+    return {table.name: to_markdown(table) for table in all_tables(index)}
+
+
+def row(markdown: str, start: str) -> list[str]:
+    (line,) = [line for line in markdown.splitlines() if line.startswith(start)]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_pairs_count_samples_closer_to_full_and_tasks_scored_higher(tables):
+    pairs = tables["pairs_smollm2-135m_ruler-4096"]
+    # Score by task on shared samples: S-1 0.5 -> 1.0 (won), VT 0 -> 0 (tie): 1/2.
+    # Three shared samples: |gap| 3>2, 0.5<1, 2<4 -> 2/3; KL .4<.5, .25>.2, .9<1 -> 2/3;
+    # attention error .08<.10, .05=.05 (tie), .10<.20 -> 2/3.
+    assert row(pairs, "| 10% | q-Aware | SnapKV") == ["10%", "q-Aware", "SnapKV", "1/2", "2/3", "2/3", "2/3"]
+
+
+def test_pair_summary_counts_configurations_and_mean_differences(tables):
+    summary = tables["pairs_summary_smollm2-135m_ruler-4096"]
+    # Per task means: S-1 score .5 -> 1, |gap| 1.5 -> 1.25, KL .35 -> .325, error .075 -> .065;
+    # VT 0 -> 0, |gap| 4 -> 2, KL 1 -> .9, error .2 -> .1. Differences: score (50 + 0) / 2 = 25 points,
+    # gap (0.25 + 2) / 2 = 1.125, KL (-.025 - .1) / 2 = -.0625, error (-.01 - .1) / 2 = -.055.
+    expected = ["1/2", "2/2", "2/2", "2/2", "25.00", "1.1250", "-0.0625", "-0.0550"]
+    assert row(summary, "| SnapKV | q-Aware")[2:] == expected
+    assert row(summary, "|  | both")[2:] == expected
+
+
+def test_quality_table_means_over_shared_samples_and_residual_footprint(tables):
+    quality = tables["quality_smollm2-135m_ruler-4096"]
+    # SnapKV on the three shared samples: gap (-2 - 1 - 4) / 3, KL (.5 + .2 + 1) / 3, error (.1 + .05 + .2) / 3.
+    snapkv = row(quality, "| 10% | q-Aware | SnapKV")
+    assert snapkv[4:11] == ["-2.333", "0.5667", "0.1167", "0.000", "0.0", "0.0", "3"]
+    # +ResKV: gap (-3 + .5 - 2) / 3 = -1.5, KL (.4 + .25 + .9) / 3, error (.08 + .05 + .1) / 3; entries
+    # in 3 of 4 (layer, head) pairs, r / b = 2 / 40.
+    reskv = row(quality, "|  |  | +ResKV")
+    assert reskv[4:11] == ["-1.500", "0.5167", "0.0767", "0.100", "75.0", "5.0", "3"]
