@@ -112,25 +112,39 @@ def summary_line(entry: GridEntry, task: str, document: dict | None) -> str:
     )
 
 
+# The quality measures the end table shows (reskv.quality): mean over a configuration's samples.
+QUALITY_COLUMNS = (("LL gap", "answer_log_prob_gap", 2), ("KL", "kl", 3), ("attn err", "attention_error", 3))
+
+
 def result_table(plan: Plan, available_tasks: set[str]):
     """Scores of this plan's configurations as found on disk (resumed and earlier shards included);
     ``n/a`` for a task whose data is unavailable here, ``skipped`` where no sample could run (the
-    result file says why), ``–`` for a configuration not run yet."""
+    result file says why), ``–`` for a configuration not run yet. With the quality measures on,
+    their means over the configuration's samples (all tasks) follow: a tie in score still shows
+    which cache stays closer to the full one."""
     from rich.table import Table
 
     from scripts.results_store import load_results, scored
 
     keys = {entry.key(plan, task) for task in plan.tasks for entry in plan.grid}
     results = {result.key: result for result in load_results(plan.runs_dir)[0] if result.key in keys}
-    table = Table(title=f"{plan.backbone} · {plan.benchmark}-{plan.length} (score %, samples)")
+    title = f"{plan.backbone} · {plan.benchmark}-{plan.length} (score %, samples)"
+    if plan.quality:
+        title += "\nLL gap, KL, attn err: distance to the full cache (reskv.quality; 0 = identical)"
+    table = Table(title=title)
     table.add_column("configuration")
     for task in plan.tasks:
         table.add_column(task, justify="right")
+    for head, _, _ in QUALITY_COLUMNS if plan.quality else ():
+        table.add_column(head, justify="right")
     for entry in plan.grid:
         row = [entry.describe()]
+        measured = []
         for task in plan.tasks:
             result = results.get(entry.key(plan, task))
-            scores = [sample["score"] for sample in scored(list(result.samples.values()))] if result else []
+            samples = scored(list(result.samples.values())) if result else []
+            measured += [sample["quality"] for sample in samples if "quality" in sample]
+            scores = [sample["score"] for sample in samples]
             if task not in available_tasks:
                 row.append("n/a")
             elif scores:
@@ -139,6 +153,9 @@ def result_table(plan: Plan, available_tasks: set[str]):
                 row.append(f"skipped ({len(result.samples)})")
             else:
                 row.append("–")
+        for _, name, digits in QUALITY_COLUMNS if plan.quality else ():
+            values = [quality[name] for quality in measured if name in quality]
+            row.append(f"{sum(values) / len(values):.{digits}f}" if values else "–")
         table.add_row(*row)
     return table
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from baselines import METHODS, build_method
@@ -70,3 +73,14 @@ def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(nee
             # The proxy gives residual slots somewhere (not necessarily everywhere).
             assert any(r for layer in stats["residual_slots"] for r in layer)
         assert 0 < len(generation.token_ids) <= 4
+
+
+def test_the_readme_python_example_runs_as_written_and_the_full_cache_answers(capsys):
+    """The README's Python block, executed verbatim: the full cache finds both numbers."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    exec(compile(example, "README.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert "4711" in lines[0]
+    full_line = next(line for line in lines if line.startswith("full aware"))
+    assert "7374122" in full_line.split("(")[0] and full_line.endswith(" 0.0")
