@@ -7,6 +7,10 @@
 - ``budget_<backbone>_<benchmark>-<length>_<setting>``: average score versus retained budget,
   one line per method, the full cache as a horizontal line: the averages table's numbers (pairs
   on shared samples), titled with the tables' names, a note of the tasks and samples per task.
+- ``layers_<backbone>_<benchmark>-<length>_<setting>``: the quality measures per layer
+  (``scripts.results_frame.layers_frame``): (a) attention-output error against the full cache of
+  every method at the tightest budget, (b) the share of attention mass on residual entries of
+  every +ResKV method at every budget; means over samples and tasks.
 - ``evicted_keys_<backbone>``: PCA projections of the keys evicted from the main cache for chosen
   layers and KV heads, coloured by residual cluster, from ``scripts.evicted_keys``.
 
@@ -27,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
+from scripts.results_frame import layers_frame  # noqa: E402
 from scripts.tables import (  # noqa: E402
     METHOD_NAMES,
     RESIDUAL_SUFFIX,
@@ -194,6 +199,49 @@ def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) ->
     return save(figure, out_dir, f"evicted_keys_{backbone.replace('/', '--')}")
 
 
+def layer_figures(layers, out_dir: Path) -> list[Path]:
+    """Per-layer attention error and residual share (the quality measures), one figure per setting."""
+    paths = []
+    compressed = layers[layers["setting"].notna()]
+    groups = compressed.groupby(["backbone", "benchmark", "length", "setting"])
+    for (backbone, benchmark, length, setting), rows in groups:
+        means = rows.groupby(["method", "ratio", "layer"])[["attention_error", "residual_share"]].mean()
+        tightest = rows["ratio"].max()
+        figure, (error_axis, share_axis) = plt.subplots(1, 2, figsize=(11, 3.6))
+        for method in sorted(set(rows["method"])):
+            if (method, tightest) in means.index.droplevel("layer"):
+                curve = means.loc[(method, tightest)]
+                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=method_name(method))
+            if method.endswith(RESIDUAL_SUFFIX):
+                for ratio in sorted(set(rows.loc[rows["method"] == method, "ratio"])):
+                    curve = means.loc[(method, ratio)]
+                    share_axis.plot(
+                        curve.index,
+                        curve["residual_share"],
+                        marker=".",
+                        label=f"{method_name(method)} {ratio:g}",
+                    )
+        error_axis.set(
+            xlabel="layer",
+            ylabel="||o - o_full|| / ||o_full||",
+            title=f"(a) attention error, ratio {tightest:g}",
+        )
+        share_axis.set(
+            xlabel="layer", ylabel="attention mass on residual entries", title="(b) residual share"
+        )
+        for axis in (error_axis, share_axis):
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=7)
+        samples = len(rows[["task", "index"]].drop_duplicates())
+        figure.suptitle(
+            f"{backbone_name(backbone)}, {benchmark_name(benchmark, length)}, {SETTING_NAMES[setting]}: "
+            f"{samples} samples, every layer fed the full cache's hidden states"
+        )
+        name = f"layers_{backbone.replace('/', '--')}_{benchmark}-{length}_{setting}"
+        paths += save(figure, out_dir, name)
+    return paths
+
+
 def all_figures(results_dir: Path, out_dir: Path) -> list[Path]:
     """Every figure whose data is present under ``results_dir``; says which is missing and how to make it."""
     runs_dir = results_dir / "runs"
@@ -201,6 +249,7 @@ def all_figures(results_dir: Path, out_dir: Path) -> list[Path]:
     paths = budget_figures(index, out_dir)
     if not paths:
         print(f"budget figures: no results under {runs_dir}; `make run` (or python run.py) produces them")
+    paths += layer_figures(layers_frame(results_dir), out_dir)
     bench_dir = runs_dir / "_bench"
     for kind, draw in (
         ("efficiency", lambda data: efficiency_figure(data, out_dir)),

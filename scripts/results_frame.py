@@ -25,6 +25,9 @@ divergence when the runner records them. The per-layer, per-KV-head lists of ``c
 (``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
 layers and heads. Other lists (references, token ids) are left out.
 
+``layers_frame(results_dir)``: one row per configuration, sample and layer with the quality
+measures' per-layer attention error and residual share (``layers.csv``).
+
 ``configs`` adds ``samples_total`` (the sample range the files cover), ``n_recorded``
 (samples present, scored or skipped), ``n_samples`` (scored), ``n_skipped``, ``task_samples``
 (the most samples any configuration of the task has: ``samples_total`` or recorded), ``score``
@@ -191,6 +194,33 @@ def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     counts = ["n_samples", "n_skipped", "n_recorded", "samples_total", "task_samples"]
     configs[counts] = configs[counts].astype("Int64")  # integers, empty on unavailable rows
     return samples, configs, warnings
+
+
+LAYER_MEASURES = ("attention_error", "residual_share")  # reskv.quality's per-layer lists
+
+
+def layers_frame(results_dir: str | Path) -> pd.DataFrame:
+    """One row per configuration, sample and layer with the quality measures' per-layer values
+    (``attention_error``, ``residual_share``; ``reskv.quality``), for samples that carry them."""
+    results, _, _ = load_results(Path(results_dir) / "runs")
+    rows = []
+    for result in results:
+        configuration = {**result.key.to_json(), **label_parts(result.key.method)}
+        for index, record in sorted(result.samples.items()):
+            quality = record.get("quality") or {}
+            columns = [quality.get(f"{name}_by_layer") for name in LAYER_MEASURES]
+            if any(column is None for column in columns):
+                continue
+            for layer, values in enumerate(zip(*columns, strict=True)):
+                rows.append(
+                    {
+                        **configuration,
+                        "index": index,
+                        "layer": layer,
+                        **dict(zip(LAYER_MEASURES, values, strict=True)),
+                    }
+                )
+    return pd.DataFrame(rows, columns=[*KEY_COLUMNS, *LABEL_COLUMNS, "index", "layer", *LAYER_MEASURES])
 
 
 def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) -> list[Path]:

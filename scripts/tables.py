@@ -3,7 +3,8 @@
     python -m scripts.tables [--results-dir results] [--out-dir results/tables] [--show-n]
 
 Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
-and the frames themselves as ``results.csv`` (one row per configuration) and ``samples.csv``:
+and the frames themselves as ``results.csv`` (one row per configuration), ``samples.csv`` and, where
+the quality measures ran, ``layers.csv`` (per layer; the quality tables are scripts.quality_tables):
 
 - ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
   per setting x method x backbone x length x retained budget, a full-cache row, bold for the better
@@ -41,7 +42,7 @@ import pandas as pd
 import benchmarks
 from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench import ENGLISH_TASKS
-from scripts.results_frame import TASK_COLUMNS, frames_from_runs, write_frames
+from scripts.results_frame import TASK_COLUMNS, frames_from_runs, layers_frame, write_frames
 from scripts.results_store import FULL_METHOD
 
 # Baselines with a +ResKV pair, in the paper's row order (AdaKV first), then methods without one.
@@ -801,6 +802,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir = args.out_dir or args.results_dir / "tables"
     write_tables(tables, out_dir, args.show_n)
     frames = write_frames(samples, configs, out_dir)
+    layers = layers_frame(args.results_dir)
+    if len(layers):
+        layers.to_csv(out_dir / "layers.csv", index=False)
+        frames.append(out_dir / "layers.csv")
     print(
         f"{len(tables)} tables written to {out_dir} (.tex, .md, .csv; tables.md has them all); "
         f"the results as data: {', '.join(path.name for path in frames)}"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.figures import layer_figures
+from scripts.results_frame import layers_frame
 from scripts.results_store import SCHEMA, ResultKey
 from scripts.tables import ResultIndex, all_tables, to_markdown
 
@@ -42,13 +44,16 @@ def sample(index: int, method: str, values: tuple) -> dict:
             "kl": kl,
             "attention_error": error,
             "residual_share": 0.1 if method.endswith("+reskv") else 0.0,
+            "attention_error_by_layer": [error, 2 * error],
+            "residual_share_by_layer": [0.2, 0.0] if method.endswith("+reskv") else [0.0, 0.0],
         },
     }
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory) -> dict:
-    runs_dir = tmp_path_factory.mktemp("results") / "runs"
+def results_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("results")
+    runs_dir = root / "runs"
     for method, tasks in SAMPLES.items():
         for task, values in tasks.items():
             key = ResultKey(BACKBONE, "ruler", 4096, task, "aware", method, 0.9)
@@ -58,7 +63,12 @@ def tables(tmp_path_factory) -> dict:
             path.write_text(
                 json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 2, "samples": samples})
             )
-    index, warnings = ResultIndex.from_directory(runs_dir)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tables(results_dir) -> dict:
+    index, warnings = ResultIndex.from_directory(results_dir / "runs")
     assert warnings == []
     return {table.name: to_markdown(table) for table in all_tables(index)}
 
@@ -88,10 +98,24 @@ def test_pair_summary_counts_configurations_and_mean_differences(tables):
 
 def test_quality_table_means_over_shared_samples_and_residual_footprint(tables):
     quality = tables["quality_smollm2-135m_ruler-4096"]
-    # SnapKV on the three shared samples: gap (-2 - 1 - 4) / 3, KL (.5 + .2 + 1) / 3, error (.1 + .05 + .2) / 3.
+    # SnapKV on the three shared samples: gap (-2 - 1 - 4) / 3, KL (.5 + .2 + 1) / 3,
+    # error (.1 + .05 + .2) / 3.
     snapkv = row(quality, "| 10% | q-Aware | SnapKV")
     assert snapkv[4:11] == ["-2.333", "0.5667", "0.1167", "0.000", "0.0", "0.0", "3"]
     # +ResKV: gap (-3 + .5 - 2) / 3 = -1.5, KL (.4 + .25 + .9) / 3, error (.08 + .05 + .1) / 3; entries
     # in 3 of 4 (layer, head) pairs, r / b = 2 / 40.
     reskv = row(quality, "|  |  | +ResKV")
     assert reskv[4:11] == ["-1.500", "0.5167", "0.0767", "0.100", "75.0", "5.0", "3"]
+
+
+def test_layers_frame_and_figure_hold_every_sample_layer(results_dir, tmp_path):
+    layers = layers_frame(results_dir)
+    assert len(layers) == 7 * 2  # 7 samples with measures, 2 layers each
+    reskv_vt = layers[(layers["method"] == "snapkv+reskv") & (layers["task"] == "vt")]
+    assert reskv_vt["attention_error"].tolist() == [0.10, 0.20]  # [error, 2 * error]
+    assert reskv_vt["residual_share"].tolist() == [0.2, 0.0]
+    paths = layer_figures(layers, tmp_path)
+    assert sorted(path.name for path in paths) == [
+        "layers_smollm2-135m_ruler-4096_aware.pdf",
+        "layers_smollm2-135m_ruler-4096_aware.png",
+    ]
