@@ -15,6 +15,8 @@ For every backbone, benchmark and length whose samples carry the measures:
 - ``pairs_summary_<backbone>_<benchmark>-<length>``: the same pairs counted per configuration (task
   x budget x setting, means over its shared samples) and per base method, with the mean difference
   +ResKV minus base: the paper's "beats its base in 63 of 64 configurations" for each measure.
+- ``proxy_<backbone>_<benchmark>-<length>``: how often the validation proxy chose each residual
+  size of the grid, per +ResKV method, budget and setting (from ``results_frame.heads_frame``).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import numpy as np
 import pandas as pd
 
 from baselines import RESIDUAL_SUFFIX
+from reskv.config import ResidualConfig
 from scripts.results_frame import OPTIONS_SEPARATOR
 from scripts.results_store import FULL_METHOD
 from scripts.tables import (
     CMIDRULE,
+    METHOD_NAMES,
     MIDRULE,
     PAIRED_BASES,
     SETTING_NAMES,
@@ -256,7 +260,63 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
     return table
 
 
-def quality_tables(index: ResultIndex) -> list[Table]:
+def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
+    """How often the validation proxy chose each residual size of the grid, per +ResKV method."""
+    backbone, benchmark, length = where
+    rows = heads[
+        (heads["backbone"] == backbone)
+        & (heads["benchmark"] == benchmark)
+        & (heads["length"] == length)
+        & heads["residual"]
+    ]
+    if rows.empty:
+        return None
+    grid = [value for value in ResidualConfig().grid if value > 0]
+    # r = floor(g * b + 0.5) (reskv.proxy.candidate_sizes): the grid value nearest to r / b.
+    share = rows["residual_slots"] / rows["budget"]
+    nearest = pd.Series(
+        np.array(grid)[np.abs(share.to_numpy()[:, None] - np.array(grid)).argmin(1)], rows.index
+    )
+    rows = rows.assign(choice=nearest.where(rows["residual_slots"] > 0, 0.0))
+    table = Table(
+        f"proxy_{backbone.replace('/', '--')}_{benchmark}-{length}",
+        f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: the residual size the validation "
+        "proxy chose, as the share (%) of (layer, KV head) pairs per grid value r / b (0: main cache only).",
+        f"tab:{benchmark}{length}_{backbone}_proxy",
+        ["Budget", "Setting", "Method"],
+        [[("r = 0", 1), *((f"{value:g}", 1) for value in grid), ("Entries / r", 1), ("Heads", 1)]],
+        notes=[
+            "Entries / r: residual entries built over slots chosen (fewer when clusters end empty); "
+            "Heads: (layer, KV head) pairs counted over all samples. Without validation every head "
+            "gets the fixed ratio."
+        ],
+    )
+    previous = None
+    groups = rows.groupby(["ratio", "setting", "method"], sort=False)
+    for (ratio, setting, method), group in sorted(
+        groups, key=lambda item: (-item[0][0], item[0][1], item[0][2])
+    ):
+        counts = group["choice"].value_counts(normalize=True)
+        cells = [Cell(100 * counts.get(value, 0.0), digits=1) for value in [0.0, *grid]]
+        chosen = group["residual_slots"].sum()
+        cells.append(Cell(group["residual_entries"].sum() / chosen if chosen else None, digits=3))
+        cells.append(Cell(float(len(group)), digits=0))
+        table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
+        previous = (ratio, setting)
+        label = method.replace(RESIDUAL_SUFFIX, "+ResKV", 1)
+        base, _, options = label.partition(OPTIONS_SEPARATOR)
+        name = (
+            METHOD_NAMES.get(base.removesuffix("+ResKV"), base)
+            + "+ResKV"
+            + (f" ({options})" if options else "")
+        )
+        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], name], cells))
+    return table
+
+
+def quality_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
+    """The quality, pairs and pairs-summary tables; with ``heads``
+    (``scripts.results_frame.heads_frame``) also the proxy's choices."""
     samples = index.samples
     if KL not in samples.columns:
         return []
@@ -269,4 +329,6 @@ def quality_tables(index: ResultIndex) -> list[Table]:
         pairs = pairs_frame(index, where)
         if not pairs.empty:
             tables += [pairs_table(index, where, pairs), pairs_summary_table(where, pairs)]
+        if heads is not None and (table := proxy_table(where, heads)):
+            tables.append(table)
     return tables

@@ -28,6 +28,9 @@ layers and heads. Other lists (references, token ids) are left out.
 ``layers_frame(results_dir)``: one row per configuration, sample and layer with the quality
 measures' per-layer attention error and residual share (``layers.csv``).
 
+``heads_frame(results_dir)``: one row per compressing configuration, sample, layer and KV head
+with its budget, main slots, chosen residual slots and residual entries.
+
 ``configs`` adds ``samples_total`` (the sample range the files cover), ``n_recorded``
 (samples present, scored or skipped), ``n_samples`` (scored), ``n_skipped``, ``task_samples``
 (the most samples any configuration of the task has: ``samples_total`` or recorded), ``score``
@@ -221,6 +224,36 @@ def layers_frame(results_dir: str | Path) -> pd.DataFrame:
                     }
                 )
     return pd.DataFrame(rows, columns=[*KEY_COLUMNS, *LABEL_COLUMNS, "index", "layer", *LAYER_MEASURES])
+
+
+HEAD_STATS = ("main_slots", "residual_slots", "residual_entries")  # cache_stats per layer and KV head
+
+
+def heads_frame(results_dir: str | Path) -> pd.DataFrame:
+    """One row per configuration, sample, layer and KV head of a compressing method: its ``budget``,
+    ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built."""
+    results, _, _ = load_results(Path(results_dir) / "runs")
+    rows = []
+    for result in results:
+        configuration = {**result.key.to_json(), **label_parts(result.key.method)}
+        for index, record in sorted(result.samples.items()):
+            stats = record.get("cache_stats") or {}
+            if not stats.get("compressed"):
+                continue
+            for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), strict=True)):
+                for head, values in enumerate(zip(*per_head, strict=True)):
+                    rows.append(
+                        {
+                            **configuration,
+                            "index": index,
+                            "layer": layer,
+                            "head": head,
+                            "budget": stats["budget"],
+                            **dict(zip(HEAD_STATS, values, strict=True)),
+                        }
+                    )
+    columns = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "layer", "head", "budget", *HEAD_STATS]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) -> list[Path]:

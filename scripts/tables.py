@@ -42,7 +42,7 @@ import pandas as pd
 import benchmarks
 from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench import ENGLISH_TASKS
-from scripts.results_frame import TASK_COLUMNS, frames_from_runs, layers_frame, write_frames
+from scripts.results_frame import TASK_COLUMNS, frames_from_runs, heads_frame, layers_frame, write_frames
 from scripts.results_store import FULL_METHOD
 
 # Baselines with a +ResKV pair, in the paper's row order (AdaKV first), then methods without one.
@@ -746,7 +746,9 @@ def ablation_tables(index: ResultIndex) -> list[Table]:
     return tables
 
 
-def all_tables(index: ResultIndex) -> list[Table]:
+def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
+    """Every table the results support; ``heads`` (``results_frame.heads_frame``) adds the proxy's
+    choices to the quality tables."""
     tables = [
         table for table in (averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS) if table
     ]
@@ -758,7 +760,7 @@ def all_tables(index: ResultIndex) -> list[Table]:
             ]
     from scripts.quality_tables import quality_tables  # it builds on this module's Table and ResultIndex
 
-    return tables + cam_tables(index) + ablation_tables(index) + quality_tables(index)
+    return tables + cam_tables(index) + ablation_tables(index) + quality_tables(index, heads)
 
 
 def write_tables(tables: Sequence[Table], out_dir: Path, show_n: bool = False) -> list[Path]:
@@ -798,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     samples, configs, warnings = frames_from_runs(args.results_dir / "runs")
     for warning in warnings:
         print(f"warning: {warning}")
-    tables = all_tables(ResultIndex(samples, configs))
+    tables = all_tables(ResultIndex(samples, configs), heads_frame(args.results_dir))
     out_dir = args.out_dir or args.results_dir / "tables"
     write_tables(tables, out_dir, args.show_n)
     frames = write_frames(samples, configs, out_dir)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from scripts.figures import layer_figures
-from scripts.results_frame import layers_frame
+from scripts.quality_tables import proxy_table
+from scripts.results_frame import heads_frame, layers_frame
 from scripts.results_store import SCHEMA, ResultKey
 from scripts.tables import ResultIndex, all_tables, to_markdown
 
@@ -35,7 +36,9 @@ def sample(index: int, method: str, values: tuple) -> dict:
         "index": index,
         "score": score,
         "cache_stats": {
+            "compressed": True,
             "budget": 40,
+            "main_slots": [[36, 40], [38, 38]],
             "residual_entries": RESIDUAL_ENTRIES[method],
             "residual_slots": RESIDUAL_SLOTS[method],
         },
@@ -119,3 +122,14 @@ def test_layers_frame_and_figure_hold_every_sample_layer(results_dir, tmp_path):
         "layers_smollm2-135m_ruler-4096_aware.pdf",
         "layers_smollm2-135m_ruler-4096_aware.png",
     ]
+
+
+def test_proxy_table_counts_heads_per_grid_value(results_dir):
+    heads = heads_frame(results_dir)
+    assert len(heads) == 7 * 4  # 7 samples x 2 layers x 2 KV heads
+    table = to_markdown(proxy_table(("smollm2-135m", "ruler", 4096), heads))
+    # Per sample r = [[4, 0], [2, 2]] of b = 40: r / b = 0.1, 0, 0.05, 0.05 -> 25% main only, 50% at
+    # 0.05, 25% at 0.1; entries [[2, 0], [1, 1]]: 4 of 8 slots; 3 samples x 4 heads.
+    assert row(table, "| 10% | q-Aware | SnapKV+ResKV")[3:] == [
+        "25.0", "50.0", "25.0", "0.0", "0.0", "0.500", "12"
+    ]  # fmt: skip
