@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from reskv.engine import Method
 
 log = logging.getLogger(__name__)
+OPTIONS_SEPARATOR = "~"  # a method label: the method name, "~", the options that differ (method_label)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -98,17 +99,26 @@ def method_label(method: str, residual: ResidualConfig, h2o_window_only: bool) -
     }
     if not changed:
         return method
-    return method + "~" + ",".join(f"{name}={_option_text(changed[name])}" for name in sorted(changed))
+    return (
+        method
+        + OPTIONS_SEPARATOR
+        + ",".join(f"{name}={_option_text(changed[name])}" for name in sorted(changed))
+    )
 
 
 @dataclass(frozen=True)
 class GridEntry:
-    """One configuration of the grid; ``setting`` and ``ratio`` are None for the full cache."""
+    """One configuration of the grid; ``setting`` and ``ratio`` are None for the full cache.
+
+    ``residual`` and ``h2o_window_only`` are the options this entry runs with: the plan's, with
+    the overrides its method list entry names (``snapkv+reskv~validate=false``)."""
 
     method: str
     ratio: float | None
     setting: str | None
     label: str
+    residual: ResidualConfig = ResidualConfig()
+    h2o_window_only: bool = False
 
     def key(self, plan: Plan, task: str) -> ResultKey:
         return ResultKey(
@@ -158,7 +168,7 @@ class Plan:
 
     def identity(self, entry: GridEntry, dtype: str) -> dict[str, Any]:
         """What a result file must agree on to be resumed (stored as its ``config``)."""
-        options = method_options(entry.method, self.residual, self.h2o_window_only)
+        options = method_options(entry.method, entry.residual, entry.h2o_window_only)
         return {
             "backbone": {"name": self.backbone, "dtype": dtype},
             "benchmark": {"name": self.benchmark, "length": self.length, "options": self.benchmark_options},
@@ -193,6 +203,48 @@ def _ratio(value: Any) -> float:
     return float(value)
 
 
+def _option_value(text: str) -> Any:
+    """A method option's value as written in a label (``_option_text``'s inverse)."""
+    if text in ("true", "false"):
+        return text == "true"
+    if "-" in text.lstrip("-"):  # a grid: 0-0.05-0.1
+        return tuple(_option_value(part) for part in text.split("-"))
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(
+    entry: str, residual: ResidualConfig, h2o_window_only: bool
+) -> tuple[str, ResidualConfig, bool]:
+    """A method list entry, a name optionally followed by option overrides in the label syntax
+    (``method_label``): ``snapkv+reskv~validate=false``, ``h2o~h2o_window_only=true``. Returns the
+    name and the options it runs with (the plan's, overridden), so ablations can share a grid."""
+    name, _, overrides = entry.partition(OPTIONS_SEPARATOR)
+    _choose("method", [name], METHODS)
+    if not overrides:
+        return name, residual, h2o_window_only
+    values = {}
+    for part in overrides.split(","):
+        option, separator, text = part.partition("=")
+        if not separator:
+            raise PlanError(f"method option {part!r} of {entry!r} must be written name=value")
+        values[option] = _option_value(text)
+    if "h2o_window_only" in values:
+        if name.removesuffix(RESIDUAL_SUFFIX) != "h2o":
+            raise PlanError(f"{entry!r}: h2o_window_only applies to h2o and h2o+reskv only")
+        h2o_window_only = bool(values.pop("h2o_window_only"))
+    if values and not name.endswith(RESIDUAL_SUFFIX):
+        raise PlanError(f"{entry!r}: ResKV options {sorted(values)} need a {RESIDUAL_SUFFIX} method")
+    if values:
+        current = {spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)}
+        residual = residual_config({**current, **values})
+    return name, residual, h2o_window_only
+
+
 def build_grid(
     methods: Sequence[str],
     ratios: Sequence[float],
@@ -201,14 +253,20 @@ def build_grid(
     h2o_window_only: bool,
 ) -> tuple[GridEntry, ...]:
     """Every (method, ratio, setting); the full cache once (it compresses nothing and its two
-    settings are the same computation, see ``reskv.engine``)."""
+    settings are the same computation, see ``reskv.engine``). A method may carry option overrides
+    (``parse_method``)."""
     entries = []
-    for method in methods:
-        label = method_label(method, residual, h2o_window_only)
+    for entry in methods:
+        method, options, window_only = parse_method(entry, residual, h2o_window_only)
+        label = method_label(method, options, window_only)
         if method == FULL_METHOD:
-            entries.append(GridEntry(method, None, None, label))
+            entries.append(GridEntry(method, None, None, label, options, window_only))
             continue
-        entries.extend(GridEntry(method, ratio, setting, label) for setting in settings for ratio in ratios)
+        entries.extend(
+            GridEntry(method, ratio, setting, label, options, window_only)
+            for setting in settings
+            for ratio in ratios
+        )
     return tuple(dict.fromkeys(entries))
 
 
@@ -221,7 +279,6 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     settings = tuple(as_list(config["setting"]))
     if not methods or not settings:
         raise PlanError("method and setting need at least one value each")
-    _choose("method", methods, METHODS)
     _choose("setting", settings, SETTINGS)
     ratios = tuple(_ratio(value) for value in as_list(config["ratio"]))
     if not ratios and set(methods) != {FULL_METHOD}:
@@ -402,21 +459,21 @@ class GridRun:
     on_sample: Callable[[], None] = lambda: None
     on_finished: Callable[[GridEntry, str, dict[str, Any] | None], None] = lambda entry, task, document: None
     files: dict[tuple[str, GridEntry], ResultFile] = field(default_factory=dict)
-    methods: dict[tuple[str, float | None], Method] = field(default_factory=dict)
+    methods: dict[tuple[str, float | None], Method] = field(default_factory=dict)  # by (label, ratio)
 
     def __post_init__(self) -> None:
         from baselines import build_method
 
         plan = self.plan
         for entry in plan.grid:
-            if (entry.method, entry.ratio) not in self.methods:
-                residual = plan.residual if entry.method.endswith(RESIDUAL_SUFFIX) else None
-                self.methods[entry.method, entry.ratio] = build_method(
+            if (entry.label, entry.ratio) not in self.methods:
+                residual = entry.residual if entry.method.endswith(RESIDUAL_SUFFIX) else None
+                self.methods[entry.label, entry.ratio] = build_method(
                     entry.method,
                     entry.ratio,
                     residual=residual,
                     seed=plan.seed,
-                    h2o_window_only=plan.h2o_window_only,
+                    h2o_window_only=entry.h2o_window_only,
                 )
 
     @property
@@ -555,14 +612,14 @@ class GridRun:
                     self.backbone,
                     item.prompt_ids,
                     item.context_length,
-                    [self.methods[other.method, other.ratio] for other in served],
+                    [self.methods[other.label, other.ratio] for other in served],
                 )
                 if any(other.setting != "agnostic" for other in served):
                     # The question's prefill now, shared, rather than inside the first query-aware
                     # generation's compress_s (where it made the full cache's compress_s non-zero).
                     prefill.observations("aware")
             generation = prefill.generate(
-                self.methods[entry.method, entry.ratio],
+                self.methods[entry.label, entry.ratio],
                 entry.setting or "aware",
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=item.stop_token_ids,

@@ -52,12 +52,12 @@ import pandas as pd
 import benchmarks
 from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench_e import BUCKETS, bucket_scores
+from scripts.experiment import OPTIONS_SEPARATOR
 from scripts.results_store import TaskResult, load_results
 
 KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
 TASK_COLUMNS = KEY_COLUMNS[:4]
 LABEL_COLUMNS = ["base_method", "residual", "options"]
-OPTIONS_SEPARATOR = "~"  # scripts.experiment.method_label: method name, "~", the differing options
 STATUSES = ("complete", "partial", "unavailable")
 # The columns every frame has, even an empty one (no results yet).
 SAMPLE_COLUMNS = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "score", "skipped"]

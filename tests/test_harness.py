@@ -50,6 +50,13 @@ def final_files(results_dir: Path) -> dict[str, dict]:
         ("num_samples=0", ["num_samples 0"]),
         ("reskv.final_selection=best", ["final_selection 'best'", "base", "fit"]),
         ("backbone.quality=sometimes", ["backbone.quality 'sometimes'", "true or false"]),
+        (
+            "method=['snapkv~validate=false']",
+            ["'snapkv~validate=false'", "ResKV options ['validate']", "+reskv"],
+        ),
+        ("method=['snapkv+reskv~nope=1']", ["unknown reskv option(s) ['nope']", "validate"]),
+        ("method=['snapkv+reskv~validate']", ["'validate'", "name=value"]),
+        ("method=['tova~h2o_window_only=true']", ["h2o_window_only applies to h2o"]),
     ],
 )
 def test_bad_overrides_fail_with_the_valid_choices(override, expected, tmp_path):
@@ -240,6 +247,31 @@ def test_quality_measures_are_recorded_when_the_backbone_switch_is_on(tmp_path, 
     if switch:
         assert sample["quality"]["kl"] > 0
         assert len(sample["quality"]["attention_error_by_layer"]) == 2  # tiny-llama's layers
+
+
+def test_a_method_with_options_in_the_grid_equals_its_own_ablation_run(tmp_path, ruler_cache):
+    """``method=[..., 'snapkv+reskv~validate=false']`` shares the grid's prefill and files exactly
+    what ``ablation=no_validation`` run alone files (same label, identity and samples)."""
+    common = [*TINY_RULER, "benchmark.tasks=[vt]", "num_samples=1", "ratio=0.9", "setting=agnostic"]
+    combined = plan_for(
+        [*common, "method=[snapkv+reskv,'snapkv+reskv~validate=false',h2o,'h2o~h2o_window_only=true']"],
+        tmp_path / "combined",
+        ruler_cache,
+    )
+    labels = [entry.label for entry in combined.grid]
+    assert labels == ["snapkv+reskv", "snapkv+reskv~validate=false", "h2o", "h2o~h2o_window_only=true"]
+    alone = plan_for(
+        [*common, "method=snapkv+reskv", "ablation=no_validation"], tmp_path / "alone", ruler_cache
+    )
+    assert combined.identity(combined.grid[1], "float32") == alone.identity(alone.grid[0], "float32")
+    backbone = load_backbone("tiny-llama")
+    run_plan(combined, backbone)
+    run_plan(alone, backbone)
+    combined_files, alone_files = final_files(tmp_path / "combined"), final_files(tmp_path / "alone")
+    (name,) = alone_files
+    assert "snapkv+reskv~validate=false" in name
+    for sample, other in zip(combined_files[name]["samples"], alone_files[name]["samples"], strict=True):
+        assert deterministic_view(sample) == deterministic_view(other)
 
 
 def test_unavailable_task_is_marked_not_scored(tmp_path, ruler_cache):
