@@ -45,9 +45,9 @@ def joint_attention(
     scaling: float,
     rule: DecodeRule,
     evicted_fraction: Tensor | None = None,
-) -> Tensor:
-    """ResKV attention output ``[H_kv, Q, d]`` (fp32) over residual entries and main cache held together
-    (``joint_attention_parts`` without the residual share).
+    with_residual_share: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """ResKV attention output ``[H_kv, Q, d]`` (fp32) over residual entries and main cache held together.
 
     ``keys``/``values`` ``[H_kv, r + n, d]`` hold the ``r = residual_slots`` entries first, then
     the main cache; ``bias`` (broadcastable to ``[H_kv, Q, r + n]``) is additive: ``beta * log(c_j)``
@@ -59,32 +59,18 @@ def joint_attention(
     gate gives exactly the main-only output. ``keys``/``values`` are read in fp32, which copies
     nothing when the cache is fp32. ``evicted_fraction`` (``[H_kv]``, ``|E| / s``) is
     needed only by the no-shared-softmax ablation.
+
+    ``with_residual_share`` also returns ``1 - w`` ``[H_kv, Q]``: the softmax mass the residual
+    entries received (without the shared softmax, the gate-weighted mixing weight of the residual
+    branch), 0 where there is no residual (``reskv.quality``).
     """
-    return joint_attention_parts(
-        queries, keys, values, bias, residual_slots, scaling, rule, evicted_fraction
-    )[0]
-
-
-def joint_attention_parts(
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    bias: Tensor,
-    residual_slots: int,
-    scaling: float,
-    rule: DecodeRule,
-    evicted_fraction: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``joint_attention``'s output and the residual share ``1 - w`` ``[H_kv, Q]``: the softmax mass
-    the residual entries received (with the shared softmax; without it, the gate-weighted mixing
-    weight of the residual branch), 0 where there is no residual."""
     values = values.float()
     logits = torch.matmul(queries.float(), keys.float().transpose(1, 2)).mul_(scaling).add_(bias)
     main_logits, residual_logits = logits[..., residual_slots:], logits[..., :residual_slots]
     main_lse = torch.logsumexp(main_logits, dim=-1)
     main_output = _softmax_output(main_logits, main_lse, values[:, residual_slots:])
     if residual_slots == 0:
-        return main_output, main_lse.new_zeros(main_lse.shape)
+        return (main_output, torch.zeros_like(main_lse)) if with_residual_share else main_output
     gate = gate_values(main_logits.amax(dim=-1), main_lse, rule)
     if rule.shared_softmax:
         residual_logits.add_(torch.log(gate)[..., None])
@@ -98,7 +84,7 @@ def joint_attention_parts(
         has_residual = torch.isfinite(residual_lse)
         main_weight = torch.where(has_residual, 1 - gate * evicted_fraction[:, None], torch.ones_like(gate))
     output = main_weight[..., None] * main_output + (1 - main_weight[..., None]) * residual_output
-    return output, 1 - main_weight
+    return (output, 1 - main_weight) if with_residual_share else output
 
 
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:

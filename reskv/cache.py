@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import joint_attention_parts, joint_buffers
+from reskv.attention import joint_attention, joint_buffers
 from reskv.compress import CompressedLayerState, additive_mask
 from reskv.config import DecodeRule
 from reskv.scoring import LayerObservation, accumulated_attention
@@ -220,7 +220,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def attend_parts(self, query: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
         """The attention output ``[1, q, H, d]`` and the residual share ``[H, q]`` of ``query``
-        ``[1, H, q, d]`` (``reskv.attention.joint_attention_parts``)."""
+        ``[1, H, q, d]`` (``reskv.attention.joint_attention``)."""
         _, num_heads, query_len, head_dim = query.shape
         num_kv_heads, key_len = self.keys.shape[1], self.keys.shape[2]
         bias = self._bias[..., : self.length]
@@ -232,7 +232,7 @@ class CompressedLayer(CacheLayerMixin):
             )
             causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
             bias = bias + torch.nn.functional.pad(causal, (self.residual_slots, 0))[None]
-        output, residual_share = joint_attention_parts(
+        output, residual_share = joint_attention(
             query[0].reshape(num_kv_heads, -1, head_dim),
             self._keys[0, :, : self.length],
             self._values[0, :, : self.length],
@@ -241,6 +241,7 @@ class CompressedLayer(CacheLayerMixin):
             scaling,
             self.rule,
             self.evicted_fraction,
+            with_residual_share=True,
         )
         output = output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
         return output, residual_share.reshape(num_heads, query_len)

@@ -200,60 +200,55 @@ def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[s
 
 
 LAYER_MEASURES = ("attention_error", "residual_share")  # reskv.quality's per-layer lists
+HEAD_STATS = ("main_slots", "residual_slots", "residual_entries")  # cache_stats per layer and KV head
+
+
+def _expanded_frame(results_dir: str | Path, expand, columns: list[str]) -> pd.DataFrame:
+    """Rows ``expand(record)`` yields for every sample record (dicts of ``columns``), each with its
+    configuration and sample index in front."""
+    results, _, _ = load_results(Path(results_dir) / "runs")
+    rows = [
+        {**result.key.to_json(), **label_parts(result.key.method), "index": index, **row}
+        for result in results
+        for index, record in sorted(result.samples.items())
+        for row in expand(record)
+    ]
+    return pd.DataFrame(rows, columns=[*KEY_COLUMNS, *LABEL_COLUMNS, "index", *columns])
+
+
+def _layer_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    quality = record.get("quality") or {}
+    columns = [quality.get(f"{name}_by_layer") for name in LAYER_MEASURES]
+    if any(column is None for column in columns):
+        return
+    for layer, values in enumerate(zip(*columns, strict=True)):
+        yield {"layer": layer, **dict(zip(LAYER_MEASURES, values, strict=True))}
 
 
 def layers_frame(results_dir: str | Path) -> pd.DataFrame:
     """One row per configuration, sample and layer with the quality measures' per-layer values
     (``attention_error``, ``residual_share``; ``reskv.quality``), for samples that carry them."""
-    results, _, _ = load_results(Path(results_dir) / "runs")
-    rows = []
-    for result in results:
-        configuration = {**result.key.to_json(), **label_parts(result.key.method)}
-        for index, record in sorted(result.samples.items()):
-            quality = record.get("quality") or {}
-            columns = [quality.get(f"{name}_by_layer") for name in LAYER_MEASURES]
-            if any(column is None for column in columns):
-                continue
-            for layer, values in enumerate(zip(*columns, strict=True)):
-                rows.append(
-                    {
-                        **configuration,
-                        "index": index,
-                        "layer": layer,
-                        **dict(zip(LAYER_MEASURES, values, strict=True)),
-                    }
-                )
-    return pd.DataFrame(rows, columns=[*KEY_COLUMNS, *LABEL_COLUMNS, "index", "layer", *LAYER_MEASURES])
+    return _expanded_frame(results_dir, _layer_rows, ["layer", *LAYER_MEASURES])
 
 
-HEAD_STATS = ("main_slots", "residual_slots", "residual_entries")  # cache_stats per layer and KV head
+def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    stats = record.get("cache_stats") or {}
+    if not stats.get("compressed"):
+        return
+    for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), strict=True)):
+        for head, values in enumerate(zip(*per_head, strict=True)):
+            yield {
+                "layer": layer,
+                "head": head,
+                "budget": stats["budget"],
+                **dict(zip(HEAD_STATS, values, strict=True)),
+            }
 
 
 def heads_frame(results_dir: str | Path) -> pd.DataFrame:
-    """One row per configuration, sample, layer and KV head of a compressing method: its ``budget``,
+    """One row per compressing configuration, sample, layer and KV head: its ``budget``,
     ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built."""
-    results, _, _ = load_results(Path(results_dir) / "runs")
-    rows = []
-    for result in results:
-        configuration = {**result.key.to_json(), **label_parts(result.key.method)}
-        for index, record in sorted(result.samples.items()):
-            stats = record.get("cache_stats") or {}
-            if not stats.get("compressed"):
-                continue
-            for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), strict=True)):
-                for head, values in enumerate(zip(*per_head, strict=True)):
-                    rows.append(
-                        {
-                            **configuration,
-                            "index": index,
-                            "layer": layer,
-                            "head": head,
-                            "budget": stats["budget"],
-                            **dict(zip(HEAD_STATS, values, strict=True)),
-                        }
-                    )
-    columns = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "layer", "head", "budget", *HEAD_STATS]
-    return pd.DataFrame(rows, columns=columns)
+    return _expanded_frame(results_dir, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
 
 
 def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) -> list[Path]:

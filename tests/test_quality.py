@@ -11,7 +11,7 @@ import torch
 
 from baselines import build_method
 from benchmarks.item import Item
-from reskv.attention import joint_attention_parts, joint_bias
+from reskv.attention import joint_attention, joint_bias
 from reskv.config import ResidualConfig
 from reskv.engine import Method, Prefill
 from reskv.quality import FORCED_STEPS, kl_divergence, sequence_log_prob
@@ -135,7 +135,7 @@ def test_residual_share_is_the_softmax_mass_on_the_entries():
     log_counts = torch.tensor([[0.0, math.log(3.0), float("-inf")], [math.log(2.0), 0.0, 0.0]])
     rule = ResidualConfig()
     bias = joint_bias(log_counts, None, 6, rule.beta)
-    _, share = joint_attention_parts(queries, keys, values, bias, 3, 0.5, rule)
+    _, share = joint_attention(queries, keys, values, bias, 3, 0.5, rule, with_residual_share=True)
     logits = queries @ keys.transpose(1, 2) * 0.5 + bias
     main_probs = logits[..., 3:].softmax(-1)
     gate = torch.sigmoid(rule.alpha * (rule.tau - main_probs.amax(-1))).clamp(min=rule.g_min)

@@ -99,7 +99,8 @@ def test_niah_needles_answer_the_question(task, items, tokenizer):
         assert sorted(answers) == sorted(item.references)
         assert len(item.references) == config["num_needle_q"] * config["num_needle_v"]
         assert len(item.metadata["needle_depths"]) == config["num_needle_k"] * config["num_needle_v"] or (
-            config["num_needle_q"] > 1)
+            config["num_needle_q"] > 1
+        )
 
 
 def test_single_answer_rewording_spares_the_system_prompt(items, tokenizer):
@@ -119,7 +120,7 @@ def test_vt_references_are_the_chain_from_the_asked_value(items, tokenizer):
     for item in items["vt"]:
         context, question = texts(item, tokenizer)
         value = re.search(r"assigned the value (\d+) in the text above", question).group(1)
-        sample = context[context.rindex("Memorize and track"):]  # after the in-context example
+        sample = context[context.rindex("Memorize and track") :]  # after the in-context example
         assignments = dict(re.findall(r"VAR (\w+) = (VAR \w+|\d+)", sample))
         chain, sources = [], {f"{value}"}
         while True:
@@ -138,7 +139,7 @@ def test_vt_references_are_the_chain_from_the_asked_value(items, tokenizer):
 def test_cwe_references_are_the_most_repeated_words(items, tokenizer):
     for item in items["cwe"]:
         context, _ = texts(item, tokenizer)
-        sample = context[context.rindex("<|im_start|>user"):]
+        sample = context[context.rindex("<|im_start|>user") :]
         counts = Counter(re.findall(r"\d+\. (\S+)", sample))
         assert {word: counts[word] for word in item.references} == dict.fromkeys(item.references, 30)
         assert set(counts.values()) == {30, 3}
@@ -150,7 +151,7 @@ def test_cwe_references_are_the_most_repeated_words(items, tokenizer):
 def test_fwe_references_are_the_three_most_frequent_coded_words(items, tokenizer):
     for item in items["fwe"]:
         context, _ = texts(item, tokenizer)
-        coded = context[context.index("coded words. ") + len("coded words. "):]
+        coded = context[context.index("coded words. ") + len("coded words. ") :]
         ranked = [word for word, _ in Counter(coded.split()).most_common(4)]
         assert ranked[0] == "..."
         assert ranked[1:] == list(item.references)
@@ -215,8 +216,19 @@ def test_bad_length_or_count_is_rejected(tokenizer):
 def test_command_line_shows_items_with_their_token_counts(capsys):
     from benchmarks.ruler.__main__ import main
 
-    main(["--task", "niah_single_1", "--length", "1024", "--num-samples", "2", "--no-cache",
-          "--show-chars", "80"])
+    main(
+        [
+            "--task",
+            "niah_single_1",
+            "--length",
+            "1024",
+            "--num-samples",
+            "2",
+            "--no-cache",
+            "--show-chars",
+            "80",
+        ]
+    )
     shown = capsys.readouterr().out
     assert shown.count("=== niah_single_1 #") == 2
     counts = r"#0: \d+ prompt tokens \(context \d+, question \d+\) \+ 128 to generate = \d+ / 1024"
@@ -226,9 +238,13 @@ def test_command_line_shows_items_with_their_token_counts(capsys):
 
 def test_punkt_english_parameters_split_like_nltk():
     assert split_sentences("Dr. Smith paid $5.50 to Mr. Jones at 5 p.m. on Jan. 3. They left.") == [
-        "Dr. Smith paid $5.50 to Mr. Jones at 5 p.m. on Jan. 3.", "They left."]
+        "Dr. Smith paid $5.50 to Mr. Jones at 5 p.m. on Jan. 3.",
+        "They left.",
+    ]
     assert split_sentences("It works.It does not split here. But here.") == [
-        "It works.It does not split here.", "But here."]
+        "It works.It does not split here.",
+        "But here.",
+    ]
 
 
 def test_essay_haystack_is_the_49_wheel_essays():
