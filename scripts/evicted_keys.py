@@ -4,10 +4,11 @@
         [--method snapkv+reskv] [--ratio 0.9] [--heads 4:0 20:1] [--results-dir results]
 
 Prefills one RULER prompt's context (the query-agnostic cache), compresses every layer with the
-method and, for each chosen (layer, KV head), stores the evicted keys (the prompt's keys that
-are not in the main cache) with the index of their residual entry. The entry of a key is its
-nearest residual mean key, which is the k-means assignment up to the last centre update. With
-``--heads auto`` the two (layer, head) pairs holding the most residual entries are shown.
+method and, for each chosen (layer, KV head), stores the PCA projection of the evicted keys (the
+prompt's keys that are not in the main cache) with the index of their residual entry. The entry
+of a key is its nearest residual mean key, which is the k-means assignment up to the last centre
+update. With ``--heads auto`` the two (layer, head) pairs holding the most residual entries are
+shown.
 Report: ``<results-dir>/runs/_bench/evicted_keys_<backbone>.json``; ``make figures`` draws it.
 """
 
@@ -18,6 +19,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import benchmarks
@@ -25,6 +27,13 @@ from baselines import build_method
 from reskv.backbones import load_backbone
 from reskv.compress import compress_layer
 from reskv.engine import Prefill
+
+
+def pca_projection(points: np.ndarray) -> np.ndarray:
+    """The first two principal components of ``points`` ([n, d]) by SVD of the centred data."""
+    centred = points - points.mean(axis=0, keepdims=True)
+    _, _, components = np.linalg.svd(centred, full_matrices=False)
+    return centred @ components[:2].T
 
 
 def evicted_with_clusters(keys: torch.Tensor, kept: torch.Tensor, residual_keys: torch.Tensor) -> tuple:
@@ -71,7 +80,12 @@ def collect(
             {
                 "layer": layer_idx,
                 "head": head,
-                "keys": evicted.tolist(),
+                # The 2-D PCA projection, not the d-dimensional keys: what the figure draws, in a
+                # fraction of the space (5 significant digits).
+                "projection": [
+                    [float(f"{value:.5g}") for value in point]
+                    for point in pca_projection(evicted.double().numpy()).tolist()
+                ],
                 "clusters": clusters.tolist(),
                 "residual_entries": int(valid_residual.sum()),
             }

@@ -174,20 +174,13 @@ def budget_note(index: ResultIndex, backbone: str, benchmark: str, length: int, 
     return "\n".join(lines)
 
 
-def pca_projection(points: np.ndarray) -> np.ndarray:
-    """The first two principal components of ``points`` ([n, d]) by SVD of the centred data."""
-    centred = points - points.mean(axis=0, keepdims=True)
-    _, _, components = np.linalg.svd(centred, full_matrices=False)
-    return centred @ components[:2].T
-
-
 def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) -> list[Path]:
-    """PCA of evicted keys per panel (``layer``, ``head``, ``keys`` [n, d], ``clusters`` [n])."""
+    """PCA of evicted keys per panel (``layer``, ``head``, ``projection`` [n, 2], ``clusters`` [n])."""
     figure, axes = plt.subplots(
         1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, layout="constrained"
     )
     for axis, panel in zip(axes[0], panels, strict=True):
-        projected = pca_projection(np.asarray(panel["keys"], dtype=np.float64))
+        projected = np.asarray(panel["projection"], dtype=np.float64)
         axis.scatter(projected[:, 0], projected[:, 1], c=panel["clusters"], cmap="tab20", s=6)
         axis.set_title(
             f"layer {panel['layer']}, KV head {panel['head']} ({len(set(panel['clusters']))} clusters)",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import scripts.figures
-from scripts.evicted_keys import evicted_with_clusters
-from scripts.figures import all_figures, efficiency_figure, evicted_keys_figure, pca_projection
+from scripts.evicted_keys import evicted_with_clusters, pca_projection
+from scripts.figures import all_figures, efficiency_figure, evicted_keys_figure
 from scripts.results_store import SCHEMA, ResultKey
 from scripts.tables import ResultIndex
 
@@ -76,7 +76,7 @@ def test_every_figure_is_written_from_the_results_directory(tmp_path):
         {
             "layer": layer,
             "head": 0,
-            "keys": generator.normal(size=(40, 8)).tolist(),
+            "projection": generator.normal(size=(40, 2)).tolist(),
             "clusters": [index % 4 for index in range(40)],
         }
         for layer in (3, 7)
@@ -101,7 +101,12 @@ def test_every_figure_is_written_from_the_results_directory(tmp_path):
 @pytest.mark.parametrize("panel_count", [1, 3])
 def test_evicted_keys_figure_takes_any_number_of_panels(tmp_path, panel_count):
     panels = [
-        {"layer": 0, "head": head, "keys": np.eye(6)[:5].tolist(), "clusters": [0, 0, 1, 1, 2]}
+        {
+            "layer": 0,
+            "head": head,
+            "projection": np.eye(2)[[0, 0, 1, 1, 0]].tolist(),
+            "clusters": [0, 0, 1, 1, 2],
+        }
         for head in range(panel_count)
     ]
     assert [path.suffix for path in evicted_keys_figure(panels, "tiny-llama", tmp_path)] == [".png", ".pdf"]
