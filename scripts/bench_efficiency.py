@@ -26,6 +26,7 @@ import torch
 from baselines import build_method
 from reskv.backbones import Backbone, load_backbone
 from reskv.engine import Prefill
+from scripts.bench_engine import machine_header
 
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -102,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--results-dir", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
     backbone = load_backbone(args.backbone)
+    machine = {"start": machine_header()}
     rows = measure(backbone, args.lengths, args.methods, args.ratio, args.new_tokens)
     out = args.results_dir / "runs" / "_bench" / f"efficiency_{args.backbone.replace('/', '--')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "ratio": args.ratio,
                 "new_tokens": args.new_tokens,
                 "memory_kind": memory_kind(backbone),
+                "machine": {**machine, "end": machine_header()},  # cores, threads, torch, load average
                 "rows": rows,
             },
             indent=1,
