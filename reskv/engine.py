@@ -260,6 +260,8 @@ class Prefill:
         the question (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt."""
         reference = self._reference()
         whole = self._prompt_state()
+        # A long reference (a LongBench summary) is cut where the backbone's positions end.
+        answer_ids = answer_ids[: self.max_positions - len(self.prompt_ids)]
         quality: dict = {"answer_tokens": len(answer_ids)}
         if answer_ids:
             if answer_ids not in reference.answer_log_probs:

@@ -155,6 +155,14 @@ def test_residual_share_is_measured_where_the_cache_has_entries(prefill):
     assert plain.quality["residual_share"] == 0.0
 
 
+def test_an_answer_past_the_backbone_positions_is_cut_where_they_end(prefill, monkeypatch):
+    monkeypatch.setattr(prefill, "max_positions", len(prefill.prompt_ids) + FORCED_STEPS + 2)
+    quality = prefill.generate(
+        build_method("snapkv", 0.7), "aware", max_new_tokens=2, answer_ids=ANSWER * 10
+    ).quality
+    assert quality["answer_tokens"] == FORCED_STEPS + 2
+
+
 def test_without_answer_ids_nothing_is_measured(prefill):
     assert prefill.generate(build_method("snapkv", 0.7), "aware", max_new_tokens=2).quality is None
 
