@@ -107,7 +107,7 @@ def test_ctrl_c_ends_with_one_resume_line(tmp_path, ruler_cache):
         sys.executable,
         "run.py",
         *TINY_VT,
-        "num_samples=20",
+        "num_samples=200",  # long enough that SIGINT lands mid-run even on a loaded machine
         "method=snapkv",
         f"results_dir={tmp_path}",
         f"benchmark.options.cache_dir={ruler_cache}",
