@@ -162,10 +162,11 @@ def closer(base: pd.Series, reskv: pd.Series, reading: str) -> pd.Series:
 COMPARED = (("score", "higher"), *((column, reading) for _, column, _, reading in MEASURES))
 
 
-def wins(frame: pd.DataFrame, column: str, reading: str) -> pd.Series:
-    """Rows of a pairs frame where +ResKV beats its base on ``column``."""
-    base, reskv = frame[f"{column}:base"], frame[f"{column}:reskv"]
-    return reskv > base if reading == "higher" else closer(base, reskv, reading)
+def wins(frame: pd.DataFrame, column: str, reading: str, side: str = "reskv") -> pd.Series:
+    """Rows of a pairs frame where ``side`` (+ResKV, or ``"base"``) strictly beats the other on ``column``."""
+    other = "base" if side == "reskv" else "reskv"
+    theirs, ours = frame[f"{column}:{other}"], frame[f"{column}:{side}"]
+    return ours > theirs if reading == "higher" else closer(theirs, ours, reading)
 
 
 def pairs_frame(index: ResultIndex, where: tuple) -> pd.DataFrame:
@@ -220,11 +221,19 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
     table = Table(
         f"pairs_summary_{backbone.replace('/', '--')}_{benchmark}-{length}",
         f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: configurations (task x budget x "
-        "setting) where +ResKV beats its baseline (k/n: higher score, closer to the full cache), "
-        "and the mean difference +ResKV minus baseline (score in points).",
+        "setting) where +ResKV beats its baseline and where the baseline beats it (k/n: higher score, "
+        "closer to the full cache; ties count for neither), and the mean difference +ResKV minus "
+        "baseline (score in points).",
         f"tab:{benchmark}{length}_{backbone}_pairs_summary",
         ["Baseline", "Setting"],
-        [[("Configurations won", len(heads)), ("Mean difference", len(heads))], heads + heads],
+        [
+            [
+                ("Configurations won", len(heads)),
+                ("Configurations lost", len(heads)),
+                ("Mean difference", len(heads)),
+            ],
+            heads * 3,
+        ],
         notes=["A configuration's values are means over the samples both methods ran. " + NOTES[0]],
     )
     groups = [
@@ -243,9 +252,13 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
     for number, (name, setting, rows) in enumerate(groups):
         if rows.empty:
             continue
-        won = [
-            Cell(count=(int(wins(rows, column, reading).sum()), len(rows))) for column, reading in COMPARED
-        ]
+        won, lost = (
+            [
+                Cell(count=(int(wins(rows, column, reading, side).sum()), len(rows)))
+                for column, reading in COMPARED
+            ]
+            for side in ("reskv", "base")
+        )
         differences = [
             Cell(
                 float((rows[f"{column}:reskv"] - rows[f"{column}:base"]).mean())
@@ -256,7 +269,7 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
         ]
         if name == "All" and groups[number - 1][0] != "All":
             table.body.append(MIDRULE)
-        table.body.append(Row([name, setting], won + differences))
+        table.body.append(Row([name, setting], won + lost + differences))
     return table
 
 
