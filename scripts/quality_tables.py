@@ -70,10 +70,15 @@ NOTES = [
 ]
 
 
-def method_name(label: str) -> str:
-    """Row name of a method label: ``+ResKV``, ``SnapKV``, or the label's options for variants."""
+def method_name(label: str, standalone: bool = False) -> str:
+    """Row name of a method label: ``+ResKV`` under its baseline's row, ``SnapKV+ResKV`` standing
+    alone (``standalone``, or a label with options, which gets its own block), options in brackets."""
     method, _, options = label.partition(OPTIONS_SEPARATOR)
-    name = method_row_name(method)
+    if standalone or options:
+        base = method.removesuffix(RESIDUAL_SUFFIX)
+        name = METHOD_NAMES.get(base, base) + ("+ResKV" if method.endswith(RESIDUAL_SUFFIX) else "")
+    else:
+        name = method_row_name(method)
     return f"{name} ({options})" if options else name
 
 
@@ -316,14 +321,9 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
         cells.append(Cell(float(len(group)), digits=0))
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
-        label = method.replace(RESIDUAL_SUFFIX, "+ResKV", 1)
-        base, _, options = label.partition(OPTIONS_SEPARATOR)
-        name = (
-            METHOD_NAMES.get(base.removesuffix("+ResKV"), base)
-            + "+ResKV"
-            + (f" ({options})" if options else "")
+        table.body.append(
+            Row([retained(ratio), SETTING_NAMES[setting], method_name(method, standalone=True)], cells)
         )
-        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], name], cells))
     return table
 
 
