@@ -197,11 +197,22 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
     table = Table(
         f"pairs_{backbone.replace('/', '--')}_{benchmark}-{length}",
         f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: tasks where +ResKV scores "
-        "higher than its baseline, and samples where it is closer to the full cache (strictly; k/n).",
+        "higher than its baseline, samples where it is closer to the full cache (strictly; k/n), and "
+        "its mean distance to the full cache relative to the baseline's.",
         f"tab:{benchmark}{length}_{backbone}_pairs",
         ["Budget", "Setting", "Baseline"],
-        [[("Score (tasks)", 1), *((f"{head} (samples)", 1) for head, _, _, _ in MEASURES)]],
-        notes=["Ties count for neither side. " + NOTES[0]],
+        [
+            [("Closer to full (k/n)", 1 + len(MEASURES)), ("+ResKV vs baseline, mean (%)", len(MEASURES))],
+            [
+                ("Score (tasks)", 1),
+                *((f"{head} (samples)", 1) for head, _, _, _ in MEASURES),
+                *((f"{'|LL gap|' if reading == 'abs' else head}", 1) for head, _, _, reading in MEASURES),
+            ],
+        ],
+        notes=[
+            "Ties count for neither side; the last columns compare the means over the pair's samples "
+            "(+ResKV / baseline - 1, in percent; negative is closer to the full cache). " + NOTES[0]
+        ],
     )
     previous = None
     for (ratio, setting, base), group in pairs.groupby(["ratio", "setting", "base"], sort=False):
@@ -211,6 +222,12 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
             Cell(count=(int(wins(group, column, reading).sum()), len(group)))
             for _, column, _, reading in MEASURES
         ]
+        for _, column, _, reading in MEASURES:
+            base_values, reskv_values = group[f"{column}:base"], group[f"{column}:reskv"]
+            if reading == "abs":
+                base_values, reskv_values = base_values.abs(), reskv_values.abs()
+            base_mean = base_values.mean()
+            cells.append(Cell(100 * (reskv_values.mean() / base_mean - 1) if base_mean else None, digits=1))
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
         table.body.append(Row([retained(ratio), SETTING_NAMES[setting], method_row_name(base)], cells))
