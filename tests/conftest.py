@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import signal
 
 import pytest
 import torch
@@ -33,3 +34,10 @@ def tiny(request):
 def random_prompt(length: int, seed: int = 0, vocab: int = 40000) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab, (length,), generator=generator).tolist()
+
+
+def default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so Python turns it into KeyboardInterrupt
+    even when the tests themselves were started with SIGINT ignored (a background job of a
+    non-interactive shell inherits SIG_IGN, and Python then installs no handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

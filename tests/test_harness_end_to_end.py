@@ -22,6 +22,7 @@ import pytest
 
 from scripts.results_store import deterministic_view
 from scripts.tables import main as write_tables
+from tests.conftest import default_sigint
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE_FILES = 2 * 2 * 2 * 2  # tasks x methods x ratios x settings
@@ -68,6 +69,7 @@ def interrupt_smoke(results_dir: Path, ruler_cache: Path, signal_number: int, af
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=default_sigint,
     )
     deadline = time.monotonic() + 600
     try:

@@ -27,6 +27,7 @@ from baselines.names import METHODS
 from reskv.backbones import load_backbone
 from scripts.experiment import GridRun, compose_plan, load_task_items, run_plan
 from scripts.results_store import load_results, summarize
+from tests.conftest import default_sigint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_VT = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=4", "benchmark.tasks=[vt]"]
@@ -107,12 +108,19 @@ def test_ctrl_c_ends_with_one_resume_line(tmp_path, ruler_cache):
         sys.executable,
         "run.py",
         *TINY_VT,
-        "num_samples=200",  # long enough that SIGINT lands mid-run even on a loaded machine
+        "num_samples=20",
         "method=snapkv",
         f"results_dir={tmp_path}",
         f"benchmark.options.cache_dir={ruler_cache}",
     ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     deadline = time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline:
         journals = list((tmp_path / "runs").rglob("*.jsonl")) if (tmp_path / "runs").exists() else []
