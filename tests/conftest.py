@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,8 +38,14 @@ def random_prompt(length: int, seed: int = 0, vocab: int = 40000) -> list[int]:
     return torch.randint(100, vocab, (length,), generator=generator).tolist()
 
 
-def default_sigint() -> None:
-    """In the child before exec: SIGINT back to its default, so Python turns it into KeyboardInterrupt
-    even when the tests themselves were started with SIGINT ignored (a background job of a
-    non-interactive shell inherits SIG_IGN, and Python then installs no handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def start_interruptible(command: list[str], **popen_options) -> subprocess.Popen:
+    """``command`` started in the repository root with SIGINT at its default in the child, so Python
+    turns it into KeyboardInterrupt even when the tests themselves were started with SIGINT ignored
+    (a background job of a non-interactive shell inherits SIG_IGN, and Python then installs no
+    handler)."""
+    return subprocess.Popen(
+        command,
+        cwd=Path(__file__).resolve().parent.parent,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **popen_options,
+    )

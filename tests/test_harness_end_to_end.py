@@ -22,7 +22,7 @@ import pytest
 
 from scripts.results_store import deterministic_view
 from scripts.tables import main as write_tables
-from tests.conftest import default_sigint
+from tests.conftest import start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE_FILES = 2 * 2 * 2 * 2  # tasks x methods x ratios x settings
@@ -63,13 +63,11 @@ def samples_on_disk(results_dir: Path) -> int:
 
 def interrupt_smoke(results_dir: Path, ruler_cache: Path, signal_number: int, after_records: int) -> None:
     """Start the smoke grid and send ``signal_number`` once ``after_records`` samples are on disk."""
-    process = subprocess.Popen(
+    process = start_interruptible(
         smoke_command(results_dir, ruler_cache),
-        cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=default_sigint,
     )
     deadline = time.monotonic() + 600
     try:

@@ -27,7 +27,7 @@ from baselines.names import METHODS
 from reskv.backbones import load_backbone
 from scripts.experiment import GridRun, compose_plan, load_task_items, run_plan
 from scripts.results_store import load_results, summarize
-from tests.conftest import default_sigint
+from tests.conftest import start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_VT = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=4", "benchmark.tasks=[vt]"]
@@ -113,14 +113,7 @@ def test_ctrl_c_ends_with_one_resume_line(tmp_path, ruler_cache):
         f"results_dir={tmp_path}",
         f"benchmark.options.cache_dir={ruler_cache}",
     ]
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=default_sigint,
-    )
+    process = start_interruptible(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline:
         journals = list((tmp_path / "runs").rglob("*.jsonl")) if (tmp_path / "runs").exists() else []
