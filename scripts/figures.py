@@ -31,7 +31,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
-from scripts.results_frame import layers_frame  # noqa: E402
+from scripts.results_frame import frames_from_results, layers_frame  # noqa: E402
+from scripts.results_store import load_results  # noqa: E402
 from scripts.tables import (  # noqa: E402
     METHOD_NAMES,
     RESIDUAL_SUFFIX,
@@ -238,11 +239,12 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
 def all_figures(results_dir: Path, out_dir: Path) -> list[Path]:
     """Every figure whose data is present under ``results_dir``; says which is missing and how to make it."""
     runs_dir = results_dir / "runs"
-    index, _ = ResultIndex.from_directory(runs_dir)
+    results, unavailable, _ = load_results(runs_dir)
+    index = ResultIndex(*frames_from_results(results, unavailable))
     paths = budget_figures(index, out_dir)
     if not paths:
         print(f"budget figures: no results under {runs_dir}; `make run` (or python run.py) produces them")
-    paths += layer_figures(layers_frame(results_dir), out_dir)
+    paths += layer_figures(layers_frame(results), out_dir)
     bench_dir = runs_dir / "_bench"
     for kind, draw in (
         ("efficiency", lambda data: efficiency_figure(data, out_dir)),

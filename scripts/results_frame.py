@@ -25,10 +25,11 @@ divergence when the runner records them. The per-layer, per-KV-head lists of ``c
 (``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
 layers and heads. Other lists (references, token ids) are left out.
 
-``layers_frame(results_dir)``: one row per configuration, sample and layer with the quality
-measures' per-layer attention error and residual share (``layers.csv``).
+``layers_frame(results)`` (``results`` as ``scripts.results_store.load_results`` reads them): one
+row per configuration, sample and layer with the quality measures' per-layer attention error and
+residual share (``layers.csv``).
 
-``heads_frame(results_dir)``: one row per compressing configuration, sample, layer and KV head
+``heads_frame(results)``: one row per compressing configuration, sample, layer and KV head
 with its budget, main slots, chosen residual slots and residual entries.
 
 ``configs`` adds ``samples_total`` (the sample range the files cover), ``n_recorded``
@@ -178,6 +179,13 @@ def configs_frame(results_dir: str | Path) -> pd.DataFrame:
 def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """``load_frames`` of the runs directory itself."""
     results, unavailable, warnings = load_results(runs_dir)
+    return (*frames_from_results(results, unavailable), warnings)
+
+
+def frames_from_results(
+    results: list[TaskResult], unavailable: list[dict[str, Any]]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The samples and configurations frames of results already read (``load_results``)."""
     rows = [row for result in results for row in _sample_rows(result)]
     samples = pd.DataFrame(rows or None, columns=None if rows else SAMPLE_COLUMNS)
     samples["score"] = samples["score"].astype(float)
@@ -196,17 +204,16 @@ def frames_from_runs(runs_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     configs = pd.concat([configs, missing], ignore_index=True) if len(missing) else configs
     counts = ["n_samples", "n_skipped", "n_recorded", "samples_total", "task_samples"]
     configs[counts] = configs[counts].astype("Int64")  # integers, empty on unavailable rows
-    return samples, configs, warnings
+    return samples, configs
 
 
 LAYER_MEASURES = ("attention_error", "residual_share")  # reskv.quality's per-layer lists
 HEAD_STATS = ("main_slots", "residual_slots", "residual_entries")  # cache_stats per layer and KV head
 
 
-def _expanded_frame(results_dir: str | Path, expand, columns: list[str]) -> pd.DataFrame:
+def _expanded_frame(results: list[TaskResult], expand, columns: list[str]) -> pd.DataFrame:
     """Rows ``expand(record)`` yields for every sample record (dicts of ``columns``), each with its
     configuration and sample index in front."""
-    results, _, _ = load_results(Path(results_dir) / "runs")
     rows = [
         {**result.key.to_json(), **label_parts(result.key.method), "index": index, **row}
         for result in results
@@ -225,10 +232,11 @@ def _layer_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {"layer": layer, **dict(zip(LAYER_MEASURES, values, strict=True))}
 
 
-def layers_frame(results_dir: str | Path) -> pd.DataFrame:
+def layers_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per configuration, sample and layer with the quality measures' per-layer values
-    (``attention_error``, ``residual_share``; ``reskv.quality``), for samples that carry them."""
-    return _expanded_frame(results_dir, _layer_rows, ["layer", *LAYER_MEASURES])
+    (``attention_error``, ``residual_share``; ``reskv.quality``), for samples that carry them;
+    ``results`` as ``scripts.results_store.load_results`` reads them."""
+    return _expanded_frame(results, _layer_rows, ["layer", *LAYER_MEASURES])
 
 
 def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -245,10 +253,11 @@ def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
             }
 
 
-def heads_frame(results_dir: str | Path) -> pd.DataFrame:
+def heads_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per compressing configuration, sample, layer and KV head: its ``budget``,
-    ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built."""
-    return _expanded_frame(results_dir, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
+    ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built;
+    ``results`` as ``scripts.results_store.load_results`` reads them."""
+    return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
 
 
 def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) -> list[Path]:

@@ -42,8 +42,15 @@ import pandas as pd
 import benchmarks
 from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench import ENGLISH_TASKS
-from scripts.results_frame import TASK_COLUMNS, frames_from_runs, heads_frame, layers_frame, write_frames
-from scripts.results_store import FULL_METHOD
+from scripts.results_frame import (
+    TASK_COLUMNS,
+    frames_from_results,
+    frames_from_runs,
+    heads_frame,
+    layers_frame,
+    write_frames,
+)
+from scripts.results_store import FULL_METHOD, load_results
 
 # Baselines with a +ResKV pair, in the paper's row order (AdaKV first), then methods without one.
 PAIRED_BASES = ("adakv", "snapkv", "h2o", "tova")
@@ -797,14 +804,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--show-n", action="store_true", help="append each cell's samples per task to the .md and .csv cells"
     )
     args = parser.parse_args(argv)
-    samples, configs, warnings = frames_from_runs(args.results_dir / "runs")
+    results, unavailable, warnings = load_results(args.results_dir / "runs")  # read once, used thrice
+    samples, configs = frames_from_results(results, unavailable)
     for warning in warnings:
         print(f"warning: {warning}")
-    tables = all_tables(ResultIndex(samples, configs), heads_frame(args.results_dir))
+    tables = all_tables(ResultIndex(samples, configs), heads_frame(results))
     out_dir = args.out_dir or args.results_dir / "tables"
     write_tables(tables, out_dir, args.show_n)
     frames = write_frames(samples, configs, out_dir)
-    layers = layers_frame(args.results_dir)
+    layers = layers_frame(results)
     if len(layers):
         layers.to_csv(out_dir / "layers.csv", index=False)
         frames.append(out_dir / "layers.csv")

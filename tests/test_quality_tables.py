@@ -11,7 +11,7 @@ import pytest
 from scripts.figures import layer_figures
 from scripts.quality_tables import proxy_table
 from scripts.results_frame import heads_frame, layers_frame
-from scripts.results_store import SCHEMA, ResultKey
+from scripts.results_store import SCHEMA, ResultKey, load_results
 from scripts.tables import ResultIndex, all_tables, to_markdown
 
 BACKBONE = "smollm2-135m"
@@ -115,7 +115,7 @@ def test_quality_table_means_over_shared_samples_and_residual_footprint(tables):
 
 
 def test_layers_frame_and_figure_hold_every_sample_layer(results_dir, tmp_path):
-    layers = layers_frame(results_dir)
+    layers = layers_frame(load_results(results_dir / "runs")[0])
     assert len(layers) == 7 * 2  # 7 samples with measures, 2 layers each
     reskv_vt = layers[(layers["method"] == "snapkv+reskv") & (layers["task"] == "vt")]
     assert reskv_vt["attention_error"].tolist() == [0.10, 0.20]  # [error, 2 * error]
@@ -128,7 +128,7 @@ def test_layers_frame_and_figure_hold_every_sample_layer(results_dir, tmp_path):
 
 
 def test_proxy_table_counts_heads_per_grid_value(results_dir):
-    heads = heads_frame(results_dir)
+    heads = heads_frame(load_results(results_dir / "runs")[0])
     assert len(heads) == 7 * 4  # 7 samples x 2 layers x 2 KV heads
     table = to_markdown(proxy_table(("smollm2-135m", "ruler", 4096), heads))
     # Per sample r = [[4, 0], [2, 2]] of b = 40: r / b = 0.1, 0, 0.05, 0.05 -> 25% main only, 50% at
