@@ -604,6 +604,7 @@ class GridRun:
                 log.warning("%s sample %d %s skipped: %s", task, index, entry.describe(), reason)
                 self._file(task, entry, skipped_record(index, item, max_new_tokens, reason))
         shared_by = len(runnable) if self.plan.share_prefill else 1
+        answer_ids = item.answer_ids(self.backbone.tokenizer) if self.plan.quality else None
         prefill = None
         for entry in runnable:
             if prefill is None or not self.plan.share_prefill:
@@ -624,7 +625,7 @@ class GridRun:
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=item.stop_token_ids,
                 min_new_tokens=min(item.min_new_tokens, max_new_tokens),
-                answer_ids=item.answer_ids(self.backbone.tokenizer) if self.plan.quality else None,
+                answer_ids=answer_ids,
             )
             score = benchmarks.score_item(item, generation.text)
             self._file(

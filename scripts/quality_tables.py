@@ -59,6 +59,7 @@ MEASURES = (
     ("KL", KL, 4, "value"),
     ("Attn. err.", ERROR, 4, "value"),
 )
+RESIDUAL_MASS = ("Res. mass", SHARE, 3, None)  # shown beside the measures, not compared
 NOTES = [
     "LL gap: answer log-likelihood under the method minus under the full cache (nats, teacher forced, "
     "first reference); KL: KL(full || method) of the next-token distributions over the first 16 decode "
@@ -106,7 +107,7 @@ def _quality_cells(index: ResultIndex, where: tuple, setting: str, ratio: float,
         own = shared[shared["method"] == method]
         score = index.average(backbone, benchmark, length, compared[method])
         cells = [score]
-        for column, digits in ((GAP, 3), (KL, 4), (ERROR, 4), (SHARE, 3)):
+        for _, column, digits, _ in (*MEASURES, RESIDUAL_MASS):
             cells.append(Cell(own[column].mean() if len(own) else None, digits=digits))
         footprint = [np.nan, np.nan]
         if method != FULL_METHOD and len(own):
@@ -140,7 +141,13 @@ def quality_table(index: ResultIndex, where: tuple) -> Table:
         [
             [
                 (head, 1)
-                for head in ("Score", "LL gap", "KL", "Attn. err.", "Res. mass", "Res. heads %", "r/b %", "n")
+                for head in (
+                    "Score",
+                    *(head for head, _, _, _ in (*MEASURES, RESIDUAL_MASS)),
+                    "Res. heads %",
+                    "r/b %",
+                    "n",
+                )
             ]
         ],
         notes=list(NOTES),
