@@ -8,7 +8,10 @@ validation proxy, k-means and final entries over all layers and heads) and its s
 prefill (target <= 10%); the same two in floating-point operations (``torch.utils.flop_counter``):
 the share construction would take at the prefill's FLOP rate (its smaller matmuls reach less),
 so kernel tuning alone cannot bring the time share much below it; decode seconds per token of ``snapkv``,
-``snapkv+reskv`` (target <= 1.05x) and the full cache. Last, ``reskv.compress.kmeans_peak_memory``
+``snapkv+reskv`` (target <= 1.05x) and the full cache. A second table isolates what the entries
+cost a decode step: one layer's ``joint_attention`` over the budget's slots, main cache only against
+``r = 0.1 b`` of them residual entries (random tensors of the model's shapes, hundreds of
+interleaved calls, so far less noisy than whole decode steps). Last, ``reskv.compress.kmeans_peak_memory``
 for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient MiB and seconds on this machine).
 Decode runs alternate between methods (A B C A B C ...) so machine noise hits all alike; every
 generation is forced to its full length (EOS ignored).
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
+import time
 
 import torch
 from rich.console import Console
@@ -27,8 +32,10 @@ from rich.table import Table
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from baselines import build_method
+from reskv.attention import joint_attention
 from reskv.backbones import load_backbone
 from reskv.compress import kmeans_peak_memory
+from reskv.config import ResidualConfig, budget_for
 from reskv.engine import Prefill
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -80,6 +87,27 @@ def decode_seconds_per_token(prefill: Prefill, names: list[str], ratio: float, t
             generation = prefill.generate(method, "aware", max_new_tokens=tokens)
             samples[name].append(generation.timings["decode_s"] / generation.timings["decode_tokens"])
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def attention_step_seconds(config, slots: int, entries: int, calls: int = 300) -> tuple[float, float]:
+    """Median seconds of one decode step's ``joint_attention`` for one layer of ``config``'s shapes
+    over ``slots`` slots: all main cache, and ``entries`` of them residual entries (calls interleaved)."""
+    num_kv_heads = config.num_key_value_heads
+    group = config.num_attention_heads // num_kv_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    queries = torch.randn(num_kv_heads, group, head_dim)
+    keys, values = torch.randn(2, num_kv_heads, slots, head_dim)
+    main_only = torch.zeros(num_kv_heads, 1, slots)
+    with_entries = main_only.clone()
+    with_entries[..., :entries] = torch.rand(num_kv_heads, 1, entries) * 5  # beta * log(count)
+    rule, scaling = ResidualConfig(), head_dim**-0.5
+    samples = {0: [], entries: []}
+    for _ in range(calls):
+        for residual_slots, bias in ((0, main_only), (entries, with_entries)):
+            start = time.perf_counter()
+            joint_attention(queries, keys, values, bias, residual_slots, scaling, rule)
+            samples[residual_slots].append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[entries])
 
 
 def machine_header() -> str:
@@ -163,6 +191,36 @@ def main() -> None:
                 f"{decode['snapkv+reskv'] / decode['full']:.3f}",
             )
     console.print(table)
+    config = backbone.model.config
+    steps = Table(title="Decode attention, one layer and step (joint_attention, medians of 300 calls)")
+    for column in (
+        "prompt tokens",
+        "ratio",
+        "slots b",
+        "entries r",
+        "main only us",
+        "with entries us",
+        "with / without",
+        f"extra ms per token ({config.num_hidden_layers} layers)",
+    ):
+        steps.add_column(column, justify="right")
+    for length in args.lengths:
+        prompt_tokens = len(haystack_prompt(backbone.tokenizer, length)[0])
+        for ratio in args.ratios:
+            slots = budget_for(prompt_tokens, ratio)
+            entries = math.floor(0.1 * slots + 0.5)
+            main_only, with_entries = attention_step_seconds(config, slots, entries)
+            steps.add_row(
+                str(prompt_tokens),
+                f"{ratio:.1f}",
+                str(slots),
+                str(entries),
+                f"{main_only * 1e6:.0f}",
+                f"{with_entries * 1e6:.0f}",
+                f"{with_entries / main_only:.2f}",
+                f"{(with_entries - main_only) * config.num_hidden_layers * 1e3:.1f}",
+            )
+    console.print(steps)
     if not args.skip_memory:
         memory = kmeans_peak_memory()
         console.print(
