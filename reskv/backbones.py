@@ -94,6 +94,11 @@ class Backbone:
         return self.model.config.num_hidden_layers
 
     @property
+    def head_dim(self) -> int:
+        config = self.model.config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 

@@ -128,8 +128,7 @@ class Prefill:
         self._check_positions(0)
         self.observation_window = max([DEFAULT_OBSERVATION_WINDOW] + [m.observation_window for m in methods])
         self.accumulate = any(m.needs_accumulated_attention for m in methods)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = head_dim**-0.5
+        self.scaling = backbone.head_dim**-0.5
         self.timings: dict[str, float] = {}
         start = time.perf_counter()
         cache = ResKVCache.for_prefill(config.num_hidden_layers, self.observation_window, self.accumulate)

@@ -89,25 +89,24 @@ def decode_seconds_per_token(prefill: Prefill, names: list[str], ratio: float, t
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def attention_step_seconds(config, slots: int, entries: int, calls: int = 300) -> tuple[float, float]:
-    """Median seconds of one decode step's ``joint_attention`` for one layer of ``config``'s shapes
+def attention_step_seconds(backbone, slots: int, entries: int, calls: int = 300) -> tuple[float, float]:
+    """Median seconds of one decode step's ``joint_attention`` for one layer of ``backbone``'s shapes
     over ``slots`` slots: all main cache, and ``entries`` of them residual entries (calls interleaved)."""
+    config, head_dim = backbone.model.config, backbone.head_dim
     num_kv_heads = config.num_key_value_heads
-    group = config.num_attention_heads // num_kv_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    queries = torch.randn(num_kv_heads, group, head_dim)
+    queries = torch.randn(num_kv_heads, config.num_attention_heads // num_kv_heads, head_dim)
     keys, values = torch.randn(2, num_kv_heads, slots, head_dim)
     main_only = torch.zeros(num_kv_heads, 1, slots)
     with_entries = main_only.clone()
     with_entries[..., :entries] = torch.rand(num_kv_heads, 1, entries) * 5  # beta * log(count)
     rule, scaling = ResidualConfig(), head_dim**-0.5
-    samples = {0: [], entries: []}
+    runs = {"main only": (0, main_only, []), "with entries": (entries, with_entries, [])}
     for _ in range(calls):
-        for residual_slots, bias in ((0, main_only), (entries, with_entries)):
+        for residual_slots, bias, seconds in runs.values():
             start = time.perf_counter()
             joint_attention(queries, keys, values, bias, residual_slots, scaling, rule)
-            samples[residual_slots].append(time.perf_counter() - start)
-    return statistics.median(samples[0]), statistics.median(samples[entries])
+            seconds.append(time.perf_counter() - start)
+    return tuple(statistics.median(seconds) for _, _, seconds in runs.values())
 
 
 def machine_header() -> str:
@@ -135,6 +134,18 @@ def main() -> None:
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # always decode the full length
     table = Table(title="Engine speed, SmolLM2-135M (medians; ratios within one run)")
+    steps = Table(title="Decode attention, one layer and step (joint_attention, medians of 300 calls)")
+    for column in (
+        "prompt tokens",
+        "ratio",
+        "slots b",
+        "entries r",
+        "main only us",
+        "with entries us",
+        "with / without",
+        f"extra ms per token ({backbone.num_layers} layers)",
+    ):
+        steps.add_column(column, justify="right")
     for column in (
         "prompt tokens",
         "ratio",
@@ -190,36 +201,20 @@ def main() -> None:
                 f"{decode['full']:.4f}",
                 f"{decode['snapkv+reskv'] / decode['full']:.3f}",
             )
-    console.print(table)
-    config = backbone.model.config
-    steps = Table(title="Decode attention, one layer and step (joint_attention, medians of 300 calls)")
-    for column in (
-        "prompt tokens",
-        "ratio",
-        "slots b",
-        "entries r",
-        "main only us",
-        "with entries us",
-        "with / without",
-        f"extra ms per token ({config.num_hidden_layers} layers)",
-    ):
-        steps.add_column(column, justify="right")
-    for length in args.lengths:
-        prompt_tokens = len(haystack_prompt(backbone.tokenizer, length)[0])
-        for ratio in args.ratios:
-            slots = budget_for(prompt_tokens, ratio)
+            slots = budget_for(len(prompt_ids), ratio)
             entries = math.floor(0.1 * slots + 0.5)
-            main_only, with_entries = attention_step_seconds(config, slots, entries)
+            main_only, with_entries = attention_step_seconds(backbone, slots, entries)
             steps.add_row(
-                str(prompt_tokens),
+                str(len(prompt_ids)),
                 f"{ratio:.1f}",
                 str(slots),
                 str(entries),
                 f"{main_only * 1e6:.0f}",
                 f"{with_entries * 1e6:.0f}",
                 f"{with_entries / main_only:.2f}",
-                f"{(with_entries - main_only) * config.num_hidden_layers * 1e3:.1f}",
+                f"{(with_entries - main_only) * backbone.num_layers * 1e3:.1f}",
             )
+    console.print(table)
     console.print(steps)
     if not args.skip_memory:
         memory = kmeans_peak_memory()
