@@ -73,7 +73,7 @@ def usage() -> str:
             __doc__.split("\n\n")[1].rstrip(),
             "",
             f"method=      {', '.join(METHODS)}",
-            "             a method may carry option overrides, quoted: \"method=[snapkv+reskv,"
+            '             a method may carry option overrides, quoted: "method=[snapkv+reskv,'
             "'snapkv+reskv~validate=false']\"",
             f"setting=     {', '.join(SETTINGS)}  (query-aware / query-agnostic compression)",
             "ratio=       fraction of the prompt's KV evicted, strictly in (0, 1); the paper uses "
