@@ -36,6 +36,7 @@ test-fast: assets
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Experiments (README, "Running experiments"). RESULTS is the results root run.py writes to.
 RESULTS ?= results
