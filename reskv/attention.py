@@ -15,12 +15,12 @@ from torch import Tensor
 from reskv.config import DecodeRule
 
 
-def gate_values(main_max: Tensor, main_lse: Tensor, rule: DecodeRule) -> Tensor:
-    """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` with ``p_max = exp(max(a) - lse_M)``."""
+def gate_values(main_mass: Tensor, rule: DecodeRule) -> Tensor:
+    """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` with ``p_max = exp(max(a) - lse_M)``,
+    which is ``1 / main_mass`` for ``main_mass = sum_p exp(a_p - max(a))``."""
     if not rule.gate:
-        return torch.ones_like(main_lse)
-    main_peak = torch.exp(main_max - main_lse)
-    return torch.sigmoid(rule.alpha * (rule.tau - main_peak)).clamp(min=rule.g_min)
+        return torch.ones_like(main_mass)
+    return torch.sigmoid(rule.alpha * (rule.tau - main_mass.reciprocal())).clamp(min=rule.g_min)
 
 
 def population_bias(log_counts: Tensor, beta: float) -> Tensor:
@@ -28,12 +28,6 @@ def population_bias(log_counts: Tensor, beta: float) -> Tensor:
     invariant 10): validity is read from the slot, never from ``beta * -inf`` (NaN when beta = 0)."""
     used = torch.isfinite(log_counts)
     return torch.where(used, beta * log_counts.masked_fill(~used, 0.0), float("-inf"))
-
-
-def _softmax_output(logits: Tensor, lse: Tensor, values: Tensor) -> Tensor:
-    """``softmax(logits) @ values`` given the row log-sum-exp; an all ``-inf`` row gives 0, not NaN."""
-    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(logits - finite_lse[..., None]) @ values
 
 
 def joint_attention(
@@ -52,39 +46,59 @@ def joint_attention(
     ``keys``/``values`` ``[H_kv, r + n, d]`` hold the ``r = residual_slots`` entries first, then
     the main cache; ``bias`` (broadcastable to ``[H_kv, Q, r + n]``) is additive: ``beta * log(c_j)``
     on the entries (``-inf`` on unused ones, ``population_bias``), 0 or ``-inf`` on main slots
-    (padding, causality). One matmul gives every logit; the gate reads the main part's max and
-    log-sum-exp. The shared softmax (reskv.md) is computed in its two-branch form on the two
-    slices: main output and log-sum-exp, residual output and log-sum-exp (``log g(q)`` added),
-    merged with ``w = sigmoid(lse_M - lse_R)``; it equals one softmax over all logits, and a closed
-    gate gives exactly the main-only output. ``keys``/``values`` are read in fp32, which copies
-    nothing when the cache is fp32. ``evicted_fraction`` (``[H_kv]``, ``|E| / s``) is
-    needed only by the no-shared-softmax ablation.
+    (padding, causality); every query must see at least one main slot. One matmul gives every logit.
 
-    ``with_residual_share`` also returns ``1 - w`` ``[H_kv, Q]``: the softmax mass the residual
-    entries received (without the shared softmax, the gate-weighted mixing weight of the residual
-    branch), 0 where there is no residual (``reskv.quality``).
+    The shared softmax (reskv.md) is computed with one normalisation over both parts: the main
+    part's weights ``exp(a - max(a))`` give its mass, from which the gate reads ``p_max = 1 / mass``,
+    and its unnormalised output; the entries' logits carry ``log g(q)``; both parts are then
+    referred to the larger of the two maxima (no weight above 1, whatever the entries' logits) and
+    ``output = (main weights @ V_M + entry weights @ V_R) / (main mass + entry mass)``. This is the
+    two-branch LSE merge's value in about half its tensor ops, which is what a decode step costs on
+    CPU and in kernel launches on GPU (issue 8). A closed gate gives every entry weight 0 and leaves
+    the main maximum the reference (scale ``exp(0) = 1``), so the output is bit for bit the
+    main-only one. ``keys``/``values`` are read in fp32, which copies nothing when the cache is
+    fp32. ``evicted_fraction`` (``[H_kv]``, ``|E| / s``) is needed only by the no-shared-softmax
+    ablation.
+
+    ``with_residual_share`` also returns ``[H_kv, Q]``: the softmax mass the residual entries
+    received (without the shared softmax, the gate-weighted mixing weight of the residual branch),
+    0 where there is no residual (``reskv.quality``).
     """
     values = values.float()
     logits = torch.matmul(queries.float(), keys.float().transpose(1, 2)).mul_(scaling).add_(bias)
     main_logits, residual_logits = logits[..., residual_slots:], logits[..., :residual_slots]
-    main_lse = torch.logsumexp(main_logits, dim=-1)
-    main_output = _softmax_output(main_logits, main_lse, values[:, residual_slots:])
+    main_values, residual_values = values[:, residual_slots:], values[:, :residual_slots]
+    main_max = main_logits.amax(dim=-1, keepdim=True)
+    main_weights = torch.exp(main_logits - main_max)
+    main_mass = main_weights.sum(dim=-1, keepdim=True)
+    main_output = main_weights @ main_values
     if residual_slots == 0:
-        return (main_output, torch.zeros_like(main_lse)) if with_residual_share else main_output
-    gate = gate_values(main_logits.amax(dim=-1), main_lse, rule)
+        output = main_output / main_mass
+        return (output, torch.zeros_like(main_mass[..., 0])) if with_residual_share else output
+    gate = gate_values(main_mass, rule)
     if rule.shared_softmax:
-        residual_logits.add_(torch.log(gate)[..., None])
-    residual_lse = torch.logsumexp(residual_logits, dim=-1)
-    residual_output = _softmax_output(residual_logits, residual_lse, values[:, :residual_slots])
-    if rule.shared_softmax:
-        main_weight = torch.sigmoid(main_lse - residual_lse)
+        residual_logits.add_(torch.log(gate))
+        shared_max = torch.maximum(main_max, residual_logits.amax(dim=-1, keepdim=True))
+        main_scale = torch.exp(main_max - shared_max)
+        residual_weights = torch.exp(residual_logits - shared_max)
+        residual_mass = residual_weights.sum(dim=-1, keepdim=True)
+        total_mass = main_mass * main_scale + residual_mass
+        output = (main_output * main_scale + residual_weights @ residual_values) / total_mass
+        residual_share = residual_mass / total_mass
     else:
         # Each branch normalised on its own, mixed as a post-hoc correction weighted by the gate
         # and the evicted share of the prompt: w = g(q) * |E| / s (this project's reading).
-        has_residual = torch.isfinite(residual_lse)
-        main_weight = torch.where(has_residual, 1 - gate * evicted_fraction[:, None], torch.ones_like(gate))
-    output = main_weight[..., None] * main_output + (1 - main_weight[..., None]) * residual_output
-    return (output, 1 - main_weight) if with_residual_share else output
+        residual_max = residual_logits.amax(dim=-1, keepdim=True)
+        residual_weights = torch.exp(residual_logits - residual_max.nan_to_num(neginf=0.0))
+        # A row with entries has mass >= 1 (its largest weight is exp(0)); one without has 0,
+        # and its output stays 0 instead of 0 / 0.
+        residual_mass = residual_weights.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        residual_output = (residual_weights @ residual_values) / residual_mass
+        residual_share = torch.where(
+            torch.isfinite(residual_max), gate * evicted_fraction[:, None, None], torch.zeros_like(gate)
+        )
+        output = (1 - residual_share) * (main_output / main_mass) + residual_share * residual_output
+    return (output, residual_share[..., 0]) if with_residual_share else output
 
 
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:

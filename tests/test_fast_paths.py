@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from baselines import build_scorer
-from reskv.attention import joint_attention
+from reskv.attention import joint_attention, residual_attention
 from reskv.cache import CompressedLayer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.config import DecodeRule
@@ -107,6 +107,96 @@ def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
     )
     assert int(torch.isfinite(log_counts).sum()) == 2 * 7 - 3  # entries exist, some unused
     torch.testing.assert_close(joint.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def lse_merge_attention(queries, main_keys, main_values, entries, scaling, rule: DecodeRule):
+    """reskv.md's two-branch form in float64: main output and log-sum-exp, residual output and
+    log-sum-exp (``log g`` on the entries), merged with ``w = sigmoid(lse_M - lse_R)``."""
+    keys, values, log_counts = entries
+    main_logits = queries.double() @ main_keys.double().transpose(1, 2) * scaling
+    main_lse = main_logits.logsumexp(dim=-1)
+    gate = torch.sigmoid(rule.alpha * (rule.tau - (main_logits.amax(dim=-1) - main_lse).exp()))
+    residual_logits = (
+        queries.double() @ keys.double().transpose(1, 2) * scaling
+        + rule.beta * log_counts.double()[:, None, :]
+        + gate.log()[..., None]
+    )
+    residual_lse = residual_logits.logsumexp(dim=-1)
+    main_output = (main_logits - main_lse[..., None]).exp() @ main_values.double()
+    residual_output = (residual_logits - residual_lse[..., None]).exp() @ values.double()
+    weight = torch.sigmoid(main_lse - residual_lse)[..., None]
+    return weight * main_output + (1 - weight) * residual_output
+
+
+def test_single_normalisation_equals_the_lse_merge(observation):
+    """Invariant 5 against the form reskv.md writes out: the one normalisation over ``[entries ;
+    main]`` that ``joint_attention`` computes equals the two-branch LSE merge."""
+    obs, rule = observation, DecodeRule()
+    keys, values, log_counts = random_entries(obs, slots=5, unused=0, seed=3)
+    # Sharpened copies of the last queries, so the gate spans open to nearly closed.
+    last = obs.queries[:, -2:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
+    queries = torch.cat([last * sharpness for sharpness in (1, 30, 100, 300)], dim=1)
+    main_peak = (queries @ obs.keys.transpose(1, 2) * obs.scaling).softmax(-1).amax(-1)
+    assert main_peak.min() < 0.05 and main_peak.max() > 0.5
+    output = residual_attention(
+        queries, obs.keys, obs.values, None, keys, values, log_counts, obs.scaling, rule
+    )
+    expected = lse_merge_attention(
+        queries, obs.keys, obs.values, (keys, values, log_counts), obs.scaling, rule
+    )
+    assert torch.isfinite(log_counts).all()  # every head has entries
+    torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_entries_far_above_the_main_logits_do_not_overflow(observation):
+    """An entry whose logit exceeds every main logit by more than fp32's exp range (88.7) still
+    gets its exact share: the weights are referred to the larger maximum, not the main one."""
+    obs, rule = observation, DecodeRule()
+    queries = obs.queries[:, -2:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
+    direction = queries.mean(dim=1, keepdim=True)  # [H_kv, 1, d]: one entry key per head
+    smallest_dot = (direction * queries).sum(-1).amin(-1)[:, None, None]
+    keys = direction * (200.0 / (obs.scaling * smallest_dot))  # every entry logit >= 200
+    values = torch.randn(obs.num_kv_heads, 1, obs.keys.shape[-1])
+    log_counts = torch.zeros(obs.num_kv_heads, 1)
+    entry_logits = (queries @ keys.transpose(1, 2))[..., 0] * obs.scaling
+    main_max = (queries @ obs.keys.transpose(1, 2)).amax(-1) * obs.scaling
+    assert (entry_logits - main_max > 100).all()
+    output = residual_attention(
+        queries, obs.keys, obs.values, None, keys, values, log_counts, obs.scaling, rule
+    )
+    expected = plain_attention(
+        queries,
+        obs.keys,
+        obs.values,
+        torch.zeros(obs.num_kv_heads, 1, obs.seq_len),
+        (keys, values, log_counts, None),
+        obs.scaling,
+        rule,
+    )
+    torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [DecodeRule(), DecodeRule(gate=False), DecodeRule(shared_softmax=False)],
+    ids=["default", "no-gate", "no-shared-softmax"],
+)
+def test_a_head_without_entries_gives_exactly_the_main_only_output(observation, rule):
+    """Head 0's entry slots are all unused (another head has entries, so the layer has slots):
+    its output is bit for bit the one computed with no entry slots at all, under every rule."""
+    obs = observation
+    keys, values, log_counts = random_entries(obs, slots=4, unused=4, seed=4)
+    queries = obs.queries[:, -3:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
+    evicted_fraction = torch.full((obs.num_kv_heads,), 0.4)
+    with_slots = residual_attention(
+        queries, obs.keys, obs.values, None, keys, values, log_counts, obs.scaling, rule, evicted_fraction
+    )
+    without = residual_attention(
+        queries, obs.keys, obs.values, None, keys[:, :0], values[:, :0], log_counts[:, :0], obs.scaling, rule
+    )
+    assert not torch.isfinite(log_counts[0]).any() and torch.isfinite(log_counts[1:]).all()
+    assert torch.equal(with_slots[0], without[0])
+    assert not torch.equal(with_slots[1:], without[1:])  # the other heads' entries do count
 
 
 def test_decode_buffer_equals_a_growing_concatenated_cache(observation, monkeypatch):

@@ -159,7 +159,8 @@ WITH_ENTRIES = dict(ratio=0.5, residual=ResidualConfig(validate=False, fixed_rat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_5_shared_softmax_equals_the_lse_merge(observation, dtype):
     """One softmax over [main ; residual] logits in float64, per query head with its own gate,
-    against the two-branch LSE merge (invariants 5 and 11)."""
+    against ``joint_attention``'s single normalisation (invariants 5 and 11; the LSE-merge form is
+    pinned in ``test_fast_paths``)."""
     obs = with_dtype(observation, dtype)
     rule = WITH_ENTRIES["residual"]
     state = compress_layer(obs, build_scorer("snapkv"), WITH_ENTRIES["ratio"], rule)
