@@ -11,7 +11,6 @@ deployed cache and the proxy's candidates alike.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from torch import Tensor
 
 from reskv.attention import residual_attention
 from reskv.config import DecodeRule, ResidualConfig, budget_for
-from reskv.residual import ResidualEntries, build_residual
+from reskv.residual import ResidualEntries, build_residual, residual_sizes
 from reskv.scoring import LayerObservation, TokenScorer
 from reskv.selection import gather_tokens, select_main
 
@@ -103,7 +102,7 @@ def build_cache(
 
 def fixed_sizes(config: ResidualConfig, budgets: Tensor, window: int) -> Tensor:
     """The "w/o validation" ablation: ``r = floor(fixed_ratio * b + 0.5)`` wherever ``m - |P| >= 0``."""
-    sizes = torch.floor(config.fixed_ratio * budgets.double() + 0.5).long()
+    sizes = residual_sizes(config.fixed_ratio, budgets)
     return sizes.masked_fill(budgets - sizes < window, 0)
 
 
@@ -175,7 +174,7 @@ def kmeans_peak_memory(
     scores = torch.rand(num_kv_heads, seq_len, generator=generator, device=device)
     budget = budget_for(seq_len, ratio)
     evicted = scores.argsort(dim=-1).argsort(dim=-1) < seq_len - budget  # the lowest-scored s - b tokens
-    sizes = torch.full((num_kv_heads,), math.floor(residual_ratio * budget + 0.5), device=device)
+    sizes = residual_sizes(residual_ratio, torch.full((num_kv_heads,), budget, device=device))
 
     def run() -> tuple[ResidualEntries, float]:
         start = time.perf_counter()

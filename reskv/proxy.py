@@ -18,6 +18,7 @@ from torch import Tensor
 from reskv.attention import joint_attention, joint_bias
 from reskv.compress import CompressedLayerState, additive_mask, build_cache
 from reskv.config import ResidualConfig
+from reskv.residual import residual_sizes
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 
 
@@ -57,7 +58,7 @@ def candidate_sizes(
     seen: list[Tensor] = []
     sizes = []
     for ratio in config.grid:
-        size = torch.floor(ratio * budgets.double() + 0.5).long()
+        size = residual_sizes(ratio, budgets)
         skip = (size == 0) | (budgets - size - validation_count < window)
         for earlier in seen:
             skip |= size == earlier

@@ -20,6 +20,12 @@ from reskv.selection import gather_tokens
 DISTANCE_CHUNK_BYTES = 64 << 20
 
 
+def residual_sizes(ratio: float, budgets: Tensor) -> Tensor:
+    """``r = floor(ratio * b + 0.5)`` per head (reskv.md): a share of each head's budget ``b``
+    rounded half up, computed in float64 whatever the budgets' dtype."""
+    return torch.floor(ratio * budgets.double() + 0.5).long()
+
+
 @dataclass
 class ResidualEntries:
     """``r_max`` slots per KV head; a slot with ``log_counts == -inf`` is unused."""

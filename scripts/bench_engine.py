@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -37,6 +36,7 @@ from reskv.backbones import load_backbone
 from reskv.compress import kmeans_peak_memory
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import Prefill
+from reskv.residual import residual_sizes
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -202,7 +202,7 @@ def main() -> None:
                 f"{decode['snapkv+reskv'] / decode['full']:.3f}",
             )
             slots = budget_for(len(prompt_ids), ratio)
-            entries = math.floor(0.1 * slots + 0.5)
+            entries = int(residual_sizes(0.1, torch.tensor(slots)))
             main_only, with_entries = attention_step_seconds(backbone, slots, entries)
             steps.add_row(
                 str(len(prompt_ids)),
