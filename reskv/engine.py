@@ -132,7 +132,7 @@ class Prefill:
         self.timings: dict[str, float] = {}
         start = time.perf_counter()
         cache = ResKVCache.for_prefill(config.num_hidden_layers, self.observation_window, self.accumulate)
-        self._context = _PrefilledState(cache, self._forward(self.prompt_ids[:context_length], cache))
+        self._context = _PrefilledState(cache, self.next_logits(self.prompt_ids[:context_length], cache))
         self.timings["prefill_s"] = time.perf_counter() - start
         self._whole_prompt: _PrefilledState | None = None
         self._full_reference: _FullReference | None = None
@@ -147,8 +147,11 @@ class Prefill:
             )
 
     @torch.inference_mode()
-    def _forward(self, token_ids: Sequence[int], cache: ResKVCache, every_position: bool = False) -> Tensor:
-        """The next-token logits after ``token_ids`` (``[V]``), or after each of them (``[n, V]``)."""
+    def next_logits(
+        self, token_ids: Sequence[int], cache: ResKVCache, every_position: bool = False
+    ) -> Tensor:
+        """The next-token logits after ``token_ids`` fed to ``cache`` (``[V]``), or after each of them
+        (``[n, V]``); ``cache`` (a prefilled one, or one from ``compressed``) is extended in place."""
         ids = torch.tensor([list(token_ids)], device=self.backbone.device)
         output = self.backbone.model(
             input_ids=ids,
@@ -165,7 +168,7 @@ class Prefill:
             start = time.perf_counter()
             cache = self._context.cache.fork(self.observation_window, self.accumulate)
             question = self.prompt_ids[self.context_length :]
-            logits = self._forward(question, cache) if question else self._context.last_logits
+            logits = self.next_logits(question, cache) if question else self._context.last_logits
             self._whole_prompt = _PrefilledState(cache, logits)
             self.timings["question_prefill_s"] = time.perf_counter() - start
         return self._whole_prompt
@@ -181,6 +184,16 @@ class Prefill:
         the whole prompt for query-aware); read-only, for analyses such as the evicted-key figure."""
         layers = self._source(setting).cache.layers
         return [layer.observation(index, self.scaling) for index, layer in enumerate(layers)]
+
+    def compressed(self, method: Method, setting: str = "aware") -> tuple[ResKVCache, dict]:
+        """``method``'s compression of a copy of the cache ``setting`` compresses (the whole prompt
+        query-aware, the context query-agnostic: feed it the question) and its statistics."""
+        source = self._source(setting).cache
+        cache, stats = method.compress(source, self.scaling)
+        stats["prompt_tokens"] = len(self.prompt_ids)
+        stats["compressed_tokens"] = source.layers[0].get_seq_length()
+        stats["slots"] = cache.slots()
+        return cache, stats
 
     def generate(
         self,
@@ -200,18 +213,14 @@ class Prefill:
         self._check_positions(max_new_tokens)
         timings = {}
         start = time.perf_counter()
-        source = self._source(setting)
-        cache, stats = method.compress(source.cache, self.scaling)
+        cache, stats = self.compressed(method, setting)
         timings["compress_s"] = time.perf_counter() - start
-        stats["prompt_tokens"] = len(self.prompt_ids)
-        stats["compressed_tokens"] = source.cache.layers[0].get_seq_length()
-        stats["slots"] = cache.slots()
         compressed = cache.fork() if answer_ids is not None else None  # before the question
-        logits = source.last_logits
+        logits = self._source(setting).last_logits
         question = self.prompt_ids[self.context_length :]
         if setting == "agnostic" and question:
             start = time.perf_counter()
-            logits = self._forward(question, cache)
+            logits = self.next_logits(question, cache)
             timings["question_s"] = time.perf_counter() - start
         prompted = cache.fork() if answer_ids is not None else None  # after the whole prompt
         start = time.perf_counter()
@@ -231,7 +240,7 @@ class Prefill:
         """``[1 + n, V]``: ``last_logits``, then the logits after each of ``token_ids`` fed to ``cache``."""
         if not token_ids:
             return last_logits[None]
-        return torch.cat([last_logits[None], self._forward(token_ids, cache, every_position=True)])
+        return torch.cat([last_logits[None], self.next_logits(token_ids, cache, every_position=True)])
 
     def _reference(self) -> _FullReference:
         """The full cache's greedy continuation and its logits along it (``reskv.quality``)."""
@@ -283,7 +292,7 @@ class Prefill:
                 )
             ]
         )
-        self._forward(fed + reference.forced_ids, probe)
+        self.next_logits(fed + reference.forced_ids, probe)
         errors = torch.stack([layer.attention_error for layer in probe.layers])
         shares = torch.stack([layer.residual_share for layer in probe.layers])
         quality.update(
@@ -308,7 +317,7 @@ class Prefill:
                 break
             token_ids.append(next_id)
             if len(token_ids) < max_new_tokens:
-                logits = self._forward([next_id], cache)
+                logits = self.next_logits([next_id], cache)
         return token_ids
 
 

@@ -78,10 +78,10 @@ def test_measures_equal_plain_loops_over_the_model(backbone, prefill):
     for _ in range(FORCED_STEPS):  # the full cache's greedy continuation
         forced.append(int(logits_of(prompt + forced)[-1].argmax()))
     full_logits = logits_of(prompt + forced)[len(prompt) :]
-    cache, _ = method.compress(prefill._prompt_state().cache, prefill.scaling)
+    cache, _ = prefill.compressed(method, "aware")
     method_logits = []
     for token in forced:
-        method_logits.append(prefill._forward([token], cache).double())
+        method_logits.append(prefill.next_logits([token], cache).double())
     expected_kl = (
         sum(
             float((p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum())
