@@ -119,12 +119,18 @@ def joint_buffers(
     main_values: Tensor,
     main_bias: Tensor | None,
     beta: float,
+    spare_slots: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``[entries ; main]`` keys and values (in the main cache's dtype) and their ``joint_bias``:
-    the layout ``joint_attention`` reads."""
-    keys = torch.cat([residual_keys.to(main_keys.dtype), main_keys], dim=1)
-    values = torch.cat([residual_values.to(main_values.dtype), main_values], dim=1)
-    return keys, values, joint_bias(residual_log_counts, main_bias, main_keys.shape[1], beta)
+    the layout ``joint_attention`` reads, followed by ``spare_slots`` uninitialised slots for
+    tokens appended later (so the cache a decode step extends is built by one copy, not two)."""
+    spare = main_keys.new_empty(main_keys.shape[0], spare_slots, main_keys.shape[-1])
+    keys = torch.cat([residual_keys.to(main_keys.dtype), main_keys, spare], dim=1)
+    values = torch.cat(
+        [residual_values.to(main_values.dtype), main_values, spare.to(main_values.dtype)], dim=1
+    )
+    bias = joint_bias(residual_log_counts, main_bias, main_keys.shape[1], beta)
+    return keys, values, torch.nn.functional.pad(bias, (0, spare_slots))
 
 
 def residual_attention(

@@ -144,7 +144,7 @@ class CompressedLayer(CacheLayerMixin):
     Entries and main cache share one key buffer and one value buffer, ``[entries ; main ; appended
     ; spare]``, with an additive bias row over them (``reskv.attention.joint_attention``): a decode
     step's logits are one matmul, and a new token is written into spare slots instead of copying
-    the cache (the buffers grow by ``GROWTH_SLOTS`` when full). ``keys``/``values`` (what
+    the cache (built with ``GROWTH_SLOTS`` of them, grown by as many when full). ``keys``/``values`` (what
     ``update`` returns) and ``main_bias`` are views of the main part. ``get_seq_length`` reports
     the uncompressed length so positions continue from it (no re-rotation of cached keys).
     """
@@ -159,10 +159,10 @@ class CompressedLayer(CacheLayerMixin):
         self.padded = state.main_bias is not None
         keys, values, self._bias = joint_buffers(
             residual.keys, residual.values, residual.log_counts,
-            state.main_keys, state.main_values, state.main_bias, rule.beta,
+            state.main_keys, state.main_values, state.main_bias, rule.beta, self.GROWTH_SLOTS,
         )  # fmt: skip
         self._keys, self._values = keys[None], values[None]
-        self.length = self._keys.shape[2]  # filled slots of the buffers
+        self.length = self.residual_slots + state.main_keys.shape[1]  # filled slots of the buffers
         self.dtype, self.device = keys.dtype, keys.device
         self.evicted_fraction = state.evicted_fraction
         self.rule = rule

@@ -235,6 +235,27 @@ def test_decode_buffer_equals_a_growing_concatenated_cache(observation, monkeypa
         torch.testing.assert_close(output.double(), expected.reshape(-1, dim), rtol=1e-5, atol=1e-6)
 
 
+def test_decode_writes_into_the_buffers_built_at_compression(observation):
+    """The layer is built with ``GROWTH_SLOTS`` spare slots, so the first that many decoded tokens
+    are written in place: the storage the compression filled is the one decode reads (one copy of
+    the cache per generation, not a second one at its first token); the next token regrows it."""
+    obs, rule = observation, ResidualConfig(validate=False, fixed_ratio=0.2)
+    state = compress_layer(obs, build_scorer("snapkv"), 0.5, rule)
+    layer = CompressedLayer(state, obs.seq_len, rule)
+    assert int(layer.residual.entries_per_head.min()) > 0  # the buffers hold entries and main cache
+
+    def storages():
+        return layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()
+
+    built = storages()
+    token = torch.zeros(1, obs.num_kv_heads, 1, obs.keys.shape[-1])
+    for _ in range(CompressedLayer.GROWTH_SLOTS):
+        layer.update(token, token)
+    assert storages() == built
+    layer.update(token, token)
+    assert storages()[0] != built[0] and storages()[1] != built[1]
+
+
 def test_observation_probabilities_equal_the_fully_masked_softmax(observation):
     """Masking only the columns a query's future can reach gives the same bits as masking the
     whole ``[n, s]`` grid, for query positions anywhere in the prompt (H2O's chunks)."""
