@@ -5,7 +5,10 @@
 
 For every (context length, method): prefill a random-token prompt of that length, compress,
 decode exactly ``--new-tokens`` tokens (end-of-sequence tokens do not stop it, so every run
-decodes the same amount), and record the peak memory of the whole request and the decode rate.
+decodes the same amount), and record the peak memory of the whole request. The decode rate is the
+inverse of the median step time over ``--new-tokens`` greedy steps in which all methods' caches,
+compressed from one more prefill, take turns (A B C A B C ...), so drifts in the machine's speed
+hit all methods alike.
 Peak memory is CUDA's max allocated bytes on a GPU; on CPU, where no allocator statistics exist,
 it is the process's peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``
 before each request), which includes the model weights. A request that runs out of memory is
@@ -26,7 +29,7 @@ import torch
 from baselines import build_method
 from reskv.backbones import Backbone, load_backbone
 from reskv.engine import Prefill
-from scripts.bench_engine import machine_header
+from scripts.bench_engine import decode_seconds_per_token, machine_header
 
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -61,33 +64,44 @@ def random_prompt(backbone: Backbone, length: int, seed: int) -> list[int]:
 def measure(
     backbone: Backbone,
     lengths: Sequence[int],
-    methods: Sequence[str],
+    names: Sequence[str],
     ratio: float,
     new_tokens: int,
     seed: int = 42,
 ) -> list[dict]:
-    """One row per (length, method): peak memory of prefill + compression + decoding, decode rate."""
+    """One row per (length, method): peak memory of one request (prefill, compression, ``new_tokens``
+    decoded tokens) and the decode rate, from a second prefill whose compressed caches decode
+    ``new_tokens`` steps in lockstep (``bench_engine.decode_seconds_per_token``)."""
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     rows = []
     for length in lengths:
         prompt = random_prompt(backbone, length, seed)
-        for name in methods:
-            method = build_method(name, ratio, seed=seed)
+        methods = {name: build_method(name, ratio, seed=seed) for name in names}
+        at_length = {}
+        for name, method in methods.items():
             gc.collect()
             reset_peak_memory(backbone)
             try:
                 prefill = Prefill(unstoppable, prompt, length, [method])
                 generation = prefill.generate(method, "aware", max_new_tokens=new_tokens)
-                row = {
+                at_length[name] = {
                     "peak_memory_bytes": peak_memory(backbone),
-                    "decode_tokens_per_s": generation.timings["decode_tokens"]
-                    / generation.timings["decode_s"],
                     "prefill_s": prefill.timings["prefill_s"],
                     **generation.timings,
                 }
                 del prefill, generation
             except torch.OutOfMemoryError:
-                row = {"peak_memory_bytes": None, "decode_tokens_per_s": None, "error": "out of memory"}
+                at_length[name] = {"peak_memory_bytes": None, "error": "out of memory"}
+        fitting = {name: methods[name] for name, row in at_length.items() if "error" not in row}
+        gc.collect()
+        try:
+            prefill = Prefill(unstoppable, prompt, length, list(fitting.values()))
+            seconds = decode_seconds_per_token(prefill, fitting, new_tokens)
+            del prefill
+        except torch.OutOfMemoryError:
+            seconds = {}
+        for name, row in at_length.items():
+            row["decode_tokens_per_s"] = 1 / seconds[name] if name in seconds else None
             rows.append({"method": name, "context_length": length, **row})
             print(f"{name:>14} @ {length:>6}: {row}")
     return rows
@@ -113,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "backbone": args.backbone,
                 "ratio": args.ratio,
                 "new_tokens": args.new_tokens,
+                "decode_rate": "1 / median of new_tokens lockstep greedy steps (decode_s: the request's own)",
                 "memory_kind": memory_kind(backbone),
                 "machine": {**machine, "end": machine_header()},  # cores, threads, torch, load average
                 "rows": rows,

@@ -35,7 +35,7 @@ from reskv.attention import joint_attention
 from reskv.backbones import load_backbone
 from reskv.compress import kmeans_peak_memory
 from reskv.config import ResidualConfig, budget_for
-from reskv.engine import Prefill
+from reskv.engine import Method, Prefill
 from reskv.residual import residual_sizes
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -78,23 +78,21 @@ def prefilled(backbone, prompt_ids: list[int], context_length: int, methods: lis
     return prefill
 
 
-def decode_seconds_per_token(
-    prefill: Prefill, names: list[str], ratio: float, tokens: int
-) -> dict[str, float]:
-    """Median seconds of one greedy decode step for each method over ``tokens`` steps, the methods'
-    caches stepped in lockstep (A B C A B C ...) so drifts in the machine's speed hit all alike.
-    Every cache starts from the full cache's first answer token and then follows its own greedy
-    choice, as ``Prefill.generate`` would."""
+def decode_seconds_per_token(prefill: Prefill, methods: dict[str, Method], tokens: int) -> dict[str, float]:
+    """Median seconds of one greedy decode step (forward pass and argmax, which also waits for a GPU)
+    for each named method over ``tokens`` steps, the methods' caches stepped in lockstep
+    (A B C A B C ...) so drifts in the machine's speed hit all alike. Every cache starts from the
+    full cache's first answer token and then follows its own greedy choice, as ``Prefill.generate``
+    would."""
     first_token = prefill.generate(build_method("full"), "aware", 1).token_ids[0]
-    caches = {name: prefill.compressed(build_method(name, ratio), "aware")[0] for name in names}
-    next_tokens = dict.fromkeys(names, first_token)
-    samples = {name: [] for name in names}
+    caches = {name: prefill.compressed(method, "aware")[0] for name, method in methods.items()}
+    next_tokens = dict.fromkeys(methods, first_token)
+    samples = {name: [] for name in methods}
     for _ in range(tokens):
         for name, cache in caches.items():
             start = time.perf_counter()
-            logits = prefill.next_logits([next_tokens[name]], cache)
+            next_tokens[name] = int(prefill.next_logits([next_tokens[name]], cache).argmax())
             samples[name].append(time.perf_counter() - start)
-            next_tokens[name] = int(logits.argmax())
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -191,9 +189,8 @@ def main() -> None:
             construction_gflop = counted_gflop(
                 prefill.generate, build_method("snapkv+reskv", ratio), "aware", 1
             ) - counted_gflop(prefill.generate, build_method("snapkv", ratio), "aware", 1)
-            decode = decode_seconds_per_token(
-                prefill, ["snapkv", "snapkv+reskv", "full"], ratio, args.decode_tokens
-            )
+            decoded = {name: build_method(name, ratio) for name in ("snapkv", "snapkv+reskv", "full")}
+            decode = decode_seconds_per_token(prefill, decoded, args.decode_tokens)
             table.add_row(
                 str(len(prompt_ids)),
                 f"{ratio:.1f}",
