@@ -61,7 +61,10 @@ def save(figure, out_dir: Path, name: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{suffix}" for suffix in FORMATS]
     for path in paths:
-        figure.savefig(path, bbox_inches="tight", dpi=150)
+        # A PDF records when it was written; without the date `make figures` rewrites the committed
+        # files byte for byte from the same results (PNG holds no date).
+        metadata = {"CreationDate": None} if path.suffix == ".pdf" else None
+        figure.savefig(path, bbox_inches="tight", dpi=150, metadata=metadata)
     plt.close(figure)
     return paths
 
