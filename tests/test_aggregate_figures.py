@@ -112,25 +112,28 @@ def test_evicted_keys_figure_takes_any_number_of_panels(tmp_path, panel_count):
     assert [path.suffix for path in evicted_keys_figure(panels, "tiny-llama", tmp_path)] == [".png", ".pdf"]
 
 
-def test_efficiency_figure_needs_no_results_directory(tmp_path):
-    rows = [
+# One length of one method, as scripts.bench_efficiency writes it.
+ONE_EFFICIENCY_ROW = {
+    "backbone": "tiny-llama",
+    "memory_kind": "CUDA max allocated",
+    "rows": [
         {"method": "full", "context_length": 1024, "peak_memory_bytes": 2**30, "decode_tokens_per_s": 12.0}
-    ]
-    paths = efficiency_figure(
-        {"backbone": "tiny-llama", "memory_kind": "CUDA max allocated", "rows": rows}, tmp_path
-    )
+    ],
+}
+
+
+def test_efficiency_figure_needs_no_results_directory(tmp_path):
+    paths = efficiency_figure(ONE_EFFICIENCY_ROW, tmp_path)
     assert [path.name for path in paths] == ["efficiency_tiny-llama.png", "efficiency_tiny-llama.pdf"]
 
 
 def test_figures_written_at_different_times_are_the_same_bytes(tmp_path, monkeypatch):
     """`make figures` must reproduce the committed files exactly; a PDF would otherwise record the
     time it was written (matplotlib reads SOURCE_DATE_EPOCH as that time when it is set)."""
-    row = {"method": "full", "context_length": 1024, "peak_memory_bytes": 2**30, "decode_tokens_per_s": 12.0}
-    measurements = {"backbone": "tiny-llama", "memory_kind": "CUDA max allocated", "rows": [row]}
     written = {}
     for epoch in ("0", "1700000000"):
         monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)
-        paths = efficiency_figure(measurements, tmp_path / epoch)
+        paths = efficiency_figure(ONE_EFFICIENCY_ROW, tmp_path / epoch)
         written[epoch] = {path.name: path.read_bytes() for path in paths}
     assert set(written["0"]) == {"efficiency_tiny-llama.png", "efficiency_tiny-llama.pdf"}
     assert written["0"] == written["1700000000"]
