@@ -49,3 +49,18 @@ def start_interruptible(command: list[str], **popen_options) -> subprocess.Popen
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         **popen_options,
     )
+
+
+def journaled_samples(runs_dir: Path) -> int:
+    """Sample records (lines after the header) in the journals under ``runs_dir`` right now.
+
+    A run deletes a journal right after its finished file is renamed into place, so a journal
+    listed by ``rglob`` may be gone by the time it is read: it counts as empty.
+    """
+    count = 0
+    for path in runs_dir.rglob("*.jsonl"):
+        try:
+            count += max(len(path.read_bytes().splitlines()) - 1, 0)
+        except FileNotFoundError:
+            continue
+    return count

@@ -22,7 +22,7 @@ import pytest
 
 from scripts.results_store import deterministic_view
 from scripts.tables import main as write_tables
-from tests.conftest import start_interruptible
+from tests.conftest import journaled_samples, start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE_FILES = 2 * 2 * 2 * 2  # tasks x methods x ratios x settings
@@ -49,16 +49,15 @@ def run_smoke(results_dir: Path, ruler_cache: Path) -> str:
 
 
 def samples_on_disk(results_dir: Path) -> int:
-    """Samples in journals (lines after the header) and in finished files (closed as each completes)."""
+    """Samples in journals and in finished files (closed as each configuration completes)."""
     runs = results_dir / "runs"
-    journaled = sum(max(len(path.read_bytes().splitlines()) - 1, 0) for path in runs.rglob("*.jsonl"))
     finished = 0
     for path in runs.rglob("*.json"):
         try:
             finished += len(json.loads(path.read_text())["samples"])
-        except (json.JSONDecodeError, KeyError):  # being renamed into place, or not a result file
+        except (json.JSONDecodeError, KeyError):  # not a result file
             continue
-    return journaled + finished
+    return journaled_samples(runs) + finished
 
 
 def interrupt_smoke(results_dir: Path, ruler_cache: Path, signal_number: int, after_records: int) -> None:

@@ -27,7 +27,7 @@ from baselines.names import METHODS
 from reskv.backbones import load_backbone
 from scripts.experiment import GridRun, compose_plan, load_task_items, run_plan
 from scripts.results_store import load_results, summarize
-from tests.conftest import start_interruptible
+from tests.conftest import journaled_samples, start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_VT = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=4", "benchmark.tasks=[vt]"]
@@ -116,8 +116,7 @@ def test_ctrl_c_ends_with_one_resume_line(tmp_path, ruler_cache):
     process = start_interruptible(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline:
-        journals = list((tmp_path / "runs").rglob("*.jsonl")) if (tmp_path / "runs").exists() else []
-        if any(len(path.read_bytes().splitlines()) > 1 for path in journals):
+        if journaled_samples(tmp_path / "runs") > 0:
             process.send_signal(signal.SIGINT)
             break
         time.sleep(0.05)
