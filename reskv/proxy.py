@@ -82,8 +82,11 @@ class ValidationProxy:
         validation_positions = positions[validation]  # the last positions of the prompt
         self.boundary = int(validation_positions[0])  # β
         self.validation_count = validation_positions.numel()
-        prefix_keys = obs.keys[:, : self.boundary]
-        self.fit_scores = scorer.score(prefix_keys, obs.queries[:, fit], positions[fit], obs.scaling)
+        # Copied once: every candidate gathers rows from S', and a gather from a strided slice
+        # first copies all of it (four times per candidate).
+        self.prefix_keys = obs.keys[:, : self.boundary].contiguous()
+        self.prefix_values = obs.values[:, : self.boundary].contiguous()
+        self.fit_scores = scorer.score(self.prefix_keys, obs.queries[:, fit], positions[fit], obs.scaling)
         self.prefix_window = min(scorer.window, self.boundary)  # |P'|
         validation_queries = obs.queries[:, validation]
         self.validation_queries = grouped(validation_queries, obs.num_kv_heads)
@@ -96,11 +99,10 @@ class ValidationProxy:
 
     def candidate(self, budgets: Tensor, sizes: Tensor) -> CompressedLayerState:
         """The candidate cache over ``S'`` for residual sizes ``[H_kv]``: ``m' = b - r - |validation|``."""
-        obs, prefix = self.obs, slice(0, self.boundary)
         main_sizes = budgets - sizes - self.validation_count
         return build_cache(
-            obs.keys[:, prefix],
-            obs.values[:, prefix],
+            self.prefix_keys,
+            self.prefix_values,
             self.fit_scores,
             self.scorer.window,
             main_sizes,
