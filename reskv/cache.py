@@ -101,7 +101,7 @@ class ObservedLayer(DynamicLayer):
         twin = ObservedLayer(observation_window, accumulate)
         twin.keys, twin.values, twin.is_initialized = self.keys, self.values, self.is_initialized
         if self.is_initialized:
-            twin.dtype, twin.device = self.dtype, self.device
+            twin.device = self.device  # what lazy_initialization sets (transformers >= 5.24: no dtype)
         twin.queries, twin.accumulated = self.queries, self.accumulated
         return twin
 
@@ -163,7 +163,7 @@ class CompressedLayer(CacheLayerMixin):
         )  # fmt: skip
         self._keys, self._values = keys[None], values[None]
         self.length = self.residual_slots + state.main_keys.shape[1]  # filled slots of the buffers
-        self.dtype, self.device = keys.dtype, keys.device
+        self.device = keys.device
         self.evicted_fraction = state.evicted_fraction
         self.rule = rule
         self.seq_len = seq_len
