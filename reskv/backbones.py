@@ -7,6 +7,8 @@ residual attention for compressed ones.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +103,12 @@ class Backbone:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @functools.cached_property
+    def cache_argument(self) -> str:
+        """The name of the model's forward argument that takes the cache: transformers 5.24 renamed
+        ``past_key_values`` to ``cache`` (the old name warns until its removal in 5.40)."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
 
 class BackboneError(ValueError):

@@ -155,10 +155,9 @@ class Prefill:
         ids = torch.tensor([list(token_ids)], device=self.backbone.device)
         output = self.backbone.model(
             input_ids=ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=0 if every_position else 1,
-            **{CACHE_KWARG: cache},
+            **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
         )
         return output.logits[0] if every_position else output.logits[0, -1]
 
