@@ -20,7 +20,10 @@ def gate_values(main_mass: Tensor, rule: DecodeRule) -> Tensor:
     which is ``1 / main_mass`` for ``main_mass = sum_p exp(a_p - max(a))``."""
     if not rule.gate:
         return torch.ones_like(main_mass)
-    return torch.sigmoid(rule.alpha * (rule.tau - main_mass.reciprocal())).clamp(min=rule.g_min)
+    # alpha * (tau - p_max) as (p_max - tau) * -alpha: the same bits (negation is exact) in place,
+    # one tensor op fewer; a sigmoid is never below a g_min <= 0, so that clamp is skipped.
+    gate = main_mass.reciprocal().sub_(rule.tau).mul_(-rule.alpha).sigmoid_()
+    return gate.clamp_(min=rule.g_min) if rule.g_min > 0 else gate
 
 
 def population_bias(log_counts: Tensor, beta: float) -> Tensor:
@@ -64,27 +67,30 @@ def joint_attention(
     received (without the shared softmax, the gate-weighted mixing weight of the residual branch),
     0 where there is no residual (``reskv.quality``).
     """
+    # bmm and in-place ops: at decode sizes a step's cost is per tensor op and allocation, and
+    # matmul's broadcasting wrapper alone costs as much as a small op (issue 8).
     values = values.float()
-    logits = torch.matmul(queries.float(), keys.float().transpose(1, 2)).mul_(scaling).add_(bias)
+    logits = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(scaling).add_(bias)
     main_logits, residual_logits = logits[..., residual_slots:], logits[..., :residual_slots]
     main_values, residual_values = values[:, residual_slots:], values[:, :residual_slots]
     main_max = main_logits.amax(dim=-1, keepdim=True)
-    main_weights = torch.exp(main_logits - main_max)
+    main_weights = main_logits.sub_(main_max).exp_()
     main_mass = main_weights.sum(dim=-1, keepdim=True)
-    main_output = main_weights @ main_values
+    main_output = torch.bmm(main_weights, main_values)
     if residual_slots == 0:
-        output = main_output / main_mass
+        output = main_output.div_(main_mass)
         return (output, torch.zeros_like(main_mass[..., 0])) if with_residual_share else output
     gate = gate_values(main_mass, rule)
     if rule.shared_softmax:
-        residual_logits.add_(torch.log(gate))
+        residual_logits.add_(gate.log_())
         shared_max = torch.maximum(main_max, residual_logits.amax(dim=-1, keepdim=True))
-        main_scale = torch.exp(main_max - shared_max)
-        residual_weights = torch.exp(residual_logits - shared_max)
+        main_scale = main_max.sub_(shared_max).exp_()
+        residual_weights = residual_logits.sub_(shared_max).exp_()
         residual_mass = residual_weights.sum(dim=-1, keepdim=True)
-        total_mass = main_mass * main_scale + residual_mass
-        output = (main_output * main_scale + residual_weights @ residual_values) / total_mass
-        residual_share = residual_mass / total_mass
+        total_mass = main_mass.mul_(main_scale).add_(residual_mass)
+        residual_output = torch.bmm(residual_weights, residual_values)
+        output = main_output.mul_(main_scale).add_(residual_output).div_(total_mass)
+        residual_share = residual_mass / total_mass if with_residual_share else None
     else:
         # Each branch normalised on its own, mixed as a post-hoc correction weighted by the gate
         # and the evicted share of the prompt: w = g(q) * |E| / s (this project's reading).

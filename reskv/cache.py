@@ -216,11 +216,14 @@ class CompressedLayer(CacheLayerMixin):
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
         """Attention over this layer's buffers (``key``/``value`` are the ``keys``/``values`` views)."""
-        return self.attend_parts(query, scaling)[0]
+        return self.attend_parts(query, scaling, with_residual_share=False)[0]
 
-    def attend_parts(self, query: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    def attend_parts(
+        self, query: Tensor, scaling: float, with_residual_share: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """The attention output ``[1, q, H, d]`` and the residual share ``[H, q]`` of ``query``
-        ``[1, H, q, d]`` (``reskv.attention.joint_attention``)."""
+        ``[1, H, q, d]`` (``reskv.attention.joint_attention``); the share is ``None`` unless asked
+        for (a decode step does not read it)."""
         _, num_heads, query_len, head_dim = query.shape
         num_kv_heads, key_len = self.keys.shape[1], self.keys.shape[2]
         bias = self._bias[..., : self.length]
@@ -232,7 +235,7 @@ class CompressedLayer(CacheLayerMixin):
             )
             causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
             bias = bias + torch.nn.functional.pad(causal, (self.residual_slots, 0))[None]
-        output, residual_share = joint_attention(
+        attended = joint_attention(
             query[0].reshape(num_kv_heads, -1, head_dim),
             self._keys[0, :, : self.length],
             self._values[0, :, : self.length],
@@ -241,10 +244,13 @@ class CompressedLayer(CacheLayerMixin):
             scaling,
             self.rule,
             self.evicted_fraction,
-            with_residual_share=True,
+            with_residual_share,
         )
+        output, residual_share = attended if with_residual_share else (attended, None)
         output = output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
-        return output, residual_share.reshape(num_heads, query_len)
+        if residual_share is not None:
+            residual_share = residual_share.reshape(num_heads, query_len)
+        return output, residual_share
 
 
 class ResKVCache(Cache):
