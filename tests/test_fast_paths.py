@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from baselines import build_scorer
-from reskv.attention import joint_attention, residual_attention
+from reskv.attention import gate_values, joint_attention, residual_attention
 from reskv.cache import CompressedLayer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.config import DecodeRule
@@ -126,6 +126,22 @@ def lse_merge_attention(queries, main_keys, main_values, entries, scaling, rule:
     residual_output = (residual_logits - residual_lse[..., None]).exp() @ values.double()
     weight = torch.sigmoid(main_lse - residual_lse)[..., None]
     return weight * main_output + (1 - weight) * residual_output
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [DecodeRule(), DecodeRule(tau=0.7, alpha=3.0), DecodeRule(g_min=0.05)],
+    ids=["default", "tau", "g_min"],
+)
+def test_gate_is_the_spec_formula_bit_for_bit(rule):
+    """``g = max(g_min, sigmoid(alpha * (tau - p_max)))`` with ``p_max = 1 / main mass``, exactly as
+    reskv.md writes it, over masses from 1 (one slot holds everything: ``p_max = 1``) to 10^4."""
+    main_mass = torch.cat(
+        [torch.ones(1), 1 + torch.rand(4000, generator=torch.Generator().manual_seed(3)) * 1e4]
+    )
+    expected = torch.sigmoid(rule.alpha * (rule.tau - 1 / main_mass)).clamp(min=rule.g_min)
+    assert expected.min() < 0.5 < expected.max()  # the gate both closes and opens here
+    assert torch.equal(gate_values(main_mass[:, None, None], rule)[:, 0, 0], expected)
 
 
 def test_single_normalisation_equals_the_lse_merge(observation):
