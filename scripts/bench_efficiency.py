@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "new_tokens": args.new_tokens,
                 "decode_rate": "1 / median of new_tokens lockstep greedy steps (decode_s: the request's own)",
                 "memory_kind": memory_kind(backbone),
-                "machine": {**machine, "end": machine_header()},  # cores, threads, torch, load average
+                "machine": {**machine, "end": machine_header()},  # cores, threads, torch, load, matmul rate
                 "rows": rows,
             },
             indent=1,

@@ -2,19 +2,20 @@
 
     python -m scripts.bench_engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
 
-Prints a header (cores, threads, torch, load average), then per prompt length and ratio: the
-prefill time; ResKV construction (``snapkv+reskv`` compression minus ``snapkv`` compression:
-validation proxy, k-means and final entries over all layers and heads) and its share of the
-prefill (target <= 10%); the same two in floating-point operations (``torch.utils.flop_counter``):
-the share construction would take at the prefill's FLOP rate (its smaller matmuls reach less),
-so kernel tuning alone cannot bring the time share much below it; decode seconds per token of ``snapkv``,
-``snapkv+reskv`` (target <= 1.05x) and the full cache. A second table isolates what the entries
-cost a decode step: one layer's ``joint_attention`` over the budget's slots, main cache only against
-``r = 0.1 b`` of them residual entries (random tensors of the model's shapes, hundreds of
-interleaved calls, so far less noisy than whole decode steps). Last, ``reskv.compress.kmeans_peak_memory``
-for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient MiB and seconds on this machine).
-Decode steps alternate between methods one token at a time (A B C A B C ...) so machine noise
-hits all alike; a step's time is the median over ``--decode-tokens`` steps.
+Prints a header (cores, threads, torch, load average, the fp32 matmul rate of the moment), then per
+prompt length and ratio: the prefill time; ResKV construction (``snapkv+reskv`` compression minus
+``snapkv`` compression: validation proxy, k-means and final entries over all layers and heads) and
+its share of the prefill (target <= 10%); the same two in floating-point operations
+(``torch.utils.flop_counter``): the share construction would take at the prefill's FLOP rate (its
+smaller matmuls reach less), so kernel tuning alone cannot bring the time share much below it;
+decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.05x) and the full cache. A
+second table isolates what the entries cost a decode step: one layer's ``joint_attention`` over the
+budget's slots, main cache only against ``r = 0.1 b`` of them residual entries (random tensors of
+the model's shapes, hundreds of interleaved calls, so far less noisy than whole decode steps). Last,
+``reskv.compress.kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient
+MiB and seconds on this machine). Decode steps alternate between methods one token at a time (A B C
+A B C ...) so machine noise hits all alike; a step's time is the median over ``--decode-tokens``
+steps.
 """
 
 from __future__ import annotations
@@ -116,12 +117,28 @@ def attention_step_seconds(backbone, slots: int, entries: int, calls: int = 300)
     return tuple(statistics.median(seconds) for _, _, seconds in runs.values())
 
 
+def reference_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate right now: the median of ``repeats`` products of two
+    ``size``-square matrices. On a shared host it drifts by tens of percent within minutes without
+    the load average showing it (2048-square products on the 2-core machine of issue 8: 83-126
+    GFLOP/s over one minute, 160 a few minutes later, load average below 2 throughout), so a header
+    printed at the start and at the end of a run tells whether its rows were timed alike."""
+    left, right = torch.randn(size, size), torch.randn(size, size)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(left, right)
+        seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(seconds) / 1e9
+
+
 def machine_header() -> str:
-    """Cores, torch threads, torch version and load average: what a reader needs to judge timings."""
+    """Cores, torch threads, torch version, load average and the matmul rate of the moment: what a
+    reader needs to judge timings."""
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     return (
         f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"load average {load} (1/5/15 min)"
+        f"load average {load} (1/5/15 min), fp32 matmul {reference_gflops():.0f} GFLOP/s (1024-square)"
     )
 
 
