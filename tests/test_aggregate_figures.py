@@ -112,8 +112,8 @@ def test_evicted_keys_figure_takes_any_number_of_panels(tmp_path, panel_count):
     assert [path.suffix for path in evicted_keys_figure(panels, "tiny-llama", tmp_path)] == [".png", ".pdf"]
 
 
-# One length of one method, as scripts.bench_efficiency writes it.
-ONE_EFFICIENCY_ROW = {
+# Measurements as scripts.bench_efficiency writes them, with one row: one length of one method.
+ONE_ROW_MEASUREMENTS = {
     "backbone": "tiny-llama",
     "memory_kind": "CUDA max allocated",
     "rows": [
@@ -123,7 +123,7 @@ ONE_EFFICIENCY_ROW = {
 
 
 def test_efficiency_figure_needs_no_results_directory(tmp_path):
-    paths = efficiency_figure(ONE_EFFICIENCY_ROW, tmp_path)
+    paths = efficiency_figure(ONE_ROW_MEASUREMENTS, tmp_path)
     assert [path.name for path in paths] == ["efficiency_tiny-llama.png", "efficiency_tiny-llama.pdf"]
 
 
@@ -133,7 +133,7 @@ def test_figures_written_at_different_times_are_the_same_bytes(tmp_path, monkeyp
     written = {}
     for epoch in ("0", "1700000000"):
         monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)
-        paths = efficiency_figure(ONE_EFFICIENCY_ROW, tmp_path / epoch)
+        paths = efficiency_figure(ONE_ROW_MEASUREMENTS, tmp_path / epoch)
         written[epoch] = {path.name: path.read_bytes() for path in paths}
     assert set(written["0"]) == {"efficiency_tiny-llama.png", "efficiency_tiny-llama.pdf"}
     assert written["0"] == written["1700000000"]
