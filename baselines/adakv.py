@@ -39,9 +39,9 @@ def safeguarded_caps(prefix_scores: Tensor, per_head: int, alpha: float) -> Tens
     num, den = Fraction(alpha).limit_denominator(ALPHA_DENOMINATOR).as_integer_ratio()
     scaled = counts * (den - num) + num * per_head  # den * cap_h
     caps, remainders = scaled // den, scaled % den
-    largest_first = torch.sort(remainders, descending=True, stable=True).indices
-    caps[largest_first[: int(total - caps.sum())]] += 1
-    return caps
+    # The units still missing go to the largest remainders, one each: a head gets one when its
+    # remainder ranks below the number missing (no count is read back from the device).
+    return caps + (score_ranks(remainders[None])[0] < total - caps.sum())
 
 
 class AdaKV(SnapKV):

@@ -26,7 +26,7 @@ class H2O(TokenScorer):
         # The full statistic needs every prefill query, which only the prefill pass sees.
         self.needs_accumulated_attention = not window_only
 
-    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+    def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:
         """Accumulated attention of ``queries`` over ``keys`` (the window-only variant's window, or
         the validation proxy's fit queries over the prefix before validation, reskv.md)."""
         return accumulated_attention(queries, keys, positions, scaling)

@@ -25,7 +25,7 @@ from reskv.scoring import observation_queries as observation_queries  # re-expor
 WINDOW_FILL = 2.0
 
 
-def window_attention(queries: Tensor, positions: Tensor, keys: Tensor, scaling: float) -> Tensor:
+def window_attention(queries: Tensor, positions: range, keys: Tensor, scaling: float) -> Tensor:
     """Un-pooled SnapKV statistic ``[H_kv, s]`` fp32: causal attention of ``queries`` on every key,
     averaged over the queries, then over each GQA group.
 
@@ -37,7 +37,7 @@ def window_attention(queries: Tensor, positions: Tensor, keys: Tensor, scaling: 
 
 
 def window_scores(
-    queries: Tensor, positions: Tensor, keys: Tensor, scaling: float, protected: int, kernel_size: int
+    queries: Tensor, positions: range, keys: Tensor, scaling: float, protected: int, kernel_size: int
 ) -> Tensor:
     """SnapKV scores ``[H_kv, s]``: ``window_attention`` on the columns before the last
     ``protected`` tokens, average-pooled; the protected columns hold ``WINDOW_FILL``.
@@ -63,5 +63,5 @@ class SnapKV(TokenScorer):
         self.window = window
         self.kernel_size = kernel_size
 
-    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+    def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:
         return window_scores(queries, positions, keys, scaling, self.window, self.kernel_size)

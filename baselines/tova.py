@@ -14,11 +14,15 @@ from torch import Tensor
 from reskv.scoring import TokenScorer, causal_attention_probs
 
 
-def last_query_scores(queries: Tensor, positions: Tensor, keys: Tensor, scaling: float) -> Tensor:
-    """Attention ``[H_kv, s]`` of the last of ``queries``, averaged over all query heads; the same
-    row for every KV head, so the shared per-head selection picks one token set for the layer."""
-    probs = causal_attention_probs(queries[:, -1:], keys, positions[-1:], scaling)  # [H, 1, s]
-    return probs.mean(dim=(0, 1)).repeat(keys.shape[0], 1)
+def last_query_scores(
+    queries: Tensor, positions: range, keys: Tensor, scaling: float, num_layers: int = 1
+) -> Tensor:
+    """Attention ``[H_kv, s]`` of the last of ``queries``, averaged over all query heads of a layer;
+    the same row for every KV head of the layer, so the shared per-head selection picks one token
+    set for it. ``num_layers`` layers may be stacked along the heads (``reskv.scoring.stack_layers``)."""
+    probs = causal_attention_probs(queries[:, -1:], keys, positions[-1:], scaling)  # [L*H, 1, s]
+    per_layer = probs.reshape(num_layers, -1, probs.shape[-1]).mean(dim=1)  # [L, s]
+    return per_layer.repeat_interleave(keys.shape[0] // num_layers, dim=0)
 
 
 class TOVA(TokenScorer):
@@ -27,6 +31,11 @@ class TOVA(TokenScorer):
     name = "tova"
     window = 1
 
-    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+    def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:
         """The last of ``queries`` (the prompt's last query, or the proxy's last fit query)."""
         return last_query_scores(queries, positions, keys, scaling)
+
+    def stacked_score(
+        self, keys: Tensor, queries: Tensor, positions: range, scaling: float, num_layers: int
+    ) -> Tensor:
+        return last_query_scores(queries, positions, keys, scaling, num_layers)

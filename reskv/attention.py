@@ -15,6 +15,11 @@ from torch import Tensor
 from reskv.config import DecodeRule
 
 
+def additive_mask(visible: Tensor) -> Tensor:
+    """0 where ``visible``, ``-inf`` elsewhere (fp32)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
 def gate_values(main_mass: Tensor, rule: DecodeRule) -> Tensor:
     """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` with ``p_max = exp(max(a) - lse_M)``,
     which is ``1 / main_mass`` for ``main_mass = sum_p exp(a_p - max(a))``."""

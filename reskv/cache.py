@@ -27,8 +27,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import joint_attention, joint_buffers
-from reskv.compress import CompressedLayerState, additive_mask
+from reskv.attention import additive_mask, joint_attention, joint_buffers
+from reskv.compress import CompressedLayerState
 from reskv.config import DecodeRule
 from reskv.scoring import LayerObservation, accumulated_attention
 
@@ -118,7 +118,7 @@ class ObservedLayer(DynamicLayer):
         if not self.accumulate:
             return
         key_len = key.shape[1]
-        positions = torch.arange(key_len - query.shape[1], key_len, device=key.device)
+        positions = range(key_len - query.shape[1], key_len)
         new_sums = accumulated_attention(query, key, positions, scaling)
         if self.accumulated is not None:
             new_sums[:, : self.accumulated.shape[1]] += self.accumulated

@@ -1,27 +1,26 @@
-"""Compression of one prefilled layer: budget, main selection, residual size and entries.
+"""Compression of prefilled layers: budget, main selection, residual size and entries.
 
 The flow follows reskv.md: ``b = floor(s * (1 - ratio))`` slots per KV head; the base method's
 scorer gives token scores, the protected window and the per-head split of the layer's budget;
 ``M = P ∪ Top_{m-|P|}(scores)``; with a residual, ``b = m + r`` and the evicted side ``E`` is
 summarised by ``r`` k-means entries, ``r`` chosen per head by the validation proxy
-(``reskv.proxy``). ``build_cache`` is the one builder (select, gather, residual entries) for the
-deployed cache and the proxy's candidates alike.
+(``reskv.proxy``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from reskv.attention import residual_attention
+from reskv.attention import additive_mask, residual_attention
 from reskv.config import DecodeRule, ResidualConfig, budget_for
-from reskv.residual import ResidualEntries, build_residual, residual_sizes
-from reskv.scoring import LayerObservation, TokenScorer
+from reskv.proxy import ValidationProxy, observation_split
+from reskv.residual import ResidualEntries, RowGroup, build_residual, residual_size
+from reskv.scoring import LayerObservation, TokenScorer, stack_layers
 from reskv.selection import gather_tokens, select_main
 
 
@@ -58,97 +57,169 @@ class CompressedLayerState:
         )
 
 
-def kept_positions(kept: Tensor) -> tuple[Tensor, Tensor]:
-    """Positions of each head's kept tokens in position order ``[H, n]``, padded to the longest
-    head, and which of them are real ``[H, n]``."""
-    counts = kept.sum(dim=-1)
-    longest = int(counts.max())
-    positions = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[:, :longest]
-    return positions, torch.arange(longest, device=kept.device)[None, :] < counts[:, None]
+def kept_positions(kept: Tensor, longest: int) -> Tensor:
+    """Positions ``[H, longest]`` of each head's kept tokens in position order, padded with
+    positions of evicted tokens; ``longest`` (host) is the largest number of kept tokens."""
+    return torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[:, :longest]
 
 
-def additive_mask(visible: Tensor) -> Tensor:
-    """0 where ``visible``, ``-inf`` elsewhere (fp32)."""
-    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+def kept_count(main_size: int, seq_len: int) -> int:
+    """Tokens ``select_main`` keeps for a head of ``main_size`` slots (its window part included)."""
+    return min(max(main_size, 0), seq_len)
 
 
-def build_cache(
-    keys: Tensor,
-    values: Tensor,
-    scores: Tensor,
-    window: int,
-    main_sizes: Tensor,
-    residual_sizes: Tensor,
-    iterations: int,
-    merge: Callable[[Tensor], Tensor] | None = None,
-) -> CompressedLayerState:
-    """The one cache builder, for the deployed cache and the validation proxy's candidates alike:
-    select ``M = P ∪ Top_{m-|P|}(scores)``, gather it in position order, summarise ``E = S \\ M``
-    into residual entries (reskv.md, Main cache and Residual entries).
-
-    ``keys``/``values`` ``[H, s, d]``; ``scores`` ``[H, s]``; ``main_sizes`` and ``residual_sizes``
-    ``[H]``. ``merge(kept)`` gives the values the main cache holds (CaM merges evicted values into
-    retained ones); residual entries always summarise the original values.
-    """
-    kept = select_main(scores, window, main_sizes)
-    positions, real = kept_positions(kept)
-    main_bias = None if bool(real.all()) else additive_mask(real)[:, None, :]
-    main_values = values if merge is None else merge(kept)
-    entries = build_residual(keys, values, ~kept, scores, residual_sizes, iterations)
-    return CompressedLayerState(
-        gather_tokens(keys, positions), gather_tokens(main_values, positions), main_bias, entries, kept
-    )
-
-
-def fixed_sizes(config: ResidualConfig, budgets: Tensor, window: int) -> Tensor:
+def fixed_sizes(config: ResidualConfig, budgets: list[int], window: int) -> list[int]:
     """The "w/o validation" ablation: ``r = floor(fixed_ratio * b + 0.5)`` wherever ``m - |P| >= 0``."""
-    sizes = residual_sizes(config.fixed_ratio, budgets)
-    return sizes.masked_fill(budgets - sizes < window, 0)
+    sizes = [residual_size(config.fixed_ratio, budget) for budget in budgets]
+    return [0 if budget - size < window else size for budget, size in zip(budgets, sizes, strict=True)]
+
+
+def level_groups(
+    sizes: list[int], point_counts: list[int], budgets: list[int], grid: tuple[float, ...]
+) -> list[RowGroup]:
+    """The final cache's k-means groups: the rows with entries, one group per grid level (a head's
+    ``r`` is ``floor(ratio * b_h + 0.5)`` of one level), so that sizes within a group are close and
+    padding wastes few distance FLOPs; with uniform budgets a group's sizes are equal."""
+    levels: dict[int, list[int]] = {}
+    for row, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
+        if size:
+            level = next((i for i, ratio in enumerate(grid) if residual_size(ratio, budget) == size), -1)
+            levels.setdefault(level, []).append(row)
+    groups = []
+    for rows in levels.values():
+        capped = [min(sizes[row], point_counts[row]) for row in rows]
+        points = max(point_counts[row] for row in rows)
+        groups.append(RowGroup(rows, max(capped), points, equal_sizes=min(capped) == max(capped)))
+    return groups
 
 
 def compress_layer(
     obs: LayerObservation, scorer: TokenScorer, ratio: float, residual: ResidualConfig | None = None
 ) -> CompressedLayerState | None:
-    """Compress one layer; ``None`` when the budget covers the prompt (the cache stays full, bit for bit)."""
-    from reskv.proxy import ValidationProxy, observation_split  # the proxy builds with build_cache
+    """Compress one layer (``compress_layers`` of one); ``None`` when the budget covers the prompt."""
+    return compress_layers([obs], scorer, ratio, residual)[0]
 
-    seq_len = obs.seq_len
+
+def compress_layers(
+    observations: list[LayerObservation],
+    scorer: TokenScorer,
+    ratio: float,
+    residual: ResidualConfig | None = None,
+) -> list[CompressedLayerState | None]:
+    """Compress layers of one prompt; ``None`` for each when the budget covers the prompt (the cache
+    stays full, bit for bit).
+
+    Each layer is scored, selected and gathered on its own, as the base method does. What ResKV
+    adds runs once for all the layers given, stacked along the heads (``stack_layers``): the
+    validation proxy and the k-means of the final entries. Every shape is planned from host
+    integers, so the device is read three times, whatever the number of layers (issue 22): the
+    heads' budgets, the chosen residual sizes, and the entries that survived (empty clusters).
+    """
+    seq_len, num_layers = observations[0].seq_len, len(observations)
     budget = budget_for(seq_len, ratio)
     if seq_len <= budget:
-        return None
+        return [None] * num_layers
     if budget < 1:
         raise ValueError(
             f"ratio {ratio} leaves no slot for a {seq_len}-token prompt: "
             f"budget_for({seq_len}, {ratio}) = {budget}"
         )
-    scores, window = scorer.prompt_scores(obs), scorer.window
-    budgets = scorer.head_budgets(scores, budget)
-    sizes = torch.zeros_like(budgets)
+    scores = [scorer.prompt_scores(obs) for obs in observations]
+    window = scorer.window
+    budgets = torch.stack([scorer.head_budgets(layer_scores, budget) for layer_scores in scores]).tolist()
+    num_heads = len(budgets[0])
+    sizes = [[0] * num_heads for _ in observations]
+    stacked = stack_layers(observations) if residual is not None else None
     if residual is not None and not residual.validate:
-        sizes = fixed_sizes(residual, budgets, min(window, seq_len))
-    elif residual is not None and (split := observation_split(obs, residual)) is not None:
-        proxy = ValidationProxy(obs, scorer, residual, split)
-        sizes = proxy.choose(budgets)
+        sizes = [fixed_sizes(residual, layer_budgets, min(window, seq_len)) for layer_budgets in budgets]
+    elif residual is not None and (split := observation_split(stacked, residual)) is not None:
+        proxy = ValidationProxy(stacked, scorer, residual, split, num_layers)
+        sizes = proxy.choose(sum(budgets, [])).reshape(num_layers, num_heads).tolist()
         if residual.final_selection == "fit":
-            scores, window = proxy.fit_selection()
-    iterations = residual.kmeans_iterations if residual is not None else 0  # no residual: sizes are 0
-    state = build_cache(
-        obs.keys,
-        obs.values,
-        scores,
-        window,
-        budgets - sizes,
-        sizes,
-        iterations,
-        merge=lambda kept: scorer.adjust_values(obs, kept),
+            fit_scores, window = proxy.fit_selection()
+            scores = list(fit_scores.split(num_heads))
+    main_counts = [
+        [kept_count(b - r, seq_len) for b, r in zip(layer_budgets, layer_sizes, strict=True)]
+        for layer_budgets, layer_sizes in zip(budgets, sizes, strict=True)
+    ]
+    kept = [
+        select_main(
+            layer_scores,
+            window,
+            torch.tensor([b - r for b, r in zip(layer_budgets, layer_sizes, strict=True)]),
+        )
+        for layer_scores, layer_budgets, layer_sizes in zip(scores, budgets, sizes, strict=True)
+    ]
+    if residual is not None and any(map(any, sizes)):
+        entries, entry_counts = final_entries(stacked, kept, scores, sizes, main_counts, budgets, residual)
+    else:
+        entries = [ResidualEntries.empty(num_heads, obs.keys) for obs in observations]
+        entry_counts = [[0] * num_heads for _ in observations]
+    states = []
+    for layer, obs in enumerate(observations):
+        counts, layer_kept = main_counts[layer], kept[layer]
+        positions = kept_positions(layer_kept, max(counts))
+        main_bias = None
+        if min(counts) < max(counts):
+            slots = torch.arange(max(counts), device=layer_kept.device)
+            main_bias = additive_mask(slots[None, :] < torch.tensor(counts, device=slots.device)[:, None])[
+                :, None
+            ]
+        main_values = scorer.adjust_values(obs, layer_kept)
+        state = CompressedLayerState(
+            gather_tokens(obs.keys, positions),
+            gather_tokens(main_values, positions),
+            main_bias,
+            entries[layer],
+            layer_kept,
+        )
+        state.stats = {
+            "budget": budget,
+            "main_slots": counts,
+            "residual_entries": entry_counts[layer],
+            "residual_slots": sizes[layer],
+        }
+        states.append(state)
+    return states
+
+
+def final_entries(
+    stacked: LayerObservation,
+    kept: list[Tensor],
+    scores: list[Tensor],
+    sizes: list[list[int]],
+    main_counts: list[list[int]],
+    budgets: list[list[int]],
+    config: ResidualConfig,
+) -> tuple[list[ResidualEntries], list[list[int]]]:
+    """The deployed entries of every layer's heads (k-means of ``E = S \\ M``, reskv.md), clustered
+    for all layers at once, and the entries kept per layer and head (empty clusters dropped).
+
+    A layer's entries are as wide as its largest ``min(r, |E|)``, the layout a layer compressed
+    alone has, so that decode reads the same buffers."""
+    num_heads, seq_len = len(sizes[0]), stacked.seq_len
+    flat_sizes = sum(sizes, [])
+    point_counts = [seq_len - count for count in sum(main_counts, [])]
+    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid)
+    entries = build_residual(
+        stacked.keys,
+        stacked.values,
+        ~torch.cat(kept),
+        torch.cat(scores),
+        torch.tensor(flat_sizes, device=stacked.keys.device),
+        config.kmeans_iterations,
+        groups,
     )
-    state.stats = {
-        "budget": budget,
-        "main_slots": state.kept.sum(dim=-1).tolist(),
-        "residual_entries": state.residual.entries_per_head.tolist(),
-        "residual_slots": sizes.tolist(),
-    }
-    return state
+    per_layer = []
+    for layer in range(len(sizes)):
+        rows = slice(layer * num_heads, (layer + 1) * num_heads)
+        width = max(min(r, e) for r, e in zip(flat_sizes[rows], point_counts[rows], strict=True))
+        per_layer.append(
+            ResidualEntries(
+                entries.keys[rows, :width], entries.values[rows, :width], entries.log_counts[rows, :width]
+            )
+        )
+    return per_layer, entries.entries_per_head.reshape(len(sizes), num_heads).tolist()
 
 
 def kmeans_peak_memory(
@@ -174,7 +245,7 @@ def kmeans_peak_memory(
     scores = torch.rand(num_kv_heads, seq_len, generator=generator, device=device)
     budget = budget_for(seq_len, ratio)
     evicted = scores.argsort(dim=-1).argsort(dim=-1) < seq_len - budget  # the lowest-scored s - b tokens
-    sizes = residual_sizes(residual_ratio, torch.full((num_kv_heads,), budget, device=device))
+    sizes = torch.full((num_kv_heads,), residual_size(residual_ratio, budget), device=device)
 
     def run() -> tuple[ResidualEntries, float]:
         start = time.perf_counter()

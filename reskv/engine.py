@@ -23,12 +23,15 @@ from torch import Tensor
 
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
-from reskv.compress import compress_layer
+from reskv.compress import compress_layers
 from reskv.config import SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
 from reskv.scoring import LayerObservation, TokenScorer
 
+# Bound on the keys and values of the layers compressed together: ResKV's work on them is stacked
+# into one copy (a GPU's host pays per op, not per byte; issue 22), which this bounds.
+LAYER_BATCH_BYTES = 1 << 30
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
 # the validation proxy (96 fit + 32 validation).
 DEFAULT_OBSERVATION_WINDOW = 128
@@ -60,14 +63,18 @@ class Method:
         return self.scorer is not None and self.scorer.needs_accumulated_attention
 
     def compress(self, cache: ResKVCache, scaling: float) -> tuple[ResKVCache, dict]:
-        """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged."""
+        """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged.
+
+        Layers are compressed in batches (``layer_batches``): ResKV's own work runs once per batch."""
         if self.scorer is None:
             return cache.fork(), {"compressed": False}
         rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
+        observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
+        states = []
+        for batch in layer_batches(observations):
+            states += compress_layers(batch, self.scorer, self.ratio, self.residual)
         layers, per_layer = [], []
-        for layer_idx, layer in enumerate(cache.layers):
-            observation = layer.observation(layer_idx, scaling)
-            state = compress_layer(observation, self.scorer, self.ratio, self.residual)
+        for layer, observation, state in zip(cache.layers, observations, states, strict=True):
             if state is None:
                 layers.append(layer.fork())
                 continue
@@ -79,6 +86,16 @@ class Method:
             for key in ("main_slots", "residual_entries", "residual_slots"):
                 stats[key] = [layer_stats[key] for layer_stats in per_layer]
         return ResKVCache(layers), stats
+
+
+def layer_batches(observations: list[LayerObservation]) -> list[list[LayerObservation]]:
+    """Consecutive layers whose keys and values together hold at most ``LAYER_BATCH_BYTES``
+    (at least one layer a batch): all 32 layers of an 8B-shaped model up to 4K tokens in bf16, 8 at
+    32K, 2 at 131K. ResKV stacks a batch into one copy (``reskv.scoring.stack_layers``)."""
+    obs = observations[0]
+    layer_bytes = 2 * obs.keys.numel() * obs.keys.element_size()
+    per_batch = max(1, LAYER_BATCH_BYTES // layer_bytes)
+    return [observations[start : start + per_batch] for start in range(0, len(observations), per_batch)]
 
 
 @dataclass

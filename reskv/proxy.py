@@ -4,22 +4,30 @@ valproxy).
 
 The last observed queries split into fit and validation queries; ``β`` is the first validation
 position. Candidate caches are built from the prefix ``S' = [0, β)`` only, by the deployed cache's
-own builder (``reskv.compress.build_cache``), with the base rule applied to the fit queries as if
-``β - 1`` ended the prompt. A validation query at ``t >= β`` then attends the candidate main cache
-``M'``, the exact tokens ``β .. t`` and the residual entries ``R'``, as a decode step attends the
-deployed cache: everything it sees precedes it, for every base method.
+rules (``M' = P' ∪ Top``, k-means entries of ``E' = S' \\ M'``), with the base rule applied to the
+fit queries as if ``β - 1`` ended the prompt. A validation query at ``t >= β`` then attends the
+candidate main cache ``M'``, the exact tokens ``β .. t`` and the residual entries ``R'``, as a
+decode step attends the deployed cache: everything it sees precedes it, for every base method.
+
+Every candidate of every head (and of every layer, when layers are stacked along the heads,
+``reskv.scoring.stack_layers``) is built and judged in one pass whose shapes are planned from host
+integers (issue 22): one sort of the fit scores serves all candidates, since candidate ``r``'s
+``M'`` is the top ``m'_r - |P'|`` of that ranking plus ``P'`` and its ``E'`` the rest, in ranking
+order; one padded k-means per grid level; one joint attention for all losses.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from reskv.attention import joint_attention, joint_bias
-from reskv.compress import CompressedLayerState, additive_mask, build_cache
+from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import ResidualConfig
-from reskv.residual import residual_sizes
+from reskv.residual import ResidualEntries, RowGroup, cluster_rows, residual_size
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
+from reskv.selection import gather_tokens, score_order
 
 
 def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[slice, slice] | None:
@@ -47,24 +55,36 @@ def grouped(queries: Tensor, num_kv_heads: int) -> Tensor:
 
 
 def candidate_sizes(
-    config: ResidualConfig, budgets: Tensor, window: int, validation_count: int
-) -> list[Tensor]:
+    config: ResidualConfig, budgets: list[int], window: int, validation_count: int
+) -> list[list[int]]:
     """Residual sizes per candidate ratio of the grid and head, 0 where the candidate is skipped.
 
     ``r = floor(ratio * b + 0.5)`` with ``b`` the head's deployed budget; skipped when ``r`` is 0,
     repeats an earlier candidate's ``r`` for that head, or leaves ``m' - |P'| < 0`` with
     ``m' = b - r - validation_count`` (reskv.md). ``window`` is ``|P'|``.
     """
-    seen: list[Tensor] = []
     sizes = []
     for ratio in config.grid:
-        size = residual_sizes(ratio, budgets)
-        skip = (size == 0) | (budgets - size - validation_count < window)
-        for earlier in seen:
-            skip |= size == earlier
-        seen.append(size)
-        sizes.append(size.masked_fill(skip, 0))
+        row = []
+        for budget in budgets:
+            size = residual_size(ratio, budget)
+            repeated = any(residual_size(earlier, budget) == size for earlier in config.grid[: len(sizes)])
+            skip = size == 0 or repeated or budget - size - validation_count < window
+            row.append(0 if skip else size)
+        sizes.append(row)
     return sizes
+
+
+@dataclass
+class CandidateCaches:
+    """Candidate caches over ``S'``, one per row: row ``i`` is candidate ``i // H`` of head ``i % H``."""
+
+    heads: Tensor  # [rows]: the head each row belongs to
+    main_keys: Tensor  # [rows, n, d]: M' in position order, padded
+    main_values: Tensor
+    main_bias: Tensor | None  # [rows, 1, n]: -inf on padding, None when no row is padded
+    residual: ResidualEntries  # [rows, r_max]
+    evicted_fraction: Tensor  # [rows]: |E'| / β, for the no-shared-softmax ablation
 
 
 class ValidationProxy:
@@ -72,95 +92,181 @@ class ValidationProxy:
 
     ``budgets`` passed to the methods are the heads' deployed budgets ``b_h`` (AdaKV: from the
     deployed scores), so a candidate plus the exact validation tokens fills the same ``b_h`` slots
-    as the deployed cache.
+    as the deployed cache. ``obs`` may stack ``num_layers`` layers along its heads.
     """
 
-    def __init__(self, obs: LayerObservation, scorer: TokenScorer, config: ResidualConfig, split):
+    def __init__(
+        self,
+        obs: LayerObservation,
+        scorer: TokenScorer,
+        config: ResidualConfig,
+        split: tuple[slice, slice],
+        num_layers: int = 1,
+    ):
         fit, validation = split
         self.obs, self.scorer, self.config = obs, scorer, config
         positions = obs.query_positions
         validation_positions = positions[validation]  # the last positions of the prompt
-        self.boundary = int(validation_positions[0])  # β
-        self.validation_count = validation_positions.numel()
+        self.boundary = validation_positions[0]  # β
+        self.validation_count = len(validation_positions)
         # Copied once: every candidate gathers rows from S', and a gather from a strided slice
-        # first copies all of it (four times per candidate).
+        # first copies all of it.
         self.prefix_keys = obs.keys[:, : self.boundary].contiguous()
         self.prefix_values = obs.values[:, : self.boundary].contiguous()
-        self.fit_scores = scorer.score(self.prefix_keys, obs.queries[:, fit], positions[fit], obs.scaling)
+        self.fit_scores = scorer.stacked_score(
+            self.prefix_keys, obs.queries[:, fit], positions[fit], obs.scaling, num_layers
+        )
         self.prefix_window = min(scorer.window, self.boundary)  # |P'|
+        # One ranking of S' \ P' serves every candidate (module docstring).
+        self.fit_order = score_order(self.fit_scores[:, : self.boundary - self.prefix_window])
         validation_queries = obs.queries[:, validation]
         self.validation_queries = grouped(validation_queries, obs.num_kv_heads)
         # o_S(t): full causal attention over 0 .. t.
         probs = causal_attention_probs(validation_queries, obs.keys, validation_positions, obs.scaling)
-        self.full_output = grouped(probs, obs.num_kv_heads) @ obs.values.float()
+        self.full_output = torch.bmm(grouped(probs, obs.num_kv_heads), obs.values.float())
         # The exact tokens β .. s-1 follow every candidate main cache; query t sees those <= t.
-        query_positions = validation_positions.repeat(obs.group_size)  # the grouped query order
-        self.exact_bias = additive_mask(validation_positions[None, :] <= query_positions[:, None])
+        exact = torch.arange(self.boundary, obs.seq_len, device=obs.keys.device)
+        self.exact_bias = additive_mask(exact[None, :] <= exact.repeat(obs.group_size)[:, None])
 
-    def candidate(self, budgets: Tensor, sizes: Tensor) -> CompressedLayerState:
-        """The candidate cache over ``S'`` for residual sizes ``[H_kv]``: ``m' = b - r - |validation|``."""
-        main_sizes = budgets - sizes - self.validation_count
-        return build_cache(
+    def candidates(self, budgets: list[int], sizes: list[list[int]]) -> CandidateCaches:
+        """The caches over ``S'`` of candidates ``sizes`` (``[C][H]`` host ints, 0 = no entries) for
+        heads with deployed budgets ``budgets``: ``m' = b - r - |validation|`` main slots each."""
+        device, window, boundary = self.prefix_keys.device, self.prefix_window, self.boundary
+        heads = [head for _ in sizes for head in range(len(budgets))]
+        residual = [size for row in sizes for size in row]
+        main = [
+            max(budgets[head] - size - self.validation_count, 0)
+            for head, size in zip(heads, residual, strict=True)
+        ]
+        top = [max(slots - window, 0) for slots in main]  # from the ranking; the rest from P'
+        kept_window = [min(window, slots) for slots in main]
+        counts = [t + w for t, w in zip(top, kept_window, strict=True)]
+        evicted = [boundary - count for count in counts]
+        if any(size > 0 and w < window for size, w in zip(residual, kept_window, strict=True)):
+            raise ValueError("a candidate with entries must keep all of P' (candidate_sizes skips it)")
+        residual = [min(size, points) for size, points in zip(residual, evicted, strict=True)]
+        heads_t = torch.tensor(heads, device=device)
+        order = self.fit_order.index_select(0, heads_t)
+        longest, widest = max(counts), max(top)
+        # M' in position order: the ranking's top ``top_i`` and P' newest first, unused columns past
+        # the end (``boundary``), sorted; a row's padding then sits after its real slots.
+        slot = torch.arange(max(widest, window), device=device)
+        columns = torch.cat(
+            [
+                order[:, :widest].masked_fill(
+                    slot[:widest] >= torch.tensor(top, device=device)[:, None], boundary
+                ),
+                (boundary - 1 - slot[:window])
+                .expand(len(heads), -1)
+                .masked_fill(slot[:window] >= torch.tensor(kept_window, device=device)[:, None], boundary),
+            ],
+            dim=1,
+        )
+        positions = columns.sort(dim=1).values[:, :longest].clamp_(max=boundary - 1)
+        main_bias = None
+        if min(counts) < longest:
+            real = (
+                torch.arange(longest, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
+            )
+            main_bias = additive_mask(real)[:, None, :]
+        groups = []
+        for candidate in range(len(sizes)):
+            rows = [
+                row
+                for row in range(candidate * len(budgets), (candidate + 1) * len(budgets))
+                if residual[row]
+            ]
+            if rows:
+                row_sizes = [residual[row] for row in rows]
+                groups.append(
+                    RowGroup(
+                        rows,
+                        max(row_sizes),
+                        max(evicted[row] for row in rows),
+                        min(row_sizes) == max(row_sizes),
+                    )
+                )
+        entries = cluster_rows(
             self.prefix_keys,
             self.prefix_values,
-            self.fit_scores,
-            self.scorer.window,
-            main_sizes,
-            sizes,
+            heads_t,
+            order,
+            torch.tensor(top, device=device),
+            torch.tensor(evicted, device=device),
+            torch.tensor(residual, device=device),
+            groups,
             self.config.kmeans_iterations,
         )
+        return CandidateCaches(
+            heads_t,
+            gather_tokens(self.prefix_keys, positions, heads_t),
+            gather_tokens(self.prefix_values, positions, heads_t),
+            main_bias,
+            entries,
+            torch.tensor(evicted, device=device) / boundary,
+        )
 
-    def errors(self, budgets: Tensor, sizes: Tensor) -> Tensor:
-        """``||ô_r(q) - o_S(q)||²`` ``[H_kv, G * |validation|]`` per validation query and group head
+    def candidate(self, budgets: Tensor, sizes: Tensor) -> CandidateCaches:
+        """One candidate's caches for every head (sizes ``[H]``)."""
+        return self.candidates(budgets.tolist(), [sizes.tolist()])
+
+    def caches_errors(self, caches: CandidateCaches) -> Tensor:
+        """``||ô_r(q) - o_S(q)||²`` ``[rows, G * |validation|]`` per validation query and group head
         (grouped order: query head major), ``ô_r`` the decode rule with its gate over ``M' ∪ {β..t}``."""
-        obs = self.obs
-        candidate = self.candidate(budgets, sizes)
-        residual = candidate.residual
+        obs, heads, residual = self.obs, caches.heads, caches.residual
+        rows, main_slots = heads.shape[0], caches.main_keys.shape[1]
         num_queries = self.validation_queries.shape[1]
+        exact_keys = obs.keys[:, self.boundary :].index_select(0, heads)
+        exact_values = obs.values[:, self.boundary :].index_select(0, heads)
         # One buffer [entries ; M' ; β .. s-1] as a decode step reads it (reskv.attention.joint_attention).
-        keys = torch.cat([residual.keys, candidate.main_keys, obs.keys[:, self.boundary :]], dim=1)
-        values = torch.cat([residual.values, candidate.main_values, obs.values[:, self.boundary :]], dim=1)
-        padding = candidate.main_bias
+        keys = torch.cat([residual.keys, caches.main_keys, exact_keys], dim=1)
+        values = torch.cat([residual.values, caches.main_values, exact_values], dim=1)
+        padding = caches.main_bias
         if padding is None:
-            padding = torch.zeros(obs.num_kv_heads, 1, candidate.main_keys.shape[1], device=keys.device)
+            padding = torch.zeros(rows, 1, main_slots, device=keys.device)
         main_bias = torch.cat(
-            [padding.expand(-1, num_queries, -1), self.exact_bias.expand(obs.num_kv_heads, -1, -1)], dim=-1
+            [padding.expand(-1, num_queries, -1), self.exact_bias.expand(rows, -1, -1)], dim=-1
         )
         bias = joint_bias(residual.log_counts, main_bias, main_bias.shape[-1], self.config.beta)
         output = joint_attention(
-            self.validation_queries,
+            self.validation_queries.index_select(0, heads),
             keys,
             values,
             bias,
             residual.keys.shape[1],
             obs.scaling,
             self.config,
-            candidate.evicted_fraction,
+            caches.evicted_fraction,
         )
-        return ((output - self.full_output) ** 2).sum(dim=-1)
+        return (output - self.full_output.index_select(0, heads)).square_().sum(dim=-1)
+
+    def errors(self, budgets: Tensor, sizes: Tensor) -> Tensor:
+        """``caches_errors`` ``[H, G * |validation|]`` of one candidate (sizes ``[H]``)."""
+        return self.caches_errors(self.candidate(budgets, sizes))
 
     def losses(self, budgets: Tensor, sizes: Tensor) -> Tensor:
-        """``L_r`` ``[H_kv]``: the mean of ``errors`` over validation queries and group heads."""
+        """``L_r`` ``[H]``: the mean of ``errors`` over validation queries and group heads."""
         return self.errors(budgets, sizes).mean(dim=-1)
 
-    def choose(self, budgets: Tensor) -> Tensor:
+    def choose(self, budgets: list[int] | Tensor) -> Tensor:
         """``r* = argmin_{r>0} L_r`` (the first candidate on ties), kept only where
-        ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible."""
-        none = torch.zeros_like(budgets)
-        admissible = [
-            sizes
-            for sizes in candidate_sizes(self.config, budgets, self.prefix_window, self.validation_count)
-            if bool((sizes > 0).any())
-        ]
+        ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible. ``[H]`` long,
+        on the device: nothing is read back."""
+        budgets = budgets.tolist() if isinstance(budgets, Tensor) else budgets
+        device = self.prefix_keys.device
+        none = torch.zeros(len(budgets), dtype=torch.long, device=device)
+        grid = candidate_sizes(self.config, budgets, self.prefix_window, self.validation_count)
+        admissible = [sizes for sizes in grid if any(sizes)]
         if not admissible:
             return none
-        best_size, best_loss = none, torch.full(budgets.shape, float("inf"), device=budgets.device)
-        for sizes in admissible:
-            loss = self.losses(budgets, sizes).masked_fill(sizes == 0, float("inf"))
-            better = loss < best_loss
-            best_size, best_loss = torch.where(better, sizes, best_size), torch.where(better, loss, best_loss)
-        accepted = best_loss < (1 - self.config.delta) * self.losses(budgets, none)
-        return best_size.masked_fill(~accepted, 0)
+        caches = self.candidates(budgets, [[0] * len(budgets), *admissible])
+        losses = self.caches_errors(caches).mean(dim=-1).reshape(1 + len(admissible), len(budgets))
+        main_only, candidate_losses = losses[0], losses[1:]
+        sizes = torch.tensor(admissible, device=device)
+        candidate_losses = candidate_losses.masked_fill(sizes == 0, float("inf"))
+        best = candidate_losses.argmin(dim=0, keepdim=True)  # the first of equal losses
+        accepted = candidate_losses.gather(0, best)[0] < (1 - self.config.delta) * main_only
+        return sizes.gather(0, best)[0].masked_fill(~accepted, 0)
 
     def fit_selection(self) -> tuple[Tensor, int]:
         """Scores ``[H_kv, s]`` and protected window for ``final_selection="fit"``: the deployed cache

@@ -7,6 +7,7 @@ unused slots end with ``log_count = -inf``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from reskv.selection import gather_tokens
 
-# Bound on the k-means distance block (fp32 bytes), so transient memory does not grow with
+# Bound on the k-means distance block (fp32 bytes) on CPU, so transient memory does not grow with
 # s * r: one layer's clustering at Llama-3.1-8B's shape and 32K tokens peaks at 142 MiB, mostly
 # the fp32 points (``reskv.compress.kmeans_peak_memory``, ratio 0.6, r = 0.2 b, CPU). 4 MiB is
 # also the fastest block measured on CPU: [3, 3634, 64] points against 395 centres take 8.0 ms
@@ -22,12 +23,25 @@ from reskv.selection import gather_tokens
 # torch 2.13): larger blocks are fresh pages on every call, smaller ones make the GEMMs thin.
 # The block size changes no bit of the result (tests/test_reskv_invariants.py).
 DISTANCE_CHUNK_BYTES = 4 << 20
+# On CUDA a block is one GEMM launch and one argmin, ~23 us of host time each whatever their size
+# (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per layer at 131K tokens. There the
+# block is an eighth of the device's memory (10 GiB on an 80 GB H100): one launch per Lloyd step up
+# to 131K tokens at the 8B shape (``scripts.construction_counts`` prints the model).
+DEVICE_MEMORY_SHARE = 8
 
 
-def residual_sizes(ratio: float, budgets: Tensor) -> Tensor:
-    """``r = floor(ratio * b + 0.5)`` per head (reskv.md): a share of each head's budget ``b``
-    rounded half up, computed in float64 whatever the budgets' dtype."""
-    return torch.floor(ratio * budgets.double() + 0.5).long()
+def distance_block_bytes(device: torch.device) -> int:
+    """The k-means distance block for ``device``: ``DISTANCE_CHUNK_BYTES`` on CPU, an eighth of the
+    device's memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // DEVICE_MEMORY_SHARE
+    return DISTANCE_CHUNK_BYTES
+
+
+def residual_size(ratio: float, budget: int) -> int:
+    """``r = floor(ratio * b + 0.5)`` (reskv.md): a share of a head's budget ``b`` rounded half up,
+    in float64 (host integers: the engine plans every shape before it launches work)."""
+    return math.floor(ratio * budget + 0.5)
 
 
 @dataclass
@@ -68,19 +82,27 @@ def cluster_sums(
     return sums, counts
 
 
-def nearest_centers(points: Tensor, centers: Tensor, chunk_bytes: int) -> Tensor:
-    """Index ``[H, E]`` of each point's nearest centre by squared Euclidean distance.
+def nearest_centers(
+    points: Tensor, centers: Tensor, chunk_bytes: int, center_bias: Tensor | None = None
+) -> Tensor:
+    """Index ``[R, E]`` of each point's nearest centre by squared Euclidean distance.
 
     ``||c||² - 2<p, c>`` (the point's own norm does not change the argmin); ties go to the lower
-    centre index. The ``[H, E, r]`` distances are computed over chunks of points holding at most
-    ``chunk_bytes`` of fp32, so a layer's transient memory stays bounded whatever ``s`` and ``r``.
+    centre index. ``center_bias`` ``[R, r]`` (0, or ``+inf`` on a row's padding centres, which then
+    never win) lets rows with fewer centres share one call. The ``[R, E, r]`` distances are computed
+    over chunks of points holding at most ``chunk_bytes`` of fp32, so transient memory stays bounded
+    whatever ``s`` and ``r``.
     """
-    num_heads, num_points, _ = points.shape
+    num_rows, num_points, _ = points.shape
     num_centers = centers.shape[1]
-    chunk = max(1, chunk_bytes // (4 * num_heads * max(num_centers, 1)))
-    center_norms = (centers * centers).sum(-1)[:, None, :]
-    centers_t = centers.transpose(1, 2)
-    nearest = torch.empty(num_heads, num_points, dtype=torch.long, device=points.device)
+    chunk = max(1, chunk_bytes // (4 * num_rows * max(num_centers, 1)))
+    center_norms = (centers * centers).sum(-1)
+    if center_bias is not None:
+        center_norms.add_(center_bias)
+    center_norms, centers_t = center_norms[:, None, :], centers.transpose(1, 2)
+    if chunk >= num_points:
+        return torch.baddbmm(center_norms, points, centers_t, alpha=-2).argmin(-1)
+    nearest = torch.empty(num_rows, num_points, dtype=torch.long, device=points.device)
     for start in range(0, num_points, chunk):
         part = points[:, start : start + chunk]
         nearest[:, start : start + chunk] = torch.baddbmm(center_norms, part, centers_t, alpha=-2).argmin(-1)
@@ -88,85 +110,158 @@ def nearest_centers(points: Tensor, centers: Tensor, chunk_bytes: int) -> Tensor
 
 
 def lloyd_assignments(
-    points: Tensor, weights: Tensor, centers: Tensor, iterations: int
+    points: Tensor, weights: Tensor, centers: Tensor, iterations: int, center_bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to
-    means), with the last step's per-cluster sums ``[H, r, d]`` and counts ``[H, r]`` (the entries
+    means), with the last step's per-cluster sums ``[R, r, d]`` and counts ``[R, r]`` (the entries
     are their means, so they are not summed twice).
 
     With the init ordered by score, ties in ``nearest_centers`` make the better-scored of two
     identical centres win and the other end empty. A centre that loses all its points keeps its
-    position. ``points`` ``[H, E, d]`` fp32, zero where ``weights`` is 0; ``centers`` ``[H, r, d]``;
-    ``iterations >= 1``.
+    position. ``points`` ``[R, E, d]`` fp32, zero where ``weights`` is 0; ``centers`` ``[R, r, d]``;
+    ``center_bias`` as in ``nearest_centers``; ``iterations >= 1``.
     """
     centers = centers.float()
+    block = distance_block_bytes(points.device)
     for _ in range(iterations):
-        assignments = nearest_centers(points, centers, DISTANCE_CHUNK_BYTES)
+        assignments = nearest_centers(points, centers, block, center_bias)
         sums, counts = cluster_sums(points, weights, assignments, centers.shape[1])
         centers = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centers)
     return assignments, sums, counts
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows clustered in one padded k-means, with the host's bounds of their shapes (so no shape is
+    read back from the device): the largest residual size and point count among them, and whether
+    every row has ``max_size`` entries (then no centre is padding)."""
+
+    rows: list[int]
+    max_size: int
+    max_points: int
+    equal_sizes: bool
+
+
 def build_residual(
-    keys: Tensor, values: Tensor, evicted: Tensor, scores: Tensor, sizes: Tensor, iterations: int
+    keys: Tensor,
+    values: Tensor,
+    evicted: Tensor,
+    scores: Tensor,
+    sizes: Tensor,
+    iterations: int,
+    row_groups: list[RowGroup] | None = None,
 ) -> ResidualEntries:
-    """Summarise each head's evicted tokens into ``sizes[h]`` entries (reskv.md, Residual entries).
+    """Summarise each row's evicted tokens into ``sizes[i]`` entries (reskv.md, Residual entries).
 
     ``keys``/``values`` are ``[H, s, d]``; ``evicted``, ``scores`` and ``sizes`` have ``R`` rows,
-    ``R`` a multiple of ``H`` when candidate selections are stacked (row ``r`` is head ``r % H``).
+    row ``i`` reading head ``i % H`` (layers or candidates stacked along the head dimension).
 
-    Lloyd k-means on keys, initialised deterministically from the ``sizes[h]`` evicted keys with
+    Lloyd k-means on keys, initialised deterministically from the ``sizes[i]`` evicted keys with
     the highest scores (ties toward the lower position); ``sizes`` is capped at ``|E|``. Entry
     ``j`` stores the mean key, mean value and ``log(count)`` of its cluster; empty clusters are
     dropped (``log_count = -inf``), so their slot never receives softmax mass.
+
+    ``row_groups`` says which rows are clustered together; the engine's plan passes them from host
+    integers, so nothing here waits for the device. Without them, sizes and point counts are read
+    back (one sync) and rows of equal size form a group: no distance FLOP is spent on padding.
     """
     rows = evicted.shape[0]
-    sizes = torch.minimum(sizes.to(keys.device), evicted.sum(dim=-1))
-    max_size = int(sizes.max())
+    evicted_counts = evicted.sum(dim=-1)
+    sizes = torch.minimum(sizes.to(keys.device), evicted_counts)
+    if row_groups is None:
+        row_groups = equal_size_groups(*torch.stack([sizes, evicted_counts]).tolist())
+    # Evicted tokens first, best score first (stable: ties toward the lower position); each row's
+    # first ``sizes[i]`` of them are its initial centres.
+    ranked = torch.where(evicted, scores.float(), float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    heads = torch.arange(rows, device=keys.device) % keys.shape[0]
+    return cluster_rows(keys, values, heads, order, None, evicted_counts, sizes, row_groups, iterations)
+
+
+def equal_size_groups(sizes: list[int], point_counts: list[int]) -> list[RowGroup]:
+    """One group per distinct non-zero size (host ints; sizes already capped at the point counts)."""
+    groups = []
+    for size in sorted(set(sizes) - {0}):
+        rows = [row for row, row_size in enumerate(sizes) if row_size == size]
+        groups.append(RowGroup(rows, size, max(point_counts[row] for row in rows), equal_sizes=True))
+    return groups
+
+
+def cluster_rows(
+    keys: Tensor,
+    values: Tensor,
+    heads: Tensor,
+    order: Tensor,
+    point_offsets: Tensor | None,
+    point_counts: Tensor,
+    sizes: Tensor,
+    row_groups: list[RowGroup],
+    iterations: int,
+) -> ResidualEntries:
+    """Entries ``[R, r_max]`` for rows whose points are ``order[i, offset_i : offset_i + count_i]``.
+
+    Row ``i`` reads keys and values of head ``heads[i]`` at the positions ``order[i]`` lists, best
+    score first, from ``point_offsets[i]`` on (0 when ``None``): the validation proxy's candidates
+    of one head evict nested suffixes of one ranking (reskv.md: ``E' = S' \\ M'``, ``M'`` the top
+    of that ranking), so one sort serves them all. ``sizes[i] <= point_counts[i]``; rows in no group
+    get no entries. A group is one padded k-means whose rows get the entries they get alone:
+    padded points weigh 0 and padded centres never win (``nearest_centers``).
+    """
+    rows, dim = order.shape[0], keys.shape[-1]
+    max_size = max((group.max_size for group in row_groups), default=0)
     entries = ResidualEntries(
-        keys.new_zeros(rows, max_size, keys.shape[-1]),
-        values.new_zeros(rows, max_size, values.shape[-1]),
+        keys.new_zeros(rows, max_size, dim),
+        values.new_zeros(rows, max_size, dim),
         torch.full((rows, max_size), float("-inf"), device=keys.device),
     )
-    if max_size == 0:
-        return entries
-    # Rows are clustered in groups of equal size: no centre padding, and rows without entries
-    # (stacked candidates often include r = 0) cost nothing.
-    for size in sizes.unique().tolist():
-        if size == 0:
-            continue
-        rows_of_size = torch.nonzero(sizes == size).squeeze(1)
+    for group in row_groups:
+        index = torch.tensor(group.rows, device=keys.device)
+        offsets = None if point_offsets is None else point_offsets[index]
         mean_keys, mean_values, log_counts = _cluster(
             keys,
             values,
-            rows_of_size % keys.shape[0],
-            evicted[rows_of_size],
-            scores[rows_of_size],
-            size,
+            heads[index],
+            order[index],
+            offsets,
+            point_counts[index],
+            sizes[index],
+            group,
             iterations,
         )
-        entries.keys[rows_of_size, :size] = mean_keys.to(keys.dtype)
-        entries.values[rows_of_size, :size] = mean_values.to(values.dtype)
-        entries.log_counts[rows_of_size, :size] = log_counts
+        entries.keys[index, : group.max_size] = mean_keys.to(keys.dtype)
+        entries.values[index, : group.max_size] = mean_values.to(values.dtype)
+        entries.log_counts[index, : group.max_size] = log_counts
     return entries
 
 
 def _cluster(
-    keys: Tensor, values: Tensor, heads: Tensor, evicted: Tensor, scores: Tensor, size: int, iterations: int
+    keys: Tensor,
+    values: Tensor,
+    heads: Tensor,
+    order: Tensor,
+    offsets: Tensor | None,
+    point_counts: Tensor,
+    sizes: Tensor,
+    group: RowGroup,
+    iterations: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Means and log-counts ``[A, size, ...]`` for rows that all get ``size`` entries (``size <= |E|``)."""
-    evicted_counts = evicted.sum(dim=-1)
-    max_points = int(evicted_counts.max())
-    # Evicted tokens first, best score first (stable: ties toward the lower position); the
-    # first ``size`` of them are the initial centres.
-    ranked = torch.where(evicted, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :max_points]
-    weights = (torch.arange(max_points, device=keys.device)[None, :] < evicted_counts[:, None]).float()
-    point_keys = gather_tokens(keys, order, heads).float().mul_(weights[..., None])
-    assignments, key_sums, counts = lloyd_assignments(point_keys, weights, point_keys[:, :size], iterations)
-    del point_keys  # values are gathered only now, so both never sit in memory at once
-    point_values = gather_tokens(values, order, heads).float().mul_(weights[..., None])
-    value_sums, _ = cluster_sums(point_values, weights, assignments, size)
+    """Means and log-counts ``[A, max_size, ...]`` of one group's rows."""
+    slots = torch.arange(group.max_points, device=keys.device)
+    if offsets is None:
+        positions = order[:, : group.max_points]
+    else:
+        positions = order.gather(1, (offsets[:, None] + slots).clamp_(max=order.shape[1] - 1))
+    weights = (slots[None, :] < point_counts[:, None]).float()
+    center_bias = None
+    if not group.equal_sizes:
+        unused = torch.arange(group.max_size, device=keys.device)[None, :] >= sizes[:, None]
+        center_bias = torch.zeros(unused.shape, device=keys.device).masked_fill_(unused, float("inf"))
+    point_keys = gather_tokens(keys, positions, heads).float().mul_(weights[..., None])
+    centers = point_keys[:, : group.max_size]
+    assignments, key_sums, counts = lloyd_assignments(point_keys, weights, centers, iterations, center_bias)
+    del point_keys, centers  # values are gathered only now, so both never sit in memory at once
+    point_values = gather_tokens(values, positions, heads).float().mul_(weights[..., None])
+    value_sums, _ = cluster_sums(point_values, weights, assignments, group.max_size)
     denominators = counts.clamp(min=1)[..., None]
-    log_counts = torch.where(counts > 0, counts.log(), torch.full_like(counts, float("-inf")))
+    log_counts = torch.where(counts > 0, counts.log(), float("-inf"))
     return key_sums / denominators, value_sums / denominators, log_counts

@@ -40,10 +40,30 @@ class LayerObservation:
         return self.queries.shape[0] // self.keys.shape[0]
 
     @property
-    def query_positions(self) -> Tensor:
-        """Positions of ``queries`` in the prompt: the last n positions."""
-        n = self.queries.shape[1]
-        return torch.arange(self.seq_len - n, self.seq_len, device=self.keys.device)
+    def query_positions(self) -> range:
+        """Positions of ``queries`` in the prompt: the last n positions (host integers, so scorers
+        slice and bound them without reading the device)."""
+        return range(self.seq_len - self.queries.shape[1], self.seq_len)
+
+
+def stack_layers(observations: list[LayerObservation]) -> LayerObservation:
+    """``L`` layers of one prompt as one observation with ``L * H_kv`` KV heads (and ``L * H`` query
+    heads), layer-major: query head ``h`` still belongs to KV head ``h // G``, so every rule whose
+    heads are independent scores the stack as it scores each layer. The stack is a copy of the
+    layers' tensors: one op for many, which is what a GPU's host pays for (issue 22)."""
+    if len(observations) == 1:
+        return observations[0]
+    accumulated = None
+    if observations[0].accumulated is not None:
+        accumulated = torch.cat([obs.accumulated for obs in observations])
+    return LayerObservation(
+        observations[0].layer_idx,
+        torch.cat([obs.keys for obs in observations]),
+        torch.cat([obs.values for obs in observations]),
+        torch.cat([obs.queries for obs in observations]),
+        accumulated,
+        observations[0].scaling,
+    )
 
 
 def group_mean(per_query_head: Tensor, num_kv_heads: int) -> Tensor:
@@ -51,7 +71,7 @@ def group_mean(per_query_head: Tensor, num_kv_heads: int) -> Tensor:
     return per_query_head.reshape(num_kv_heads, -1, *per_query_head.shape[1:]).mean(dim=1)
 
 
-def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: Tensor, scaling: float) -> Tensor:
+def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: range, scaling: float) -> Tensor:
     """fp32 softmax attention ``[H, n, s]`` of queries at ``query_positions`` over keys ``0..s-1``.
 
     Causal: a query at position ``t`` gives zero weight to keys after ``t``. Memory is
@@ -63,8 +83,9 @@ def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: Tenso
     grouped = queries.float().reshape(num_kv_heads, -1, head_dim)  # [H_kv, G*n, d]
     logits = (grouped @ keys.float().transpose(1, 2)).mul_(scaling)  # [H_kv, G*n, s]
     logits = logits.reshape(queries.shape[0], queries.shape[1], seq_len)
-    first = min(int(query_positions.min()) + 1, seq_len)
-    future = torch.arange(first, seq_len, device=keys.device)[None, :] > query_positions[:, None]
+    first = min(query_positions[0] + 1, seq_len)
+    positions = torch.arange(query_positions.start, query_positions.stop, device=keys.device)
+    future = torch.arange(first, seq_len, device=keys.device)[None, :] > positions[:, None]
     logits[..., first:].masked_fill_(future, float("-inf"))
     # In place, into the logits: glibc often maps a second buffer of this size (13 MiB for 96 x 9
     # queries at 4K) fresh on every call, and its page faults then cost more than the arithmetic
@@ -72,7 +93,7 @@ def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: Tenso
     return torch.softmax(logits, dim=-1, out=logits)
 
 
-def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: Tensor, scaling: float) -> Tensor:
+def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: range, scaling: float) -> Tensor:
     """H2O's heavy-hitter statistic: column sums of causal attention over the given queries.
 
     Returns ``[H_kv, s]`` (mean over each group of query heads). Computed in query chunks so no
@@ -82,13 +103,13 @@ def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: Tensor
     total = torch.zeros(queries.shape[0], keys.shape[1], device=keys.device, dtype=torch.float32)
     for start in range(0, queries.shape[1], QUERY_CHUNK):
         chunk = slice(start, start + QUERY_CHUNK)
-        visible = int(query_positions[chunk].max()) + 1  # later keys get no weight from this chunk
+        visible = query_positions[chunk][-1] + 1  # later keys get no weight from this chunk
         probs = causal_attention_probs(queries[:, chunk], keys[:, :visible], query_positions[chunk], scaling)
         total[:, :visible] += probs.sum(dim=1)
     return group_mean(total, keys.shape[0])
 
 
-def observation_queries(obs: LayerObservation, window: int) -> tuple[Tensor, Tensor]:
+def observation_queries(obs: LayerObservation, window: int) -> tuple[Tensor, range]:
     """The last ``window`` observed queries ``[H, n, d]`` and their prompt positions ``[n]``.
 
     When fewer queries were observed (short prompts: the engine observes ``min(s, ...)``), all of
@@ -113,10 +134,19 @@ class TokenScorer:
     window: int = 0  # the protected recent tokens P, always kept
     needs_accumulated_attention: bool = False  # H2O: capture column sums during prefill
 
-    def score(self, keys: Tensor, queries: Tensor, positions: Tensor, scaling: float) -> Tensor:
+    def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:
         """Scores ``[H_kv, s]`` of the prefix ``keys`` ``[H_kv, s, d]`` (positions ``0 .. s-1``, its
-        protected window the last ``window`` of them) from ``queries`` ``[H, n, d]`` at ``positions``."""
+        protected window the last ``window`` of them) from ``queries`` ``[H, n, d]`` at ``positions``
+        (contiguous prompt positions)."""
         raise NotImplementedError
+
+    def stacked_score(
+        self, keys: Tensor, queries: Tensor, positions: range, scaling: float, num_layers: int
+    ) -> Tensor:
+        """``score`` of ``num_layers`` layers stacked along the heads (``stack_layers``). Rules whose
+        heads are independent score the stack as one layer; a rule that pools over a layer's heads
+        (TOVA) overrides this."""
+        return self.score(keys, queries, positions, scaling)
 
     def prompt_scores(self, obs: LayerObservation) -> Tensor:
         """Scores for the deployed cache: the rule on the whole prompt with the method's own

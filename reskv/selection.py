@@ -6,13 +6,19 @@ import torch
 from torch import Tensor
 
 
-def score_ranks(scores: Tensor) -> Tensor:
-    """Rank of every position by descending score (0 = best), ties toward the lower position.
+def score_order(scores: Tensor) -> Tensor:
+    """Positions ``[H, n]`` by descending score, ties toward the lower position.
 
     A stable sort gives the tie order reskv.md fixes (it matches NVIDIA kvpress's SnapKV index
-    for index). ``scores`` is ``[H, n]``; the result has the same shape.
+    for index). ``scores`` is ``[H, n]``.
     """
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+
+
+def score_ranks(scores: Tensor) -> Tensor:
+    """Rank of every position by descending score (0 = best), ties toward the lower position
+    (``score_order``); the result has the shape of ``scores``."""
+    order = score_order(scores)
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
     return ranks

@@ -139,7 +139,7 @@ def test_snapkv_scores_a_prefix_with_fit_queries_as_the_window():
     """The validation proxy's use: the fit queries act as the window over the prefix before the
     validation queries, whose last 4 tokens are the protected window (reskv.md)."""
     obs, all_queries = make_obs(30, 2, 2, 12, seed=3)
-    fit_queries, fit_positions = all_queries[:, 18:26], torch.arange(18, 26)
+    fit_queries, fit_positions = all_queries[:, 18:26], range(18, 26)
     expected = plain_snapkv(fit_queries, fit_positions, obs.keys[:, :26], 2, 4, 5)
     scores = SnapKV(window=4).score(obs.keys[:, :26], fit_queries, fit_positions, SCALING)
     assert scores.shape == (2, 26)
@@ -174,7 +174,7 @@ def plain_column_sums(queries, positions, keys, group: int) -> list[list[float]]
 def test_h2o_matches_plain_column_sums(group, monkeypatch):
     monkeypatch.setattr(reskv.scoring, "QUERY_CHUNK", 7)  # the chunked sum must not depend on chunks
     obs, all_queries = make_obs(32, 2, group, 8, seed=5 + group)
-    positions = torch.arange(32)
+    positions = range(32)
     obs.accumulated = accumulated_attention(all_queries, obs.keys, positions, SCALING)
     expected = plain_column_sums(all_queries, positions, obs.keys, group)
     assert torch.allclose(obs.accumulated.double(), f64(expected), atol=1e-5)
@@ -191,7 +191,7 @@ def test_h2o_sums_are_not_normalised():
     obs = LayerObservation(
         0, torch.zeros(1, 12, D), torch.zeros(1, 12, D), torch.zeros(1, 12, D), None, SCALING
     )
-    sums = accumulated_attention(torch.zeros(1, 12, D), obs.keys, torch.arange(12), SCALING)
+    sums = accumulated_attention(torch.zeros(1, 12, D), obs.keys, range(12), SCALING)
     harmonic_tail = [sum(1 / (t + 1) for t in range(j, 12)) for j in range(12)]
     assert torch.allclose(sums[0].double(), f64(harmonic_tail), atol=1e-6)
 
@@ -203,7 +203,7 @@ def test_h2o_window_only_and_prefix_scores_sum_over_their_queries():
     window_sums = plain_column_sums(obs.queries[:, -4:], torch.arange(26, 30), obs.keys, 2)
     assert torch.allclose(scorer.prompt_scores(obs).double(), f64(window_sums), atol=1e-6)
     fit_sums = plain_column_sums(all_queries[:, 10:20], torch.arange(10, 20), obs.keys[:, :20], 2)
-    fit = H2O(window=4).score(obs.keys[:, :20], all_queries[:, 10:20], torch.arange(10, 20), SCALING)
+    fit = H2O(window=4).score(obs.keys[:, :20], all_queries[:, 10:20], range(10, 20), SCALING)
     assert torch.allclose(fit.double(), f64(fit_sums), atol=1e-6)
 
 
@@ -232,7 +232,7 @@ def test_tova_matches_plain_rule_with_one_selection_per_layer(group):
     assert torch.allclose(scores.double(), f64([expected, expected]), atol=1e-6)
     kept = kept_by(scorer, obs, 6)
     assert torch.equal(kept, plain_kept([expected[:23]] * 2, 24, 1, [6, 6]))
-    fit = scorer.score(obs.keys[:, :15], all_queries[:, 5:15], torch.arange(5, 15), SCALING)
+    fit = scorer.score(obs.keys[:, :15], all_queries[:, 5:15], range(5, 15), SCALING)
     fit_expected = plain_tova(all_queries[:, 14], 14, obs.keys[:, :15], group)
     assert torch.allclose(fit[1].double(), f64(fit_expected), atol=1e-6)
 

@@ -99,7 +99,7 @@ def test_h2o_statistics_captured_in_chunks_equal_the_direct_column_sums(backbone
     for layer in prefill._prompt_state().cache.layers:  # context in one pass, question in another
         keys = layer.keys[0]
         assert layer.queries.shape[1] == keys.shape[1] == 90
-        probs = causal_attention_probs(layer.queries, keys, torch.arange(90), prefill.scaling)
+        probs = causal_attention_probs(layer.queries, keys, range(90), prefill.scaling)
         direct = probs.sum(dim=1).reshape(keys.shape[0], -1, 90).mean(dim=1)
         torch.testing.assert_close(layer.accumulated, direct, rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,72 @@
+"""Tensor ops and host-device syncs of a piece of code, counted on CPU (issue 22).
+
+On a GPU the construction and the decode step are bound by the host: each aten op costs ~23 us of
+wall time there whatever its size (results/gpu/README.md), and each sync stalls the host until the
+device has caught up. Both are properties of the code, not of the device, so they are counted here
+on CPU with a ``TorchDispatchMode``:
+
+- an *op* is one aten call that launches work: view ops (``func.is_view``: slices, reshapes,
+  transposes, ``expand``) and bare allocations (``empty``), which launch no kernel, are left out;
+- a *sync* is a call that makes the host wait for a device's data: ``item``/``int()``/``bool()``
+  (``aten._local_scalar_dense``), ``nonzero``, ``unique`` and ``masked_select`` (their output shape
+  is data), and ``Tensor.tolist`` (which on CPU reads memory without dispatching, so it is
+  counted by a wrapper for the duration of the count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+SYNC_PACKETS = {aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._unique}
+
+
+@dataclass
+class DispatchCounts:
+    """What ran under ``count_dispatch``: ops and syncs, and the ops by name (for profiling)."""
+
+    ops: int = 0
+    syncs: int = 0
+    by_op: Counter = field(default_factory=Counter)
+    syncs_by_op: Counter = field(default_factory=Counter)
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, counts: DispatchCounts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNC_OPS or func.overloadpacket in SYNC_PACKETS:
+            self.counts.syncs += 1
+            self.counts.syncs_by_op[func.overloadpacket.__name__] += 1
+        if not func.is_view and func not in NO_KERNEL:
+            self.counts.ops += 1
+            self.counts.by_op[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_dispatch():
+    """``with count_dispatch() as counts: ...``: ``counts.ops`` and ``counts.syncs`` of the block."""
+    counts = DispatchCounts()
+    original_tolist = torch.Tensor.tolist
+
+    def counted_tolist(tensor):
+        counts.syncs += 1
+        counts.syncs_by_op["tolist"] += 1
+        return original_tolist(tensor)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with _Counter(counts):
+            yield counts
+    finally:
+        torch.Tensor.tolist = original_tolist
