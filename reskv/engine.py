@@ -88,6 +88,18 @@ class Method:
         return ResKVCache(layers), stats
 
 
+def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
+    """Attended slots per layer and KV head of a cache ``Method.compress`` just returned with ``stats``:
+    main tokens plus used entries, from the host's counts (``ResKVCache.slots`` reads the same
+    from the device, one sync a layer)."""
+    if not stats["compressed"]:
+        return [[layer.keys.shape[2]] * layer.keys.shape[1] for layer in cache.layers]
+    return [
+        [main + entries for main, entries in zip(*counts, strict=True)]
+        for counts in zip(stats["main_slots"], stats["residual_entries"], strict=True)
+    ]
+
+
 def layer_batches(observations: list[LayerObservation]) -> list[list[LayerObservation]]:
     """Consecutive layers whose keys and values together hold at most ``LAYER_BATCH_BYTES``
     (at least one layer a batch): all 32 layers of an 8B-shaped model up to 4K tokens in bf16, 8 at
@@ -208,7 +220,7 @@ class Prefill:
         cache, stats = method.compress(source, self.scaling)
         stats["prompt_tokens"] = len(self.prompt_ids)
         stats["compressed_tokens"] = source.layers[0].get_seq_length()
-        stats["slots"] = cache.slots()
+        stats["slots"] = attended_slots(cache, stats)
         return cache, stats
 
     def generate(

@@ -280,7 +280,9 @@ def test_observation_probabilities_equal_the_fully_masked_softmax(observation):
         queries = obs.queries[:, : len(positions)]
         probs = causal_attention_probs(queries, obs.keys, positions, obs.scaling)
         grouped = queries.reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
-        logits = (grouped @ obs.keys.transpose(1, 2) * obs.scaling).reshape(queries.shape[0], len(positions), -1)
+        logits = (grouped @ obs.keys.transpose(1, 2) * obs.scaling).reshape(
+            queries.shape[0], len(positions), -1
+        )
         future = torch.arange(obs.seq_len)[None, :] > torch.tensor(positions)[:, None]
         assert torch.equal(probs, logits.masked_fill(future, -math.inf).softmax(dim=-1))
 

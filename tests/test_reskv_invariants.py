@@ -13,7 +13,7 @@ import reskv.residual
 from baselines import build_method, build_scorer
 from reskv.attention import DecodeRule, residual_attention
 from reskv.compress import ResidualConfig, budget_for, compress_layer, kmeans_peak_memory
-from reskv.engine import Method, Prefill
+from reskv.engine import Method, Prefill, attended_slots
 from reskv.residual import build_residual, nearest_centers
 from reskv.scoring import LayerObservation
 from tests.conftest import random_prompt
@@ -205,6 +205,7 @@ def check_budget(prefill, method, ratio) -> dict:
     cache, stats = method.compress(prefill._context.cache, prefill.scaling)
     budget = budget_for(prefill.context_length, ratio)
     assert stats["budget"] == budget
+    assert attended_slots(cache, stats) == cache.slots()  # the host's counts are what the device holds
     for slots, main, entries, reserved in zip(
         cache.slots(), stats["main_slots"], stats["residual_entries"], stats["residual_slots"], strict=True
     ):

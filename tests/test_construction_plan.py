@@ -1,0 +1,164 @@
+"""The stacked, host-planned construction (issue 22) against a plain per-head loop written here from
+reskv.md: kept sets, residual sizes and entries equal bit for bit on CPU fp32.
+
+The plain loop takes each layer and KV head alone: the base method's scores and budgets, the
+residual size the construction chose (checked apart: the same sizes whether layers are compressed
+one by one or stacked, and against the float64 reference of tests/test_proxy.py there), then
+``M = P ∪ Top_{m-|P|}`` by a Python sort with ties toward the lower position, the evicted tokens
+in score order, and Lloyd's k-means on them with the arithmetic reskv.md names (squared distance as
+``||c||² - 2<p, c>`` in fp32, the first ``r`` evicted keys as centres, 4 steps, empty clusters
+dropped).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baselines import build_method, build_scorer
+from reskv.compress import compress_layer, compress_layers
+from reskv.config import ResidualConfig, budget_for
+from reskv.engine import Prefill
+from reskv.residual import build_residual
+from tests.conftest import cached_tiny_backbone, random_prompt
+
+PROMPT_LENGTH = 300
+
+
+@pytest.fixture(scope="module", params=["aware", "agnostic"])
+def observations(request):
+    """Every layer of a tiny GQA model (6 query heads, 2 KV heads) after a prompt whose question is its
+    last 20 tokens: the whole prompt (query-aware) or the context (query-agnostic)."""
+    prefill = Prefill(
+        cached_tiny_backbone("tiny-qwen2", 6, 2),
+        random_prompt(PROMPT_LENGTH, seed=5),
+        PROMPT_LENGTH - 20,
+        [build_method("h2o", 0.5)],
+    )
+    return prefill.observations(request.param)
+
+
+def plain_order(scores: list[float], positions: list[int]) -> list[int]:
+    """``positions`` by descending score, ties toward the lower position."""
+    return sorted(positions, key=lambda position: (-scores[position], position))
+
+
+def plain_kept(scores: list[float], seq_len: int, window: int, main_size: int) -> list[int]:
+    """``M = P ∪ Top_{m-|P|}``; a head whose ``m`` is below the window keeps its last ``m`` tokens."""
+    window = min(window, seq_len)
+    main_size = min(max(main_size, 0), seq_len)
+    recent = list(range(seq_len - min(window, main_size), seq_len))
+    top = plain_order(scores, list(range(seq_len - window)))[: max(main_size - window, 0)]
+    return sorted(top + recent)
+
+
+def plain_entries(keys, values, points: list[int], size: int, iterations: int = 4):
+    """Lloyd's k-means of one head's evicted ``points`` (score order) into ``min(size, |E|)`` entries:
+    mean keys, mean values and log-counts of the non-empty clusters, in centre order."""
+    size = min(size, len(points))
+    point_keys, point_values = keys[points].float(), values[points].float()
+    centers = point_keys[:size]
+    for _ in range(iterations):
+        norms = (centers * centers).sum(-1)
+        distances = torch.baddbmm(norms[None, None], point_keys[None], centers.T[None], alpha=-2)[0]
+        nearest = distances.argmin(-1)
+        sums = torch.zeros(size, keys.shape[-1]).index_add_(0, nearest, point_keys)
+        counts = torch.zeros(size).index_add_(0, nearest, torch.ones(len(points)))
+        centers = torch.where(counts[:, None] > 0, sums / counts.clamp(min=1)[:, None], centers)
+    value_sums = torch.zeros(size, keys.shape[-1]).index_add_(0, nearest, point_values)
+    used = counts > 0
+    return sums[used] / counts[used, None], value_sums[used] / counts[used, None], counts[used].log()
+
+
+def assert_equals_plain_loop(observations, states, scorer, ratio, sizes):
+    seq_len = observations[0].seq_len
+    budget = budget_for(seq_len, ratio)
+    for obs, state, layer_sizes in zip(observations, states, sizes, strict=True):
+        scores = scorer.prompt_scores(obs)
+        budgets = scorer.head_budgets(scores, budget).tolist()
+        for head in range(obs.num_kv_heads):
+            head_scores = scores[head].tolist()
+            kept = plain_kept(head_scores, seq_len, scorer.window, budgets[head] - layer_sizes[head])
+            assert state.kept[head].nonzero().flatten().tolist() == kept
+            assert torch.equal(state.main_keys[head, : len(kept)], obs.keys[head, kept])
+            evicted = plain_order(head_scores, sorted(set(range(seq_len)) - set(kept)))
+            used = torch.isfinite(state.residual.log_counts[head])
+            if layer_sizes[head] == 0:
+                assert not used.any()
+                continue
+            keys, values, log_counts = plain_entries(obs.keys[head], obs.values[head], evicted, layer_sizes[head])
+            assert torch.equal(state.residual.keys[head, used], keys)
+            assert torch.equal(state.residual.values[head, used], values)
+            assert torch.equal(state.residual.log_counts[head, used], log_counts)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.6, 0.9])
+@pytest.mark.parametrize("base", ["snapkv", "adakv", "tova", "h2o"])
+def test_stacked_construction_equals_the_plain_per_head_loop(observations, base, ratio):
+    """All layers compressed together give each head the kept set and entries of the plain loop,
+    and the residual sizes each layer gets when compressed alone. At ratio 0.9 the 300-token prompt
+    leaves ``b = 30`` slots, below SnapKV's 64-token window: the fallback keeps the last ``b``
+    tokens and no candidate is admissible."""
+    scorer, config = build_scorer(base), ResidualConfig()
+    states = compress_layers(observations, scorer, ratio, config)
+    alone = [compress_layer(obs, scorer, ratio, config).stats["residual_slots"] for obs in observations]
+    sizes = [state.stats["residual_slots"] for state in states]
+    assert sizes == alone
+    if ratio < 0.9:
+        assert max(map(max, sizes)) > 0  # entries are there to compare
+    assert_equals_plain_loop(observations, states, scorer, ratio, sizes)
+
+
+def test_ragged_adakv_budgets_are_planned_per_head(observations):
+    """AdaKV's heads hold different budgets, so their main caches and entries are ragged."""
+    states = compress_layers(observations, build_scorer("adakv"), 0.5, ResidualConfig())
+    assert any(len(set(state.stats["main_slots"])) > 1 for state in states)
+    assert any(len(set(state.stats["residual_slots"])) > 1 for state in states)
+
+
+def test_fixed_sizes_without_validation_equal_the_plain_loop(observations):
+    config = ResidualConfig(validate=False)
+    scorer, ratio = build_scorer("snapkv"), 0.6
+    states = compress_layers(observations, scorer, ratio, config)
+    budget = budget_for(observations[0].seq_len, ratio)
+    expected = math.floor(config.fixed_ratio * budget + 0.5)
+    assert all(state.stats["residual_slots"] == [expected] * 2 for state in states)
+    assert_equals_plain_loop(observations, states, scorer, ratio, [[expected] * 2] * len(observations))
+
+
+def test_cam_merges_values_of_the_plain_kept_set(observations):
+    """CaM (no residual): its main cache holds the merged values of SnapKV's kept set, layer by layer."""
+    cam, snap = build_scorer("cam"), build_scorer("snapkv")
+    for obs, state in zip(observations, compress_layers(observations, cam, 0.7), strict=True):
+        kept = state.kept
+        assert torch.equal(kept, compress_layer(obs, snap, 0.7).kept)
+        merged = cam.adjust_values(obs, kept)
+        for head in range(obs.num_kv_heads):
+            positions = kept[head].nonzero().flatten()
+            assert torch.equal(state.main_values[head, : len(positions)], merged[head, positions])
+
+
+def test_more_entries_than_evicted_tokens_and_empty_clusters_equal_the_plain_loop():
+    """``r > |E|`` caps at ``|E|``: head 1's 6 evicted tokens are its centres, two of them one key,
+    so that centre ends empty and is dropped (5 entries)."""
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 40, 8, generator=generator)
+    keys[:, 10] = keys[:, 11]  # the two best-scored evicted keys of each head are one key
+    values = torch.randn(2, 40, 8, generator=generator)
+    scores = torch.rand(2, 40, generator=generator)
+    scores[:, 10], scores[:, 11] = 2.0, 1.9
+    evicted = torch.zeros(2, 40, dtype=torch.bool)
+    evicted[0, 5:30] = True  # 25 points
+    evicted[1, 8:14] = True  # 6 points, fewer than r
+    sizes = torch.tensor([7, 9])
+    entries = build_residual(keys, values, evicted, scores, sizes, iterations=4)
+    for head in range(2):
+        points = plain_order(scores[head].tolist(), evicted[head].nonzero().flatten().tolist())
+        expected_keys, expected_values, log_counts = plain_entries(keys[head], values[head], points, int(sizes[head]))
+        used = torch.isfinite(entries.log_counts[head])
+        assert int(used.sum()) == len(log_counts) == (5 if head == 1 else len(log_counts))
+        assert torch.equal(entries.keys[head, used], expected_keys)
+        assert torch.equal(entries.values[head, used], expected_values)
+        assert torch.equal(entries.log_counts[head, used], log_counts)
