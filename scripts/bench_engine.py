@@ -15,7 +15,9 @@ the model's shapes, hundreds of interleaved calls, so far less noisy than whole 
 ``reskv.compress.kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient
 MiB and seconds on this machine). Decode steps alternate between methods one token at a time (A B C
 A B C ...) so machine noise hits all alike; a step's time is the median over ``--decode-tokens``
-steps.
+steps. Then the op and host-device sync counts of a whole-prompt compression at Llama-3.1-8B's
+attention shape (``scripts.construction_counts``: what a GPU's host pays, issue 22) and the model of
+its k-means distance launches at 131K tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from reskv.backbones import load_backbone
 from reskv.compress import kmeans_peak_memory
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import Method, Prefill
-from reskv.residual import residual_sizes
+from reskv.residual import residual_size
+from scripts.construction_counts import COUNTED_METHODS, counts_table, launches_table
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -151,6 +154,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps per method (median)")
     parser.add_argument("--rounds", type=int, default=2, help="compressions per method and ratio (median)")
     parser.add_argument("--skip-memory", action="store_true", help="skip the 32K k-means memory figure")
+    parser.add_argument(
+        "--count-lengths",
+        type=int,
+        nargs="*",
+        default=[4096, 32768],
+        help="prompt lengths of the op and sync counts at the 8B attention shape (none: skip them)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     console = Console(width=200)  # every column readable when printed to a file or a narrow terminal
@@ -225,7 +235,7 @@ def main() -> None:
                 f"{decode['snapkv+reskv'] / decode['full']:.3f}",
             )
             slots = budget_for(len(prompt_ids), ratio)
-            entries = int(residual_sizes(0.1, torch.tensor(slots)))
+            entries = residual_size(0.1, slots)
             main_only, with_entries = attention_step_seconds(backbone, slots, entries)
             steps.add_row(
                 str(len(prompt_ids)),
@@ -239,6 +249,9 @@ def main() -> None:
             )
     console.print(table)
     console.print(steps)
+    if args.count_lengths:
+        console.print(counts_table(args.count_lengths, 0.9, list(COUNTED_METHODS)))
+        console.print(launches_table(131072, 0.9))
     if not args.skip_memory:
         memory = kmeans_peak_memory()
         console.print(

@@ -6,9 +6,10 @@
 random keys, values and observed queries of the shape the 8B model's prefill leaves (32 layers,
 32 query heads, 8 KV heads, head dim 128, bf16), so no model forward is needed and 32K tokens fit a
 CPU. The counts do not depend on the weights, only on the shapes the data decides (budgets, chosen
-residual sizes). The k-means distance block is set to what a CUDA device of ``--gpu-gib`` GiB uses
-(``reskv.residual.distance_block_bytes``), so the chunk launches counted are the GPU's; the CPU's
-4 MiB block would add thousands of chunk launches that a GPU never makes.
+residual sizes). The k-means distance block is set to the one an 80 GB GPU uses
+(``reskv.residual.distance_block_bytes``), so the chunk launches counted are a GPU's: the CPU's
+4 MiB block would add thousands that a GPU never makes. A second table models those launches per
+Lloyd step at 131K tokens, where counting for real would take hours of CPU.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+import reskv.residual
 from baselines import build_method
 from reskv.cache import ObservedLayer, ResKVCache
-from reskv.config import budget_for
+from reskv.config import ResidualConfig, budget_for
+from reskv.engine import LAYER_BATCH_BYTES
+from reskv.residual import DEVICE_MEMORY_SHARE, DISTANCE_CHUNK_BYTES, residual_size
 from scripts.dispatch_counts import count_dispatch
 
 LLAMA_ATTENTION = dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
 COUNTED_METHODS = ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova", "tova+reskv", "h2o", "h2o+reskv")
 OBSERVED_QUERIES = 128
+H100_BLOCK_BYTES = (80 << 30) // DEVICE_MEMORY_SHARE
 
 
 def synthetic_prefilled_cache(
@@ -54,11 +59,65 @@ def synthetic_prefilled_cache(
 
 
 def count_compression(cache: ResKVCache, name: str, ratio: float, head_dim: int) -> tuple[int, int]:
-    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``."""
+    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``, distances blocked as on an
+    80 GB GPU."""
     method = build_method(name, ratio)
-    with torch.inference_mode(), count_dispatch() as counts:
-        method.compress(cache, head_dim**-0.5)
+    cpu_block = reskv.residual.DISTANCE_CHUNK_BYTES
+    reskv.residual.DISTANCE_CHUNK_BYTES = H100_BLOCK_BYTES
+    try:
+        with torch.no_grad(), count_dispatch() as counts:
+            method.compress(cache, head_dim**-0.5)
+    finally:
+        reskv.residual.DISTANCE_CHUNK_BYTES = cpu_block
     return counts.ops, counts.syncs
+
+
+def distance_launches(seq_len: int, ratio: float, block_bytes: int) -> list[tuple[str, int, int]]:
+    """A model of the k-means distance launches per Lloyd step and layer batch at the 8B shape, for a
+    SnapKV plan (uniform budgets, every candidate admissible, the final cache at the grid's largest
+    ``r``): ``(group, fp32 bytes of its [rows, E, r] distances, launches = ceil(bytes / block))``."""
+    heads, head_dim = LLAMA_ATTENTION["num_kv_heads"], LLAMA_ATTENTION["head_dim"]
+    budget, config = budget_for(seq_len, ratio), ResidualConfig()
+    layer_bytes = 2 * heads * seq_len * head_dim * 2  # bf16 keys and values
+    rows = heads * min(LLAMA_ATTENTION["num_layers"], max(1, LAYER_BATCH_BYTES // layer_bytes))
+    groups = []
+    for level in config.grid[1:]:
+        size = residual_size(level, budget)
+        points = seq_len - (budget - size)  # |E'| = β - m' with m' = b - r - |validation|
+        groups.append((f"candidates r = {size}", rows * points * size * 4))
+    size = residual_size(config.grid[-1], budget)
+    groups.append((f"final r = {size}", rows * (seq_len - budget + size) * size * 4))
+    return [(name, nbytes, -(-nbytes // block_bytes)) for name, nbytes in groups]
+
+
+def counts_table(lengths: list[int], ratio: float, methods: list[str]) -> Table:
+    table = Table(
+        title=f"Compression ops and host-device syncs per prompt, 8B attention shape, ratio {ratio}"
+    )
+    for column in ("prompt tokens", "method", "ops", "syncs", "ops / base"):
+        table.add_column(column, justify="right")
+    for length in lengths:
+        cache = synthetic_prefilled_cache(length, **LLAMA_ATTENTION)
+        base_ops = {}
+        for name in methods:
+            ops, syncs = count_compression(cache, name, ratio, LLAMA_ATTENTION["head_dim"])
+            base = name.removesuffix("+reskv")
+            base_ops.setdefault(base, ops)
+            table.add_row(str(length), name, f"{ops:,}", str(syncs), f"{ops / base_ops[base]:.2f}")
+        del cache
+    return table
+
+
+def launches_table(seq_len: int, ratio: float) -> Table:
+    title = f"Model: k-means distance launches per Lloyd step and layer batch, {seq_len} tokens"
+    table = Table(title=f"{title}, ratio {ratio}")
+    for column in ("group", "distances GiB", "launches, 4 MiB (CPU)", "launches, 10 GiB (80 GB GPU)"):
+        table.add_column(column, justify="right")
+    cpu = distance_launches(seq_len, ratio, DISTANCE_CHUNK_BYTES)
+    gpu = distance_launches(seq_len, ratio, H100_BLOCK_BYTES)
+    for (name, nbytes, cpu_launches), (_, _, gpu_launches) in zip(cpu, gpu, strict=True):
+        table.add_row(name, f"{nbytes / 2**30:.1f}", f"{cpu_launches:,}", str(gpu_launches))
+    return table
 
 
 def main() -> None:
@@ -70,21 +129,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(COUNTED_METHODS))
     args = parser.parse_args()
     console = Console(width=200)
-    table = Table(
-        title=f"Compression ops and syncs per prompt, Llama-3.1-8B attention shape, ratio {args.ratio}"
-    )
-    for column in ("prompt tokens", "method", "ops", "syncs", "ops / base"):
-        table.add_column(column, justify="right")
-    for length in args.lengths:
-        cache = synthetic_prefilled_cache(length, **LLAMA_ATTENTION)
-        base_ops = {}
-        for name in args.methods:
-            ops, syncs = count_compression(cache, name, args.ratio, LLAMA_ATTENTION["head_dim"])
-            base = name.removesuffix("+reskv")
-            base_ops.setdefault(base, ops)
-            table.add_row(str(length), name, f"{ops:,}", str(syncs), f"{ops / base_ops[base]:.2f}")
-            console.print(f"{length} {name}: {ops} ops, {syncs} syncs (b = {budget_for(length, args.ratio)})")
-    console.print(table)
+    console.print(counts_table(args.lengths, args.ratio, args.methods))
+    console.print(launches_table(131072, args.ratio))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ def assert_equals_plain_loop(observations, states, scorer, ratio, sizes):
             if layer_sizes[head] == 0:
                 assert not used.any()
                 continue
-            keys, values, log_counts = plain_entries(obs.keys[head], obs.values[head], evicted, layer_sizes[head])
+            keys, values, log_counts = plain_entries(
+                obs.keys[head], obs.values[head], evicted, layer_sizes[head]
+            )
             assert torch.equal(state.residual.keys[head, used], keys)
             assert torch.equal(state.residual.values[head, used], values)
             assert torch.equal(state.residual.log_counts[head, used], log_counts)
@@ -156,7 +158,9 @@ def test_more_entries_than_evicted_tokens_and_empty_clusters_equal_the_plain_loo
     entries = build_residual(keys, values, evicted, scores, sizes, iterations=4)
     for head in range(2):
         points = plain_order(scores[head].tolist(), evicted[head].nonzero().flatten().tolist())
-        expected_keys, expected_values, log_counts = plain_entries(keys[head], values[head], points, int(sizes[head]))
+        expected_keys, expected_values, log_counts = plain_entries(
+            keys[head], values[head], points, int(sizes[head])
+        )
         used = torch.isfinite(entries.log_counts[head])
         assert int(used.sum()) == len(log_counts) == (5 if head == 1 else len(log_counts))
         assert torch.equal(entries.keys[head, used], expected_keys)
