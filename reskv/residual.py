@@ -23,6 +23,10 @@ from reskv.selection import gather_tokens
 # torch 2.13): larger blocks are fresh pages on every call, smaller ones make the GEMMs thin.
 # The block size changes no bit of the result (tests/test_reskv_invariants.py).
 DISTANCE_CHUNK_BYTES = 4 << 20
+# BLOCK_LAYOUT: a block is whole rows (a row: one head's [E, r] distances) while a row fits, so a
+# block's GEMMs are never thin. [90, 2458, 64] points against 410 centres (the 30 stacked layers of
+# the embedded model at 4K, ratio 0.5) took 0.77 s in one-row blocks, 1.8 s in 3-row blocks of 852
+# points and 2.5 s in 90-row blocks of 28 points (2 cores, loaded machine: ratios, not rates).
 # On CUDA a block is one GEMM launch and one argmin, ~23 us of host time each whatever their size
 # (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per layer at 131K tokens. There the
 # block is an eighth of the device's memory (10 GiB on an 80 GB H100): one launch per Lloyd step up
@@ -82,30 +86,33 @@ def cluster_sums(
     return sums, counts
 
 
-def nearest_centers(
-    points: Tensor, centers: Tensor, chunk_bytes: int, center_bias: Tensor | None = None
-) -> Tensor:
+def nearest_centers(points: Tensor, centers: Tensor, chunk_bytes: int, center_bias: Tensor | None = None) -> Tensor:
     """Index ``[R, E]`` of each point's nearest centre by squared Euclidean distance.
 
     ``||c||² - 2<p, c>`` (the point's own norm does not change the argmin); ties go to the lower
     centre index. ``center_bias`` ``[R, r]`` (0, or ``+inf`` on a row's padding centres, which then
     never win) lets rows with fewer centres share one call. The ``[R, E, r]`` distances are computed
-    over chunks of points holding at most ``chunk_bytes`` of fp32, so transient memory stays bounded
-    whatever ``s`` and ``r``.
+    in blocks holding at most ``chunk_bytes`` of fp32, so transient memory stays bounded whatever
+    ``s`` and ``r``: whole rows while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
     """
     num_rows, num_points, _ = points.shape
-    num_centers = centers.shape[1]
-    chunk = max(1, chunk_bytes // (4 * num_rows * max(num_centers, 1)))
+    num_centers = max(centers.shape[1], 1)
+    row_bytes = 4 * num_points * num_centers
+    rows_per_block = max(1, chunk_bytes // row_bytes)
+    chunk = num_points if rows_per_block > 1 else max(1, chunk_bytes // (4 * num_centers))
     center_norms = (centers * centers).sum(-1)
     if center_bias is not None:
         center_norms.add_(center_bias)
     center_norms, centers_t = center_norms[:, None, :], centers.transpose(1, 2)
-    if chunk >= num_points:
+    if rows_per_block >= num_rows and chunk >= num_points:
         return torch.baddbmm(center_norms, points, centers_t, alpha=-2).argmin(-1)
     nearest = torch.empty(num_rows, num_points, dtype=torch.long, device=points.device)
-    for start in range(0, num_points, chunk):
-        part = points[:, start : start + chunk]
-        nearest[:, start : start + chunk] = torch.baddbmm(center_norms, part, centers_t, alpha=-2).argmin(-1)
+    for row in range(0, num_rows, rows_per_block):
+        rows = slice(row, row + rows_per_block)
+        for start in range(0, num_points, chunk):
+            part = points[rows, start : start + chunk]
+            distances = torch.baddbmm(center_norms[rows], part, centers_t[rows], alpha=-2)
+            nearest[rows, start : start + chunk] = distances.argmin(-1)
     return nearest
 
 
