@@ -19,7 +19,14 @@ from torch import Tensor
 from reskv.attention import additive_mask, residual_attention
 from reskv.config import DecodeRule, ResidualConfig, budget_for
 from reskv.proxy import ValidationProxy, observation_split
-from reskv.residual import ResidualEntries, RowGroup, build_residual, residual_size
+from reskv.residual import (
+    ResidualEntries,
+    RowGroup,
+    build_residual,
+    padded_groups,
+    padding_tolerance,
+    residual_size,
+)
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
 from reskv.selection import gather_tokens, select_main
 
@@ -75,22 +82,20 @@ def fixed_sizes(config: ResidualConfig, budgets: list[int], window: int) -> list
 
 
 def level_groups(
-    sizes: list[int], point_counts: list[int], budgets: list[int], grid: tuple[float, ...]
+    sizes: list[int], point_counts: list[int], budgets: list[int], grid: tuple[float, ...], tolerance: float
 ) -> list[RowGroup]:
-    """The final cache's k-means groups: the rows with entries, one group per grid level (a head's
-    ``r`` is ``floor(ratio * b_h + 0.5)`` of one level), so that sizes within a group are close and
-    padding wastes few distance FLOPs; with uniform budgets a group's sizes are equal."""
+    """The final cache's k-means groups: the rows with entries by grid level (a head's ``r`` is
+    ``floor(ratio * b_h + 0.5)`` of one level, so sizes within a level are close), each level split
+    as ``padded_groups`` does; with uniform budgets a level's sizes are equal."""
+    capped = [min(size, points) for size, points in zip(sizes, point_counts, strict=True)]
     levels: dict[int, list[int]] = {}
     for row, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
         if size:
             level = next((i for i, ratio in enumerate(grid) if residual_size(ratio, budget) == size), -1)
             levels.setdefault(level, []).append(row)
-    groups = []
-    for rows in levels.values():
-        capped = [min(sizes[row], point_counts[row]) for row in rows]
-        points = max(point_counts[row] for row in rows)
-        groups.append(RowGroup(rows, max(capped), points, equal_sizes=min(capped) == max(capped)))
-    return groups
+    return [
+        group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, tolerance)
+    ]
 
 
 def compress_layer(
@@ -200,7 +205,8 @@ def final_entries(
     num_heads, seq_len = len(sizes[0]), stacked.seq_len
     flat_sizes = sum(sizes, [])
     point_counts = [seq_len - count for count in sum(main_counts, [])]
-    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid)
+    tolerance = padding_tolerance(stacked.keys.device)
+    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, tolerance)
     entries = build_residual(
         stacked.keys,
         stacked.values,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import ResidualConfig
-from reskv.residual import ResidualEntries, RowGroup, cluster_rows, residual_size
+from reskv.residual import ResidualEntries, cluster_rows, padded_groups, padding_tolerance, residual_size
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_tokens, score_order
 
@@ -169,7 +169,7 @@ class ValidationProxy:
                 torch.arange(longest, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
             )
             main_bias = additive_mask(real)[:, None, :]
-        groups = []
+        groups, tolerance = [], padding_tolerance(device)
         for candidate in range(len(sizes)):
             rows = [
                 row
@@ -177,15 +177,7 @@ class ValidationProxy:
                 if residual[row]
             ]
             if rows:
-                row_sizes = [residual[row] for row in rows]
-                groups.append(
-                    RowGroup(
-                        rows,
-                        max(row_sizes),
-                        max(evicted[row] for row in rows),
-                        min(row_sizes) == max(row_sizes),
-                    )
-                )
+                groups += padded_groups(rows, residual, evicted, tolerance)
         entries = cluster_rows(
             self.prefix_keys,
             self.prefix_values,

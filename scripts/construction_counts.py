@@ -6,15 +6,16 @@
 random keys, values and observed queries of the shape the 8B model's prefill leaves (32 layers,
 32 query heads, 8 KV heads, head dim 128, bf16), so no model forward is needed and 32K tokens fit a
 CPU. The counts do not depend on the weights, only on the shapes the data decides (budgets, chosen
-residual sizes). The k-means distance block is set to the one an 80 GB GPU uses
-(``reskv.residual.distance_block_bytes``), so the chunk launches counted are a GPU's: the CPU's
-4 MiB block would add thousands that a GPU never makes. A second table models those launches per
-Lloyd step at 131K tokens, where counting for real would take hours of CPU.
+residual sizes). The k-means is laid out as on an 80 GB GPU (``reskv.residual``: its distance
+block, and rows padded into one group per grid level), so the launches counted are a GPU's: the
+CPU's 4 MiB blocks and FLOP-saving groups would add thousands that a GPU never makes. A second table
+models those launches per Lloyd step at 131K tokens, where counting for real would take hours of CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from rich.console import Console
@@ -59,16 +60,16 @@ def synthetic_prefilled_cache(
 
 
 def count_compression(cache: ResKVCache, name: str, ratio: float, head_dim: int) -> tuple[int, int]:
-    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``, distances blocked as on an
-    80 GB GPU."""
+    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``, with the k-means laid out as
+    on an 80 GB GPU (``reskv.residual``: 10 GiB distance blocks, one padded group per grid level)."""
     method = build_method(name, ratio)
-    cpu_block = reskv.residual.DISTANCE_CHUNK_BYTES
-    reskv.residual.DISTANCE_CHUNK_BYTES = H100_BLOCK_BYTES
+    cpu_layout = reskv.residual.DISTANCE_CHUNK_BYTES, reskv.residual.CPU_PADDING_TOLERANCE
+    reskv.residual.DISTANCE_CHUNK_BYTES, reskv.residual.CPU_PADDING_TOLERANCE = H100_BLOCK_BYTES, math.inf
     try:
         with torch.no_grad(), count_dispatch() as counts:
             method.compress(cache, head_dim**-0.5)
     finally:
-        reskv.residual.DISTANCE_CHUNK_BYTES = cpu_block
+        reskv.residual.DISTANCE_CHUNK_BYTES, reskv.residual.CPU_PADDING_TOLERANCE = cpu_layout
     return counts.ops, counts.syncs
 
 

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+import reskv.residual
 from baselines import build_method, build_scorer
 from reskv.compress import compress_layer, compress_layers
 from reskv.config import ResidualConfig, budget_for
@@ -111,6 +112,18 @@ def test_stacked_construction_equals_the_plain_per_head_loop(observations, base,
     if ratio < 0.9:
         assert max(map(max, sizes)) > 0  # entries are there to compare
     assert_equals_plain_loop(observations, states, scorer, ratio, sizes)
+
+
+@pytest.mark.parametrize("tolerance", [1.0, math.inf], ids=["equal-sizes-only", "one-group-per-level"])
+def test_how_ragged_rows_are_grouped_changes_no_bit(observations, tolerance, monkeypatch):
+    """AdaKV's ragged heads clustered one group per size (tolerance 1) or all rows of a grid level
+    padded into one group (as on CUDA) give the plain loop's entries alike."""
+    monkeypatch.setattr(reskv.residual, "CPU_PADDING_TOLERANCE", tolerance)
+    scorer, config = build_scorer("adakv"), ResidualConfig()
+    states = compress_layers(observations, scorer, 0.5, config)
+    sizes = [state.stats["residual_slots"] for state in states]
+    assert any(len(set(layer_sizes)) > 1 for layer_sizes in sizes)
+    assert_equals_plain_loop(observations, states, scorer, 0.5, sizes)
 
 
 def test_ragged_adakv_budgets_are_planned_per_head(observations):
