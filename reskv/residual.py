@@ -79,24 +79,35 @@ class ResidualEntries:
         return cls(none, none.clone(), torch.zeros(num_heads, 0, device=like.device))
 
 
-def cluster_sums(
-    weighted_points: Tensor, weights: Tensor, assignments: Tensor, num_centers: int
-) -> tuple[Tensor, Tensor]:
-    """Per-cluster sums ``[H, r, d]`` and member counts ``[H, r]``.
+def flat_cluster_index(assignments: Tensor, row_offsets: Tensor) -> Tensor:
+    """One flat index over (row, cluster), ``row_offsets`` ``[R, 1]`` being ``r * row``: one
+    ``index_add_`` then sums every row, far cheaper than a scatter over ``d``."""
+    return (assignments + row_offsets).reshape(-1)
 
-    ``weights`` is 1 for valid points and 0 for padding; ``weighted_points`` are the points
-    multiplied by it. ``index_add_`` accumulates in a fixed order on CPU, so results are
-    bit-for-bit reproducible.
+
+def cluster_sums(weighted_points: Tensor, flat_index: Tensor, num_centers: int) -> Tensor:
+    """Per-cluster sums ``[R, r, d]`` of points ``[R, E, d]`` at ``flat_index`` (``flat_cluster_index``).
+
+    Padding points must be zero (``weighted_points`` are the points times their 0/1 weight), so
+    they add nothing wherever they are assigned. ``index_add_`` accumulates in a fixed order on
+    CPU, so results are bit-for-bit reproducible.
     """
-    num_heads, _, dim = weighted_points.shape
-    # One flat index over (head, cluster): index_add_ is far cheaper than a scatter over d.
-    heads = torch.arange(num_heads, device=assignments.device)[:, None]
-    flat_index = (assignments + num_centers * heads).reshape(-1)
-    counts = weights.new_zeros(num_heads * num_centers).index_add_(0, flat_index, weights.reshape(-1))
-    sums = weighted_points.new_zeros(num_heads * num_centers, dim)
-    sums.index_add_(0, flat_index, weighted_points.reshape(-1, dim))
-    sums, counts = sums.reshape(num_heads, num_centers, dim), counts.reshape(num_heads, num_centers)
-    return sums, counts
+    num_rows, _, dim = weighted_points.shape
+    sums = weighted_points.new_zeros(num_rows * num_centers, dim)
+    return sums.index_add_(0, flat_index, weighted_points.reshape(-1, dim)).reshape(
+        num_rows, num_centers, dim
+    )
+
+
+def cluster_counts(weights: Tensor, flat_index: Tensor, num_centers: int) -> Tensor:
+    """Members ``[R, r]`` of each cluster: the weights (1 valid, 0 padding) summed per cluster."""
+    counts = weights.new_zeros(weights.shape[0] * num_centers)
+    return counts.index_add_(0, flat_index, weights.reshape(-1)).reshape(weights.shape[0], num_centers)
+
+
+def row_offsets(num_rows: int, num_centers: int, device: torch.device) -> Tensor:
+    """``r * row`` ``[R, 1]``, for ``flat_cluster_index``."""
+    return torch.arange(0, num_rows * num_centers, num_centers, device=device)[:, None]
 
 
 def nearest_centers(
@@ -144,11 +155,17 @@ def lloyd_assignments(
     ``center_bias`` as in ``nearest_centers``; ``iterations >= 1``.
     """
     centers = centers.float()
-    block = distance_block_bytes(points.device)
-    for _ in range(iterations):
+    block, num_centers = distance_block_bytes(points.device), centers.shape[1]
+    offsets = row_offsets(points.shape[0], num_centers, points.device)
+    for step in range(iterations):
         assignments = nearest_centers(points, centers, block, center_bias)
-        sums, counts = cluster_sums(points, weights, assignments, centers.shape[1])
-        centers = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centers)
+        flat_index = flat_cluster_index(assignments, offsets)
+        sums, counts = (
+            cluster_sums(points, flat_index, num_centers),
+            cluster_counts(weights, flat_index, num_centers),
+        )
+        if step + 1 < iterations:  # the last step's means are the entries: the caller divides once
+            centers = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centers)
     return assignments, sums, counts
 
 
@@ -264,7 +281,10 @@ def cluster_rows(
         torch.full((rows, max_size), float("-inf"), device=keys.device),
     )
     for group in row_groups:
-        index = torch.tensor(group.rows, device=keys.device)
+        first, last = group.rows[0], group.rows[-1]
+        contiguous = group.rows == list(range(first, last + 1))
+        # Rows in one run are a slice: a view, where an index tensor gathers copies.
+        index = slice(first, last + 1) if contiguous else torch.tensor(group.rows, device=keys.device)
         offsets = None if point_offsets is None else point_offsets[index]
         mean_keys, mean_values, log_counts = _cluster(
             keys,
@@ -310,7 +330,8 @@ def _cluster(
     assignments, key_sums, counts = lloyd_assignments(point_keys, weights, centers, iterations, center_bias)
     del point_keys, centers  # values are gathered only now, so both never sit in memory at once
     point_values = gather_tokens(values, positions, heads).float().mul_(weights[..., None])
-    value_sums, _ = cluster_sums(point_values, weights, assignments, group.max_size)
+    offsets = row_offsets(assignments.shape[0], group.max_size, keys.device)
+    value_sums = cluster_sums(point_values, flat_cluster_index(assignments, offsets), group.max_size)
     denominators = counts.clamp(min=1)[..., None]
     log_counts = torch.where(counts > 0, counts.log(), float("-inf"))
     return key_sums / denominators, value_sums / denominators, log_counts
