@@ -27,8 +27,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import benchmarks
-from baselines.names import METHODS
+from baselines.registry import METHODS, OPTIONS
 from reskv.config import SETTINGS, ResidualConfig
+from reskv.harness.records import option_text
 from scripts.experiment import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 
 log = logging.getLogger("run")
@@ -88,7 +89,11 @@ def usage() -> str:
             "",
             "num_samples=N (null: every sample)   seed=42   max_new_tokens=N (cap; smoke tests only)",
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
-            "threads=N (torch CPU threads)   h2o_window_only=true|false   results_dir=DIR",
+            "threads=N (torch CPU threads)   results_dir=DIR",
+            *(
+                f"{name}={option_text(option.default)} ({type(option.default).__name__})  {option.help}"
+                for name, option in OPTIONS.items()
+            ),
             "reskv.OPTION=...  ResKV hyper-parameters (configs/config.yaml has the defaults):",
             "  " + ", ".join(spec.name for spec in fields(ResidualConfig)),
             "",

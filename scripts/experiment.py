@@ -17,11 +17,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import benchmarks
-from baselines.names import METHODS, RESIDUAL_SUFFIX
+from baselines.registry import (
+    FULL_METHOD,
+    METHODS,
+    OPTIONS,
+    REGISTRY,
+    RESIDUAL_SUFFIX,
+    SPECS,
+    OptionValue,
+    base_of,
+)
 from benchmarks.item import Item
 from reskv.config import SETTINGS, ResidualConfig
+from reskv.harness.records import MethodLabel, SampleRecord
 from scripts.results_store import (
-    FULL_METHOD,
     ResultFile,
     ResultFileLocked,
     ResultKey,
@@ -35,7 +44,6 @@ if TYPE_CHECKING:
     from reskv.engine import Method
 
 log = logging.getLogger(__name__)
-OPTIONS_SEPARATOR = "~"  # a method label: the method name, "~", the options that differ (method_label)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -67,42 +75,29 @@ def residual_config(options: Mapping[str, Any]) -> ResidualConfig:
         raise PlanError(f"bad reskv options: {error}") from error
 
 
-def _option_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, tuple | list):
-        return "-".join(_option_text(part) for part in value)
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def method_options(method: str, residual: ResidualConfig, h2o_window_only: bool) -> dict[str, Any]:
-    """The options that change what ``method`` computes (ResKV's for ``+reskv``, H2O's query set)."""
-    options: dict[str, Any] = {}
+def method_options(
+    method: str, residual: ResidualConfig, options: Mapping[str, OptionValue]
+) -> dict[str, OptionValue]:
+    """The options that change what ``method`` computes: ResKV's for ``+reskv``, then the base
+    method's registry options (``options`` holds the plan's values; defaults where absent)."""
+    chosen: dict[str, Any] = {}
     if method.endswith(RESIDUAL_SUFFIX):
-        options.update({spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)})
-    if method.removesuffix(RESIDUAL_SUFFIX) == "h2o":
-        options["h2o_window_only"] = h2o_window_only
-    return options
+        chosen.update({spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)})
+    for option in SPECS[base_of(method)].options:
+        chosen[option.name] = options.get(option.name, option.default)
+    return chosen
 
 
-def method_label(method: str, residual: ResidualConfig, h2o_window_only: bool) -> str:
+def method_label(method: str, residual: ResidualConfig, options: Mapping[str, OptionValue]) -> str:
     """Method name plus its non-default options: what the result paths and the tables call it.
 
     Ablations and hyper-parameter changes thus never overwrite the default method's results:
     ``snapkv+reskv~validate=false``, ``snapkv+reskv~alpha=8,tau=0.3``, ``h2o~h2o_window_only=true``.
     """
-    defaults = method_options(method, ResidualConfig(), False)
-    changed = {
-        name: value
-        for name, value in method_options(method, residual, h2o_window_only).items()
-        if value != defaults[name]
-    }
-    if not changed:
-        return method
-    return (
-        method
-        + OPTIONS_SEPARATOR
-        + ",".join(f"{name}={_option_text(changed[name])}" for name in sorted(changed))
+    defaults = method_options(method, ResidualConfig(), {})
+    chosen = method_options(method, residual, options)
+    return str(
+        MethodLabel(method, {name: value for name, value in chosen.items() if value != defaults[name]})
     )
 
 
@@ -110,15 +105,16 @@ def method_label(method: str, residual: ResidualConfig, h2o_window_only: bool) -
 class GridEntry:
     """One configuration of the grid; ``setting`` and ``ratio`` are None for the full cache.
 
-    ``residual`` and ``h2o_window_only`` are the options this entry runs with: the plan's, with
-    the overrides its method list entry names (``snapkv+reskv~validate=false``)."""
+    ``residual`` and ``options`` (the base method's registry options, as name-value pairs) are
+    the options this entry runs with: the plan's, with the overrides its method list entry
+    names (``snapkv+reskv~validate=false``)."""
 
     method: str
     ratio: float | None
     setting: str | None
     label: str
     residual: ResidualConfig = ResidualConfig()
-    h2o_window_only: bool = False
+    options: tuple[tuple[str, OptionValue], ...] = ()
 
     def key(self, plan: Plan, task: str) -> ResultKey:
         return ResultKey(
@@ -148,7 +144,7 @@ class Plan:
     ratios: tuple[float, ...]
     settings: tuple[str, ...]
     residual: ResidualConfig
-    h2o_window_only: bool
+    method_options: dict[str, OptionValue]  # every registered base-method option (baselines.registry)
     shard_index: int
     shard_count: int
     share_prefill: bool
@@ -168,7 +164,7 @@ class Plan:
 
     def identity(self, entry: GridEntry, dtype: str) -> dict[str, Any]:
         """What a result file must agree on to be resumed (stored as its ``config``)."""
-        options = method_options(entry.method, entry.residual, entry.h2o_window_only)
+        options = method_options(entry.method, entry.residual, dict(entry.options))
         return {
             "backbone": {"name": self.backbone, "dtype": dtype},
             "benchmark": {"name": self.benchmark, "length": self.length, "options": self.benchmark_options},
@@ -203,46 +199,35 @@ def _ratio(value: Any) -> float:
     return float(value)
 
 
-def _option_value(text: str) -> Any:
-    """A method option's value as written in a label (``_option_text``'s inverse)."""
-    if text in ("true", "false"):
-        return text == "true"
-    if "-" in text.lstrip("-"):  # a grid: 0-0.05-0.1
-        return tuple(_option_value(part) for part in text.split("-"))
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_method(
-    entry: str, residual: ResidualConfig, h2o_window_only: bool
-) -> tuple[str, ResidualConfig, bool]:
+    entry: str, residual: ResidualConfig, options: Mapping[str, OptionValue]
+) -> tuple[str, ResidualConfig, dict[str, OptionValue]]:
     """A method list entry, a name optionally followed by option overrides in the label syntax
-    (``method_label``): ``snapkv+reskv~validate=false``, ``h2o~h2o_window_only=true``. Returns the
+    (``MethodLabel``): ``snapkv+reskv~validate=false``, ``h2o~h2o_window_only=true``. Returns the
     name and the options it runs with (the plan's, overridden), so ablations can share a grid."""
-    name, _, overrides = entry.partition(OPTIONS_SEPARATOR)
-    _choose("method", [name], METHODS)
-    if not overrides:
-        return name, residual, h2o_window_only
-    values = {}
-    for part in overrides.split(","):
-        option, separator, text = part.partition("=")
-        if not separator:
-            raise PlanError(f"method option {part!r} of {entry!r} must be written name=value")
-        values[option] = _option_value(text)
-    if "h2o_window_only" in values:
-        if name.removesuffix(RESIDUAL_SUFFIX) != "h2o":
-            raise PlanError(f"{entry!r}: h2o_window_only applies to h2o and h2o+reskv only")
-        h2o_window_only = bool(values.pop("h2o_window_only"))
-    if values and not name.endswith(RESIDUAL_SUFFIX):
-        raise PlanError(f"{entry!r}: ResKV options {sorted(values)} need a {RESIDUAL_SUFFIX} method")
-    if values:
+    try:
+        label = MethodLabel.parse(entry)
+    except ValueError as error:
+        raise PlanError(str(error)) from error
+    _choose("method", [label.method], METHODS)
+    overrides, base_options = dict(label.options), dict(options)
+    for name in [name for name in overrides if name in OPTIONS]:
+        owner = SPECS[label.base].option(name)
+        if owner is None:
+            owners = [
+                f"{spec.name} and {spec.name}{RESIDUAL_SUFFIX}" for spec in REGISTRY if spec.option(name)
+            ]
+            raise PlanError(f"{entry!r}: {name} applies to {' and '.join(owners)} only")
+        try:
+            base_options[name] = owner.check(overrides.pop(name))
+        except ValueError as error:
+            raise PlanError(f"{entry!r}: {error}") from error
+    if overrides and not label.residual:
+        raise PlanError(f"{entry!r}: ResKV options {sorted(overrides)} need a {RESIDUAL_SUFFIX} method")
+    if overrides:
         current = {spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)}
-        residual = residual_config({**current, **values})
-    return name, residual, h2o_window_only
+        residual = residual_config({**current, **overrides})
+    return label.method, residual, base_options
 
 
 def build_grid(
@@ -250,20 +235,25 @@ def build_grid(
     ratios: Sequence[float],
     settings: Sequence[str],
     residual: ResidualConfig,
-    h2o_window_only: bool,
+    options: Mapping[str, OptionValue],
 ) -> tuple[GridEntry, ...]:
     """Every (method, ratio, setting); the full cache once (it compresses nothing and its two
     settings are the same computation, see ``reskv.engine``). A method may carry option overrides
     (``parse_method``)."""
     entries = []
     for entry in methods:
-        method, options, window_only = parse_method(entry, residual, h2o_window_only)
-        label = method_label(method, options, window_only)
+        method, method_residual, method_options_ = parse_method(entry, residual, options)
+        label = method_label(method, method_residual, method_options_)
+        # Only the options the method takes: entries differing in another method's option are equal.
+        own = tuple(
+            (option.name, method_options_.get(option.name, option.default))
+            for option in SPECS[base_of(method)].options
+        )
         if method == FULL_METHOD:
-            entries.append(GridEntry(method, None, None, label, options, window_only))
+            entries.append(GridEntry(method, None, None, label, method_residual, own))
             continue
         entries.extend(
-            GridEntry(method, ratio, setting, label, options, window_only)
+            GridEntry(method, ratio, setting, label, method_residual, own)
             for setting in settings
             for ratio in ratios
         )
@@ -315,7 +305,10 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
     residual = residual_config(config["reskv"])
-    h2o_window_only = bool(config["h2o_window_only"])
+    try:  # each registered base-method option is a top-level config key (configs/config.yaml)
+        options = {name: option.check(config[name]) for name, option in OPTIONS.items()}
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     return Plan(
         backbone=backbone["name"],
         dtype=backbone["dtype"],
@@ -330,13 +323,13 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         ratios=ratios,
         settings=settings,
         residual=residual,
-        h2o_window_only=h2o_window_only,
+        method_options=options,
         shard_index=shard["index"],
         shard_count=shard["count"],
         share_prefill=bool(config["share_prefill"]),
         max_new_tokens=max_new_tokens,
         results_dir=Path(config["results_dir"]),
-        grid=build_grid(methods, ratios, settings, residual, h2o_window_only),
+        grid=build_grid(methods, ratios, settings, residual, options),
         quality=quality,
     )
 
@@ -394,18 +387,17 @@ def load_task_items(plan: Plan, tokenizer) -> dict[str, list[Item]]:
     return items
 
 
-def sample_fields(index: int, item: Item, max_new_tokens: int) -> dict[str, Any]:
+def sample_prompt(index: int, item: Item, max_new_tokens: int) -> dict[str, Any]:
     """What a sample record says about its prompt, whether it was generated or skipped."""
     return {
         "index": index,
         "prompt_digest": prompt_digest(item.prompt_ids),
         "prompt_tokens": item.length,
         "context_tokens": item.context_length,
-        "question_tokens": item.length - item.context_length,
         "max_new_tokens": max_new_tokens,
         "references": list(item.references),
         "metric": item.metric,
-        "metadata": item.metadata,  # e.g. LongBench's sample length (LongBench-E buckets), RULER depths
+        "metadata": item.metadata,
     }
 
 
@@ -417,7 +409,7 @@ def sample_record(
     score: float,
     prefill_timings: dict[str, float],
     shared_by: int,
-) -> dict[str, Any]:
+) -> SampleRecord:
     """One generated sample's entry of a result file (``score`` a fraction in [0, 1]).
 
     Wall-clock values go under ``timings`` only: the shared prefills of the prompt (``prefill_s``
@@ -426,22 +418,20 @@ def sample_record(
     ``compress_s``, ``question_s`` (query-agnostic), ``decode_s`` and ``quality_s``; ``quality``
     holds ``reskv.quality``'s measures when the plan records them.
     """
-    quality = {} if generation.quality is None else {"quality": generation.quality}
-    return {
-        **sample_fields(index, item, max_new_tokens),
-        "prediction": generation.text,
-        "prediction_token_ids": list(generation.token_ids),
-        "generated_tokens": len(generation.token_ids),
-        "score": score,
-        "cache_stats": generation.cache_stats,
-        "timings": {**prefill_timings, **generation.timings, "prefill_shared_by": shared_by},
-        **quality,
-    }
+    return SampleRecord(
+        **sample_prompt(index, item, max_new_tokens),
+        score=score,
+        prediction=generation.text,
+        prediction_token_ids=list(generation.token_ids),
+        cache_stats=generation.cache_stats,
+        timings={**prefill_timings, **generation.timings, "prefill_shared_by": shared_by},
+        quality=generation.quality,
+    )
 
 
-def skipped_record(index: int, item: Item, max_new_tokens: int, reason: str) -> dict[str, Any]:
+def skipped_record(index: int, item: Item, max_new_tokens: int, reason: str) -> SampleRecord:
     """A sample that was not run, and why: no prediction, ``score`` None (summaries leave it out)."""
-    return {**sample_fields(index, item, max_new_tokens), "score": None, "skipped": reason}
+    return SampleRecord(**sample_prompt(index, item, max_new_tokens), skipped=reason)
 
 
 @dataclass
@@ -473,7 +463,7 @@ class GridRun:
                     entry.ratio,
                     residual=residual,
                     seed=plan.seed,
-                    h2o_window_only=entry.h2o_window_only,
+                    options=dict(entry.options),
                 )
 
     @property
@@ -557,10 +547,10 @@ class GridRun:
     def _finish(self, task: str, entry: GridEntry) -> None:
         self.on_finished(entry, task, self.files.pop((task, entry)).close())
 
-    def _file(self, task: str, entry: GridEntry, record: dict[str, Any]) -> None:
+    def _file(self, task: str, entry: GridEntry, record: SampleRecord) -> None:
         """Persist one sample record; a configuration whose range is now complete is finished at once."""
         result = self.files[task, entry]
-        result.append(record)
+        result.append(record.to_json())
         self.on_sample()
         if not result.pending:
             self._finish(task, entry)

@@ -31,11 +31,10 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
+from baselines.registry import RESIDUAL_SUFFIX, display_name  # noqa: E402
 from scripts.results_frame import frames_from_results, layers_frame  # noqa: E402
 from scripts.results_store import load_results  # noqa: E402
 from scripts.tables import (  # noqa: E402
-    METHOD_NAMES,
-    RESIDUAL_SUFFIX,
     SETTING_NAMES,
     TASK_NAMES,
     Cell,
@@ -49,12 +48,6 @@ from scripts.tables import (  # noqa: E402
 
 FORMATS = ("png", "pdf")
 MEBIBYTE = 2**20
-
-
-def method_name(method: str) -> str:
-    if method.endswith(RESIDUAL_SUFFIX):
-        return METHOD_NAMES[method.removesuffix(RESIDUAL_SUFFIX)] + "+ResKV"
-    return METHOD_NAMES.get(method, method)
 
 
 def save(figure, out_dir: Path, name: str) -> list[Path]:
@@ -89,8 +82,8 @@ def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
             for row in rows
         ]
         speed = [np.nan if row["decode_tokens_per_s"] is None else row["decode_tokens_per_s"] for row in rows]
-        memory_axis.plot(lengths, memory, marker="o", label=method_name(method))
-        speed_axis.plot(lengths, speed, marker="o", label=method_name(method))
+        memory_axis.plot(lengths, memory, marker="o", label=display_name(method))
+        speed_axis.plot(lengths, speed, marker="o", label=display_name(method))
     for axis, title, unit in (
         (memory_axis, "(a) Peak memory", f"MiB ({measurements['memory_kind']})"),
         (speed_axis, "(b) Decode throughput", "tokens / s"),
@@ -153,7 +146,7 @@ def budget_figure(index: ResultIndex, backbone, benchmark, length, setting, out_
             marker=MARKERS[number % len(MARKERS)],
             markerfacecolor="none",
             linestyle="--" if method.endswith(RESIDUAL_SUFFIX) else "-",
-            label=method_name(method),
+            label=display_name(method),
         )
     if full.value is not None:
         axis.axhline(full.value, color="black", linewidth=1, label="Full Cache")
@@ -208,7 +201,7 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
         for method in sorted(set(rows["method"])):
             if (method, tightest) in means.index.droplevel("layer"):
                 curve = means.loc[(method, tightest)]
-                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=method_name(method))
+                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=display_name(method))
             if method.endswith(RESIDUAL_SUFFIX):
                 for ratio in sorted(set(rows.loc[rows["method"] == method, "ratio"])):
                     curve = means.loc[(method, ratio)]
@@ -216,7 +209,7 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
                         curve.index,
                         curve["residual_share"],
                         marker=".",
-                        label=f"{method_name(method)} {ratio:g}",
+                        label=f"{display_name(method)} {ratio:g}",
                     )
         error_axis.set(
             xlabel="layer",

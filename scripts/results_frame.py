@@ -51,14 +51,15 @@ import numpy as np
 import pandas as pd
 
 import benchmarks
-from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench_e import BUCKETS, bucket_scores
-from scripts.experiment import OPTIONS_SEPARATOR
+from reskv.harness.records import MethodLabel
 from scripts.results_store import TaskResult, load_results
 
 KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
 TASK_COLUMNS = KEY_COLUMNS[:4]
 LABEL_COLUMNS = ["base_method", "residual", "options"]
+# Derived from cache_stats.residual_entries: the share of (layer, KV head) pairs with entries.
+RESIDUAL_HEADS = "cache_stats.residual_heads"
 STATUSES = ("complete", "partial", "unavailable")
 # The columns every frame has, even an empty one (no results yet).
 SAMPLE_COLUMNS = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "score", "skipped"]
@@ -76,13 +77,9 @@ CONFIG_COLUMNS = [
 
 
 def label_parts(method: str) -> dict[str, Any]:
-    """``base_method``, ``residual`` and ``options`` of a method label (scripts.experiment.method_label)."""
-    name, _, options = method.partition(OPTIONS_SEPARATOR)
-    return {
-        "base_method": name.removesuffix(RESIDUAL_SUFFIX),
-        "residual": name.endswith(RESIDUAL_SUFFIX),
-        "options": options,
-    }
+    """``base_method``, ``residual`` and ``options`` of a method label (``MethodLabel``)."""
+    label = MethodLabel.parse(method)
+    return {"base_method": label.base, "residual": label.residual, "options": label.options_text}
 
 
 def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -95,8 +92,8 @@ def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[s
             if prefix == "cache_stats.":
                 numbers = np.asarray(value, dtype=float)
                 yield path, float(numbers.mean()) if numbers.size else np.nan
-                if name == "residual_entries":  # the share of (layer, KV head) pairs with entries
-                    yield f"{prefix}residual_heads", float((numbers > 0).mean()) if numbers.size else np.nan
+                if name == "residual_entries":
+                    yield RESIDUAL_HEADS, float((numbers > 0).mean()) if numbers.size else np.nan
         else:
             yield path, value
 

@@ -41,6 +41,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from baselines.registry import FULL_METHOD
+
 SCHEMA = "reskv-task-result/1"
 UNITS = {
     "summary.score": "percent (0-100), the benchmark's task score; equal to summary.score_percent",
@@ -49,7 +51,6 @@ UNITS = {
     "samples[].timings": "seconds; prefill_s, question_prefill_s: shared by prefill_shared_by configurations",
 }
 UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
-FULL_METHOD = "full"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Packages whose versions change predictions or scores; recorded in every result file.
 RECORDED_PACKAGES = (

@@ -40,8 +40,9 @@ from pathlib import Path
 import pandas as pd
 
 import benchmarks
-from baselines import RESIDUAL_SUFFIX
+from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, SPECS, UNPAIRED_METHODS
 from benchmarks.longbench import ENGLISH_TASKS
+from reskv.harness.records import MethodLabel
 from scripts.results_frame import (
     TASK_COLUMNS,
     frames_from_results,
@@ -50,19 +51,10 @@ from scripts.results_frame import (
     layers_frame,
     write_frames,
 )
-from scripts.results_store import FULL_METHOD, load_results
+from scripts.results_store import load_results
 
-# Baselines with a +ResKV pair, in the paper's row order (AdaKV first), then methods without one.
-PAIRED_BASES = ("adakv", "snapkv", "h2o", "tova")
-UNPAIRED_METHODS = ("cam",)
-METHOD_NAMES = {
-    "full": "Full Cache",
-    "h2o": "H2O",
-    "tova": "TOVA",
-    "snapkv": "SnapKV",
-    "adakv": "AdaKV",
-    "cam": "CaM",
-}
+# Row blocks: the baselines with a +ResKV pair, then the methods without one (registry order).
+TABLE_BASES = RESIDUAL_BASES + UNPAIRED_METHODS
 SETTING_NAMES = {"aware": "q-Aware", "agnostic": "q-Agnostic"}
 BACKBONE_NAMES = {
     "llama3.1-8b-instruct": "LLaMA-3.1-8B",
@@ -109,12 +101,12 @@ TASK_NAMES = {
     "lsht": "LSHT",
     "passage_retrieval_zh": "PRe-zh",
 }
-# Ablation rows of tab:ablation_main: the method-label suffix run.py gives each ablation switch.
+# Ablation rows of tab:ablation_main: the ResKV option each ablation switch turns off.
 ABLATIONS = (
-    ("ResKV", ""),
-    ("w/o validation", "~validate=false"),
-    ("w/o dynamic gate", "~gate=false"),
-    ("w/o shared softmax", "~shared_softmax=false"),
+    ("ResKV", {}),
+    ("w/o validation", {"validate": False}),
+    ("w/o dynamic gate", {"gate": False}),
+    ("w/o shared softmax", {"shared_softmax": False}),
 )
 DAGGER = r"$^\dagger$"
 MISSING_NOTE = "--: not run"
@@ -500,13 +492,13 @@ def method_blocks(
     benchmark: str,
     length: int | None,
     setting: str,
-    bases: Sequence[str] = PAIRED_BASES + UNPAIRED_METHODS,
+    bases: Sequence[str] = TABLE_BASES,
     ratio: float | None = None,
 ) -> list[list[str]]:
     """Row groups of a setting: [base, base+reskv] pairs, then unpaired methods, those with any result."""
     blocks = []
     for base in bases:
-        members = [base, base + RESIDUAL_SUFFIX] if base in PAIRED_BASES else [base]
+        members = [base, base + RESIDUAL_SUFFIX] if base in RESIDUAL_BASES else [base]
         backbones = [backbone] if backbone else index.backbones(benchmark)
         if any(
             index.has(b, benchmark, length, setting, method, ratio) for b in backbones for method in members
@@ -516,7 +508,7 @@ def method_blocks(
 
 
 def method_row_name(method: str) -> str:
-    return "+ResKV" if method.endswith(RESIDUAL_SUFFIX) else METHOD_NAMES.get(method, method)
+    return "+ResKV" if method.endswith(RESIDUAL_SUFFIX) else SPECS[method].display
 
 
 def samples_note(cells: Iterable[Cell]) -> str | None:
@@ -541,9 +533,7 @@ def _notes(table: Table, extra: Iterable[str]) -> None:
         table.notes.append(UNAVAILABLE_NOTE + ".")
 
 
-def averages_table(
-    index: ResultIndex, benchmark: str, bases: Sequence[str] = PAIRED_BASES + UNPAIRED_METHODS
-) -> Table | None:
+def averages_table(index: ResultIndex, benchmark: str, bases: Sequence[str] = TABLE_BASES) -> Table | None:
     """tab:ruler_paper / tab:longbench_paper: averages over backbones x lengths x budgets."""
     groups = [
         (backbone, length, index.ratios(backbone, benchmark, length))
@@ -610,7 +600,7 @@ def task_table(
     backbone: str,
     benchmark: str,
     length: int,
-    bases: Sequence[str] = PAIRED_BASES + UNPAIRED_METHODS,
+    bases: Sequence[str] = TABLE_BASES,
 ) -> Table:
     """The appendix table of one backbone and benchmark: every task plus the average."""
     tasks = index.tasks(backbone, benchmark, length)
@@ -722,18 +712,21 @@ def cam_tables(index: ResultIndex) -> list[Table]:
 def ablation_tables(index: ResultIndex) -> list[Table]:
     """tab:ablation_main: ResKV and its ablations per task with the change from ResKV, where ablations ran."""
     tables = []
-    variant_suffixes = [suffix for _, suffix in ABLATIONS if suffix]
-    for backbone, setting, ratio in _comparison_settings(
-        index, lambda method: any(method.endswith(RESIDUAL_SUFFIX + suffix) for suffix in variant_suffixes)
-    ):
-        for base in PAIRED_BASES:
-            methods = [base + RESIDUAL_SUFFIX + suffix for _, suffix in ABLATIONS]
+    switches = [options for _, options in ABLATIONS if options]
+
+    def is_ablation(method: str) -> bool:
+        label = MethodLabel.parse(method)
+        return label.residual and label.options in switches
+
+    for backbone, setting, ratio in _comparison_settings(index, is_ablation):
+        for base in RESIDUAL_BASES:
+            methods = [str(MethodLabel(base + RESIDUAL_SUFFIX, options)) for _, options in ABLATIONS]
             columns = _task_columns(index, backbone, methods[1:], setting, ratio)
             if not columns:
                 continue
             table = Table(
                 f"ablation_{backbone.replace('/', '--')}_{base}_{ratio:g}_{setting}",
-                f"Ablation results with {METHOD_NAMES[base]} under {backbone_name(backbone)}, "
+                f"Ablation results with {SPECS[base].display} under {backbone_name(backbone)}, "
                 f"{retained(ratio)} retained KV, {SETTING_NAMES[setting]} cache construction. "
                 "Parentheses show the change from ResKV.",
                 f"tab:ablation_{backbone}_{base}_{ratio:g}_{setting}",

@@ -23,7 +23,7 @@ from rich.console import Console
 import benchmarks
 import reskv.engine
 import run
-from baselines.names import METHODS
+from baselines.registry import METHODS
 from reskv.backbones import load_backbone
 from scripts.experiment import GridRun, compose_plan, load_task_items, run_plan
 from scripts.results_store import load_results, summarize
