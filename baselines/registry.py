@@ -81,6 +81,20 @@ REGISTRY = (
     ),
     MethodSpec("tova", "TOVA", "baselines.tova:TOVA", True, "TOVA (protect the last token)"),
     MethodSpec(
+        "streamingllm",
+        "StreamingLLM",
+        "baselines.streamingllm:StreamingLLM",
+        True,
+        "StreamingLLM (4 sinks, recent window)",
+    ),
+    MethodSpec(
+        "pyramidkv",
+        "PyramidKV",
+        "baselines.pyramidkv:PyramidKV",
+        True,
+        "PyramidKV (pyramid layer budgets, beta = 20, W = 32)",
+    ),
+    MethodSpec(
         "cam", "CaM", "baselines.cam:CaM", False, "CaM (merging on top of SnapKV selection)", takes_seed=True
     ),
 )
