@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import tables
-from scripts.results_store import load_results
+from reskv.harness.store import load_results
+from reskv.report import tables
 
 COMMITTED = Path(__file__).resolve().parent.parent / "results" / "ruler4k"
 

@@ -99,3 +99,24 @@ def test_a_frame_column_names_a_declared_field_or_fails():
 def test_help_and_validation_stay_torch_free():
     code = "import sys, run; run.usage(); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_readme_command_blocks_activate_the_venv_and_run_as_written_in_a_new_shell():
+    """Each README block that calls ``python`` starts with the activation; a shell with no venv on
+    its PATH then finds the project's packages (``--help`` needs hydra)."""
+    import os
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = [
+        block for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL) if "\npython " in block
+    ]
+    assert blocks and all(block.startswith("source .venv/bin/activate\n") for block in blocks)
+    clean = {name: value for name, value in os.environ.items() if name not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    clean["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    done = subprocess.run(
+        ["bash", "-c", "source .venv/bin/activate && python run.py --help"],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+    )
+    assert done.returncode == 0 and b"method=" in done.stdout
