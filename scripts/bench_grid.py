@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from benchmarks.item import Item
 from reskv.backbones import load_backbone
-from scripts.experiment import GridRun, compose_plan, load_task_items
-from scripts.results_store import load_results
+from reskv.harness.grid import GridRun, load_task_items
+from reskv.harness.plan import compose_plan
+from reskv.harness.store import load_results
 
 WARM_UP_CONTEXT = 300  # tokens: longer than every observation window, so every method compresses
 DEFAULT_OVERRIDES = (

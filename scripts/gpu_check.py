@@ -122,19 +122,26 @@ def budget_ok(method_name: str, layer: dict) -> bool:
     return max(slots) <= budget
 
 
-def check_model(shape: str, heads: int, kv_heads: int, device: str, dtypes: Sequence[str]) -> list[dict]:
+def check_model(
+    shape: str,
+    heads: int,
+    kv_heads: int,
+    device: str,
+    dtypes: Sequence[str],
+    methods: Sequence[str] = METHODS,
+) -> list[dict]:
     """Rows of the correctness report for one tiny model: every method, ratio, setting and dtype."""
     reference_model = tiny_model(shape, heads, kv_heads)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 512, (CHECK_PROMPT,), generator=generator).tolist()
     context_length = CHECK_PROMPT - CHECK_QUESTION
-    all_methods = [build_method(name, 0.9) for name in METHODS]
+    all_methods = [build_method(name, 0.9) for name in methods]
     reference = Prefill(reference_model, prompt, context_length, all_methods)
     rows = []
     for dtype_name in dtypes:
         backbone = moved(reference_model, device, DTYPES[dtype_name])
         prefill = Prefill(backbone, prompt, context_length, all_methods)
-        for method_name in METHODS:
+        for method_name in methods:
             if method_name == "full":
                 continue
             for ratio in CHECK_RATIOS:
@@ -426,6 +433,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.9, 0.6])
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
@@ -457,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_correctness:
         for shape, heads, kv_heads in TINY_MODELS:
             started = time.perf_counter()
-            report["correctness"] += check_model(shape, heads, kv_heads, device, list(DTYPES))
+            report["correctness"] += check_model(shape, heads, kv_heads, device, list(DTYPES), args.methods)
             print(
                 f"correctness {shape} h{heads} kv{kv_heads}: {time.perf_counter() - started:.1f}s", flush=True
             )

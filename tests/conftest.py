@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,27 @@ TINY_CONFIGS = [
     ("tiny-qwen2", 2, 2),
 ]
 TINY_IDS = [f"{arch}-h{heads}-kv{kv}" for arch, heads, kv in TINY_CONFIGS]
+# `python run.py` on the tiny random backbone, one RULER vt sample, two answer tokens: seconds.
+TINY_RUN = [
+    sys.executable,
+    "run.py",
+    "backbone=tiny-llama",
+    "benchmark.length=1024",
+    "benchmark.tasks=[vt]",
+    "num_samples=1",
+    "max_new_tokens=2",
+]
+# PyramidKV's budgets depend on the layer, which the compressor passes to head_budgets only once
+# issue 22's construction changes are merged; until then the tests that compress with every
+# registered method leave these two out, and the ones about them are skipped.
+AWAITING_LAYER_BUDGETS = ("pyramidkv", "pyramidkv+reskv")
+AWAITING_LAYER_BUDGETS_REASON = "needs the compressor to pass layer_idx/num_layers (issue 22 merge)"
+
+
+def method_params(names) -> list:
+    """``names`` as pytest parameters, those in ``AWAITING_LAYER_BUDGETS`` skipped with the reason."""
+    skip = pytest.mark.skip(reason=AWAITING_LAYER_BUDGETS_REASON)
+    return [pytest.param(name, marks=skip) if name in AWAITING_LAYER_BUDGETS else name for name in names]
 
 
 @functools.cache

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import scripts.figures
+from reskv.harness.store import SCHEMA, ResultKey
+from reskv.report import figures
+from reskv.report.figures import all_figures, efficiency_figure, evicted_keys_figure
+from reskv.report.index import ResultIndex
 from scripts.evicted_keys import evicted_with_clusters, pca_projection
-from scripts.figures import all_figures, efficiency_figure, evicted_keys_figure
-from scripts.results_store import SCHEMA, ResultKey
-from scripts.tables import ResultIndex
 
 
 def write_runs(runs, configurations, task="vt") -> None:
@@ -147,9 +147,9 @@ def test_budget_figure_keeps_equal_curves_visible_and_names_tasks_and_samples(tm
         [(method, ratio, "aware", equal) for method in ("snapkv", "snapkv+reskv") for ratio in (0.9, 0.6)],
     )
     drawn = []
-    monkeypatch.setattr(scripts.figures, "save", lambda figure, out_dir, name: drawn.append(figure) or [name])
+    monkeypatch.setattr(figures, "save", lambda figure, out_dir, name: drawn.append(figure) or [name])
     index, _ = ResultIndex.from_directory(runs)
-    assert scripts.figures.budget_figures(index, tmp_path) == ["budget_smollm2-135m_ruler-4096_aware"]
+    assert figures.budget_figures(index, tmp_path) == ["budget_smollm2-135m_ruler-4096_aware"]
     (axis,) = drawn[0].axes
     assert axis.get_title() == "SmolLM2-135M RULER-4K q-Aware"  # the tables' names
     snapkv, reskv = axis.get_lines()

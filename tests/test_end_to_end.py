@@ -12,6 +12,7 @@ from reskv.backbones import load_backbone
 from reskv.compress import budget_for
 from reskv.engine import Prefill
 from reskv.prompting import tokenize_prompt
+from tests.conftest import method_params
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def test_full_cache_finds_the_needle(needle_prefill):
 
 
 @pytest.mark.parametrize("ratio", [0.6, 0.9])
-@pytest.mark.parametrize("name", [name for name in METHODS if name != "full"])
+@pytest.mark.parametrize("name", method_params([name for name in METHODS if name != "full"]))
 def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(needle_prefill, name, ratio):
     method = build_method(name, ratio)
     layers = needle_prefill.backbone.num_layers
@@ -66,9 +67,18 @@ def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(nee
             allocated = [m + r for m, r in zip(main, reserved, strict=True)]
             if name.startswith("adakv"):
                 assert sum(allocated) == budget * len(allocated)
+            elif name.startswith("pyramidkv"):  # one budget per layer, the same for its heads
+                assert len(set(allocated)) == 1
             else:
                 assert allocated == [budget] * len(allocated)
-            assert sum(slots) <= budget * len(slots)
+            if not name.startswith("pyramidkv"):
+                assert sum(slots) <= budget * len(slots)
+        if name.startswith("pyramidkv"):  # the layer budgets average b (baselines.md, PyramidKV)
+            layer_budgets = [
+                main[0] + reserved[0]
+                for main, reserved in zip(stats["main_slots"], stats["residual_slots"], strict=True)
+            ]
+            assert sum(layer_budgets) == budget * layers
         if name.endswith("+reskv"):
             # The proxy gives residual slots somewhere (not necessarily everywhere).
             assert any(r for layer in stats["residual_slots"] for r in layer)

@@ -15,9 +15,12 @@ import pytest
 
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
-from scripts.experiment import PlanError, build_grid, compose_plan, load_task_items, method_label, run_plan
-from scripts.results_store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
-from scripts.tables import ABLATIONS, ResultIndex
+from reskv.harness.grid import load_task_items, run_plan
+from reskv.harness.plan import PlanError, build_grid, compose_plan, method_label
+from reskv.harness.records import MethodLabel
+from reskv.harness.store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
+from reskv.report.index import ResultIndex
+from reskv.report.paper_tables import ABLATIONS
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RULER = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=8"]
@@ -94,7 +97,7 @@ def test_paper_command_lines_make_plans(tmp_path):
 
 
 def test_full_cache_is_one_grid_entry():
-    grid = build_grid(["full", "snapkv"], [0.6, 0.9], ["aware", "agnostic"], ResidualConfig(), False)
+    grid = build_grid(["full", "snapkv"], [0.6, 0.9], ["aware", "agnostic"], ResidualConfig(), {})
     assert [(entry.method, entry.ratio, entry.setting) for entry in grid] == [
         ("full", None, None),
         ("snapkv", 0.6, "aware"),
@@ -105,19 +108,20 @@ def test_full_cache_is_one_grid_entry():
 
 
 def test_method_labels_name_non_default_options(tmp_path):
-    assert method_label("snapkv+reskv", ResidualConfig(), False) == "snapkv+reskv"
-    assert method_label("snapkv", ResidualConfig(validate=False), True) == "snapkv"
-    assert method_label("h2o", ResidualConfig(), True) == "h2o~h2o_window_only=true"
+    assert method_label("snapkv+reskv", ResidualConfig(), {}) == "snapkv+reskv"
+    assert method_label("snapkv", ResidualConfig(validate=False), {"h2o_window_only": True}) == "snapkv"
+    assert method_label("h2o", ResidualConfig(), {"h2o_window_only": True}) == "h2o~h2o_window_only=true"
     assert (
-        method_label("snapkv+reskv", ResidualConfig(tau=0.3, grid=(0.0, 0.1)), False)
+        method_label("snapkv+reskv", ResidualConfig(tau=0.3, grid=(0.0, 0.1)), {})
         == "snapkv+reskv~grid=0-0.1,tau=0.3"
     )
     # The ablation presets give exactly the labels the ablation table looks for.
-    for preset, (_, suffix) in zip(
-        ("none", "no_validation", "no_gate", "no_shared_softmax"), ABLATIONS, strict=True
+    labels = ("", "~validate=false", "~gate=false", "~shared_softmax=false")
+    for preset, (_, options), suffix in zip(
+        ("none", "no_validation", "no_gate", "no_shared_softmax"), ABLATIONS, labels, strict=True
     ):
         plan = plan_for([f"ablation={preset}", "method=snapkv+reskv"], tmp_path)
-        assert plan.grid[0].label == "snapkv+reskv" + suffix
+        assert plan.grid[0].label == "snapkv+reskv" + suffix == str(MethodLabel("snapkv+reskv", options))
 
 
 def _result_file(tmp_path: Path, config: dict | None = None, samples_total: int = 3) -> ResultFile:

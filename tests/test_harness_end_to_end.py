@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.results_store import deterministic_view
-from scripts.tables import main as write_tables
+from reskv.harness.store import deterministic_view
+from reskv.report.tables import main as write_tables
 from tests.conftest import journaled_samples, start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.results_frame import configs_frame, load_frames, samples_frame, write_frames
-from scripts.results_store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
+from reskv.harness.store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
+from reskv.report.frames import configs_frame, load_frames, samples_frame, write_frames
 
 BACKBONE = "tiny-llama"
 

@@ -23,10 +23,11 @@ from rich.console import Console
 import benchmarks
 import reskv.engine
 import run
-from baselines.names import METHODS
+from baselines.registry import METHODS
 from reskv.backbones import load_backbone
-from scripts.experiment import GridRun, compose_plan, load_task_items, run_plan
-from scripts.results_store import load_results, summarize
+from reskv.harness.grid import GridRun, load_task_items, run_plan
+from reskv.harness.plan import compose_plan
+from reskv.harness.store import load_results, summarize
 from tests.conftest import journaled_samples, start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent

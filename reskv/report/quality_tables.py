@@ -1,4 +1,4 @@
-"""Tables of the quality measures (reskv.quality, issue 10) next to the scores; built by scripts.tables.
+"""Tables of the quality measures (reskv.quality, issue 10) next to the scores; built by reskv.report.tables.
 
 For every backbone, benchmark and length whose samples carry the measures:
 
@@ -26,33 +26,20 @@ from collections.abc import Iterator
 import numpy as np
 import pandas as pd
 
-from baselines import RESIDUAL_SUFFIX
+from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, UNPAIRED_METHODS, display_name
 from reskv.config import ResidualConfig
-from scripts.results_frame import OPTIONS_SEPARATOR
-from scripts.results_store import FULL_METHOD
-from scripts.tables import (
-    CMIDRULE,
-    METHOD_NAMES,
-    MIDRULE,
-    PAIRED_BASES,
-    SETTING_NAMES,
-    UNPAIRED_METHODS,
-    Cell,
-    ResultIndex,
-    Row,
-    Table,
-    backbone_name,
-    benchmark_name,
-    method_row_name,
-    retained,
-)
+from reskv.harness.records import MethodLabel, field_column
+from reskv.report.frames import RESIDUAL_HEADS
+from reskv.report.index import ResultIndex
+from reskv.report.names import SETTING_NAMES, backbone_name, benchmark_name, retained
+from reskv.report.paper_tables import method_row_name
+from reskv.report.render import CMIDRULE, MIDRULE, Cell, Row, Table
 
 GAP, KL, ERROR, SHARE = (
-    "quality.answer_log_prob_gap",
-    "quality.kl",
-    "quality.attention_error",
-    "quality.residual_share",
+    field_column("quality", name)
+    for name in ("answer_log_prob_gap", "kl", "attention_error", "residual_share")
 )
+RESIDUAL_SLOTS, BUDGET = field_column("cache_stats", "residual_slots"), field_column("cache_stats", "budget")
 # (column head, sample column, decimals, how "closer to the full cache" is read)
 MEASURES = (
     ("LL gap", GAP, 3, "abs"),
@@ -74,21 +61,18 @@ NOTES = [
 def method_name(label: str, standalone: bool = False) -> str:
     """Row name of a method label: ``+ResKV`` under its baseline's row, ``SnapKV+ResKV`` standing
     alone (``standalone``, or a label with options, which gets its own block), options in brackets."""
-    method, _, options = label.partition(OPTIONS_SEPARATOR)
-    if standalone or options:
-        base = method.removesuffix(RESIDUAL_SUFFIX)
-        name = METHOD_NAMES.get(base, base) + ("+ResKV" if method.endswith(RESIDUAL_SUFFIX) else "")
-    else:
-        name = method_row_name(method)
+    parsed = MethodLabel.parse(label)
+    options = parsed.options_text
+    name = display_name(parsed.method) if standalone or options else method_row_name(parsed.method)
     return f"{name} ({options})" if options else name
 
 
 def _blocks(labels: set[str]) -> list[list[str]]:
     """Pairs first (the paper's order), then unpaired methods, then labels with options alone."""
-    blocks = [[base, base + RESIDUAL_SUFFIX] for base in PAIRED_BASES]
+    blocks = [[base, base + RESIDUAL_SUFFIX] for base in RESIDUAL_BASES]
     blocks = [[label for label in block if label in labels] for block in blocks]
     blocks += [[method] for method in UNPAIRED_METHODS if method in labels]
-    blocks += [[label] for label in sorted(labels) if OPTIONS_SEPARATOR in label]
+    blocks += [[label] for label in sorted(labels) if MethodLabel.parse(label).options]
     return [block for block in blocks if block]
 
 
@@ -112,8 +96,8 @@ def _quality_cells(index: ResultIndex, where: tuple, setting: str, ratio: float,
         footprint = [np.nan, np.nan]
         if method != FULL_METHOD and len(own):
             footprint = [
-                100 * own["cache_stats.residual_heads"].mean(),
-                100 * (own["cache_stats.residual_slots"] / own["cache_stats.budget"]).mean(),
+                100 * own[RESIDUAL_HEADS].mean(),
+                100 * (own[RESIDUAL_SLOTS] / own[BUDGET]).mean(),
             ]
         cells += [Cell(None if np.isnan(value) else value, digits=1) for value in footprint]
         cells.append(Cell(float(len(own)), digits=0))
@@ -186,7 +170,7 @@ def pairs_frame(index: ResultIndex, where: tuple) -> pd.DataFrame:
     ``<column>:base`` / ``<column>:reskv`` for the score and each measure."""
     frames = []
     for setting, ratio, rows in _slices(index, where):
-        for base in PAIRED_BASES:
+        for base in RESIDUAL_BASES:
             shared = _shared(rows, [base, base + RESIDUAL_SUFFIX])
             if shared.empty:
                 continue
@@ -271,7 +255,7 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
             SETTING_NAMES[setting],
             configs[(configs["base"] == base) & (configs["setting"] == setting)],
         )
-        for base in PAIRED_BASES
+        for base in RESIDUAL_BASES
         for setting in SETTING_NAMES
     ]
     groups += [
@@ -353,7 +337,7 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
 
 def quality_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
     """The quality, pairs and pairs-summary tables; with ``heads``
-    (``scripts.results_frame.heads_frame``) also the proxy's choices."""
+    (``reskv.report.frames.heads_frame``) also the proxy's choices."""
     samples = index.samples
     if KL not in samples.columns:
         return []

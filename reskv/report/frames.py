@@ -1,17 +1,17 @@
 """Every result file under a results directory as tidy pandas DataFrames (issue 9).
 
-    from scripts.results_frame import configs_frame, load_frames, samples_frame
+    from reskv.report.frames import configs_frame, load_frames, samples_frame
     samples, configs, warnings = load_frames("results")   # both, read once
     configs = configs_frame("results")                      # or one of them
 
 ``samples``: one row per configuration and sample. ``configs``: one row per configuration, plus
 one row per task whose data is unavailable here (``status`` "unavailable", ``reason``).
-``python -m scripts.tables`` writes both as ``<results-dir>/tables/samples.csv`` and
+``python -m reskv.report.tables`` writes both as ``<results-dir>/tables/samples.csv`` and
 ``results.csv``.
 
 Columns of both frames:
 
-- the configuration (``scripts.results_store.ResultKey``): ``backbone``, ``benchmark``,
+- the configuration (``reskv.harness.store.ResultKey``): ``backbone``, ``benchmark``,
   ``length``, ``task``, ``setting``, ``method`` (the label: ``snapkv+reskv~validate=false``),
   ``ratio``; ``setting`` and ``ratio`` are empty for the full cache, which serves every ratio;
 - the label split up: ``base_method`` (the baseline without ``+reskv``), ``residual`` (whether
@@ -25,7 +25,7 @@ divergence when the runner records them. The per-layer, per-KV-head lists of ``c
 (``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
 layers and heads. Other lists (references, token ids) are left out.
 
-``layers_frame(results)`` (``results`` as ``scripts.results_store.load_results`` reads them): one
+``layers_frame(results)`` (``results`` as ``reskv.harness.store.load_results`` reads them): one
 row per configuration, sample and layer with the quality measures' per-layer attention error and
 residual share (``layers.csv``).
 
@@ -51,14 +51,15 @@ import numpy as np
 import pandas as pd
 
 import benchmarks
-from baselines import RESIDUAL_SUFFIX
 from benchmarks.longbench_e import BUCKETS, bucket_scores
-from scripts.experiment import OPTIONS_SEPARATOR
-from scripts.results_store import TaskResult, load_results
+from reskv.harness.records import MethodLabel
+from reskv.harness.store import TaskResult, load_results
 
 KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
 TASK_COLUMNS = KEY_COLUMNS[:4]
 LABEL_COLUMNS = ["base_method", "residual", "options"]
+# Derived from cache_stats.residual_entries: the share of (layer, KV head) pairs with entries.
+RESIDUAL_HEADS = "cache_stats.residual_heads"
 STATUSES = ("complete", "partial", "unavailable")
 # The columns every frame has, even an empty one (no results yet).
 SAMPLE_COLUMNS = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "score", "skipped"]
@@ -76,13 +77,9 @@ CONFIG_COLUMNS = [
 
 
 def label_parts(method: str) -> dict[str, Any]:
-    """``base_method``, ``residual`` and ``options`` of a method label (scripts.experiment.method_label)."""
-    name, _, options = method.partition(OPTIONS_SEPARATOR)
-    return {
-        "base_method": name.removesuffix(RESIDUAL_SUFFIX),
-        "residual": name.endswith(RESIDUAL_SUFFIX),
-        "options": options,
-    }
+    """``base_method``, ``residual`` and ``options`` of a method label (``MethodLabel``)."""
+    label = MethodLabel.parse(method)
+    return {"base_method": label.base, "residual": label.residual, "options": label.options_text}
 
 
 def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -95,8 +92,8 @@ def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[s
             if prefix == "cache_stats.":
                 numbers = np.asarray(value, dtype=float)
                 yield path, float(numbers.mean()) if numbers.size else np.nan
-                if name == "residual_entries":  # the share of (layer, KV head) pairs with entries
-                    yield f"{prefix}residual_heads", float((numbers > 0).mean()) if numbers.size else np.nan
+                if name == "residual_entries":
+                    yield RESIDUAL_HEADS, float((numbers > 0).mean()) if numbers.size else np.nan
         else:
             yield path, value
 
@@ -235,7 +232,7 @@ def _layer_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def layers_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per configuration, sample and layer with the quality measures' per-layer values
     (``attention_error``, ``residual_share``; ``reskv.quality``), for samples that carry them;
-    ``results`` as ``scripts.results_store.load_results`` reads them."""
+    ``results`` as ``reskv.harness.store.load_results`` reads them."""
     return _expanded_frame(results, _layer_rows, ["layer", *LAYER_MEASURES])
 
 
@@ -256,7 +253,7 @@ def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def heads_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per compressing configuration, sample, layer and KV head: its ``budget``,
     ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built;
-    ``results`` as ``scripts.results_store.load_results`` reads them."""
+    ``results`` as ``reskv.harness.store.load_results`` reads them."""
     return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
 
 

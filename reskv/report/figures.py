@@ -1,6 +1,6 @@
 """The paper's analysis figures (fig:analysis) and score-versus-budget plots, as PNG and PDF.
 
-    python -m scripts.figures [--results-dir results] [--out-dir results/figures]
+    python -m reskv.report.figures [--results-dir results] [--out-dir results/figures]
 
 - ``efficiency_<backbone>``: (a) peak memory and (b) decode throughput versus context length for
   the full cache, a baseline and +ResKV, from ``scripts.bench_efficiency``'s measurements.
@@ -8,7 +8,7 @@
   one line per method, the full cache as a horizontal line: the averages table's numbers (pairs
   on shared samples), titled with the tables' names, a note of the tasks and samples per task.
 - ``layers_<backbone>_<benchmark>-<length>_<setting>``: the quality measures per layer
-  (``scripts.results_frame.layers_frame``): (a) attention-output error against the full cache of
+  (``reskv.report.frames.layers_frame``): (a) attention-output error against the full cache of
   every method at the tightest budget, (b) the share of attention mass on residual entries of
   every +ResKV method at every budget; means over samples and tasks.
 - ``evicted_keys_<backbone>``: PCA projections of the keys evicted from the main cache for chosen
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,30 +32,22 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
-from scripts.results_frame import frames_from_results, layers_frame  # noqa: E402
-from scripts.results_store import load_results  # noqa: E402
-from scripts.tables import (  # noqa: E402
-    METHOD_NAMES,
-    RESIDUAL_SUFFIX,
+from baselines.registry import RESIDUAL_SUFFIX, display_name  # noqa: E402
+from reskv.harness.store import ResultStoreError, load_results  # noqa: E402
+from reskv.report.frames import frames_from_results, layers_frame  # noqa: E402
+from reskv.report.index import ResultIndex  # noqa: E402
+from reskv.report.names import (  # noqa: E402
     SETTING_NAMES,
     TASK_NAMES,
-    Cell,
-    ResultIndex,
     averaged_task_set,
     backbone_name,
     benchmark_name,
-    method_blocks,
-    samples_note,
 )
+from reskv.report.paper_tables import method_blocks  # noqa: E402
+from reskv.report.render import Cell, samples_note  # noqa: E402
 
 FORMATS = ("png", "pdf")
 MEBIBYTE = 2**20
-
-
-def method_name(method: str) -> str:
-    if method.endswith(RESIDUAL_SUFFIX):
-        return METHOD_NAMES[method.removesuffix(RESIDUAL_SUFFIX)] + "+ResKV"
-    return METHOD_NAMES.get(method, method)
 
 
 def save(figure, out_dir: Path, name: str) -> list[Path]:
@@ -89,8 +82,8 @@ def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
             for row in rows
         ]
         speed = [np.nan if row["decode_tokens_per_s"] is None else row["decode_tokens_per_s"] for row in rows]
-        memory_axis.plot(lengths, memory, marker="o", label=method_name(method))
-        speed_axis.plot(lengths, speed, marker="o", label=method_name(method))
+        memory_axis.plot(lengths, memory, marker="o", label=display_name(method))
+        speed_axis.plot(lengths, speed, marker="o", label=display_name(method))
     for axis, title, unit in (
         (memory_axis, "(a) Peak memory", f"MiB ({measurements['memory_kind']})"),
         (speed_axis, "(b) Decode throughput", "tokens / s"),
@@ -153,7 +146,7 @@ def budget_figure(index: ResultIndex, backbone, benchmark, length, setting, out_
             marker=MARKERS[number % len(MARKERS)],
             markerfacecolor="none",
             linestyle="--" if method.endswith(RESIDUAL_SUFFIX) else "-",
-            label=method_name(method),
+            label=display_name(method),
         )
     if full.value is not None:
         axis.axhline(full.value, color="black", linewidth=1, label="Full Cache")
@@ -208,7 +201,7 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
         for method in sorted(set(rows["method"])):
             if (method, tightest) in means.index.droplevel("layer"):
                 curve = means.loc[(method, tightest)]
-                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=method_name(method))
+                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=display_name(method))
             if method.endswith(RESIDUAL_SUFFIX):
                 for ratio in sorted(set(rows.loc[rows["method"] == method, "ratio"])):
                     curve = means.loc[(method, ratio)]
@@ -216,7 +209,7 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
                         curve.index,
                         curve["residual_share"],
                         marker=".",
-                        label=f"{method_name(method)} {ratio:g}",
+                        label=f"{display_name(method)} {ratio:g}",
                     )
         error_axis.set(
             xlabel="layer",
@@ -270,7 +263,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/figures")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or args.results_dir / "figures"
-    paths = all_figures(args.results_dir, out_dir)
+    try:
+        paths = all_figures(args.results_dir, out_dir)
+    except ResultStoreError as error:
+        sys.exit(f"reskv.report.figures: error: {error}")
     print(f"{len(paths)} figure files written to {out_dir}")
 
 

@@ -41,6 +41,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from baselines.registry import FULL_METHOD
+
 SCHEMA = "reskv-task-result/1"
 UNITS = {
     "summary.score": "percent (0-100), the benchmark's task score; equal to summary.score_percent",
@@ -49,7 +51,6 @@ UNITS = {
     "samples[].timings": "seconds; prefill_s, question_prefill_s: shared by prefill_shared_by configurations",
 }
 UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
-FULL_METHOD = "full"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Packages whose versions change predictions or scores; recorded in every result file.
 RECORDED_PACKAGES = (
@@ -67,7 +68,23 @@ RECORDED_PACKAGES = (
 
 
 class ResultStoreError(RuntimeError):
-    """A result file that cannot be resumed as asked (other configuration, other samples)."""
+    """A result file that cannot be resumed as asked (other configuration, other samples, damaged)."""
+
+
+def damaged(path: Path, problem: str) -> ResultStoreError:
+    """The error for a file that is not what this module writes (e.g. cut short by a copy)."""
+    return ResultStoreError(
+        f"{path} is damaged ({problem}); delete it to recompute what it held (rerun the same "
+        "command), or restore an intact copy. No other file was changed."
+    )
+
+
+def read_json(path: Path) -> Any:
+    """A result or marker file's JSON; a damaged file is a ``ResultStoreError`` naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise damaged(path, f"not valid JSON: {error}") from error
 
 
 class ResultFileLocked(ResultStoreError):
@@ -194,22 +211,26 @@ def _read_journal(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any
     """Header, sample records and the byte length of the intact part of a journal.
 
     A last line without its newline (or not valid JSON) is what ``kill -9`` leaves mid-write:
-    it is excluded and its bytes are cut off before the journal grows again.
+    it is excluded and its bytes are cut off before the journal grows again. An invalid line
+    with more lines after it is damage no interrupted write leaves: a ``ResultStoreError``.
     """
     header, records, intact = None, [], 0
     with path.open("rb") as handle:
-        for line in handle:
-            if not line.endswith(b"\n"):
-                break
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            intact += len(line)
-            if header is None:
-                header = entry
-            else:
-                records.append(entry)
+        lines = handle.readlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            entry = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            if number < len(lines):
+                raise damaged(path, f"line {number} of {len(lines)} is not valid JSON: {error}") from error
+            break
+        intact += len(line)
+        if header is None:
+            header = entry
+        else:
+            records.append(entry)
     return header, records, intact
 
 
@@ -292,8 +313,11 @@ class ResultFile:
         return [index for index in range(*self.sample_range) if index not in self.records]
 
     def open(self) -> ResultFile:
-        """Lock the journal and load what an earlier run finished. Returns self."""
+        """Lock the journal and load what an earlier run finished. Returns self.
+
+        A damaged file is refused with nothing written: a journal this call created is removed."""
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.journal_path.exists()
         self._journal = self.journal_path.open("a+b")
         try:
             fcntl.flock(self._journal, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -302,13 +326,15 @@ class ResultFile:
             raise ResultFileLocked(f"{self.journal_path} is being written by another process") from error
         try:
             if self.path.exists():
-                finished = json.loads(self.path.read_text())
+                finished = read_json(self.path)
                 self._adopt(finished, finished["samples"])
             header, records, intact = _read_journal(self.journal_path)
             if header is not None:
                 self._adopt(header, records)
         except ResultStoreError:
             self._journal.close()
+            if created:
+                self.journal_path.unlink()
             raise
         self._finished_before = header is None and self.path.exists() and not self.pending
         if not self._finished_before:
@@ -429,7 +455,7 @@ def _result_documents(runs_dir: Path) -> Iterator[tuple[Path, dict[str, Any], li
     for path in sorted(runs_dir.rglob("*.json")):
         if path.name.startswith("."):
             continue
-        document = json.loads(path.read_text())
+        document = read_json(path)
         if document.get("schema") == SCHEMA:
             yield path, document, document["samples"]
     for path in sorted(runs_dir.rglob("*.jsonl")):
@@ -457,5 +483,5 @@ def load_results(runs_dir: Path) -> tuple[list[TaskResult], list[dict[str, Any]]
                 warnings.append(
                     f"{path}: sample {record['index']} differs from an earlier file; kept the first"
                 )
-    unavailable = [json.loads(path.read_text()) for path in sorted(runs_dir.rglob("unavailable.json"))]
+    unavailable = [read_json(path) for path in sorted(runs_dir.rglob("unavailable.json"))]
     return sorted(merged.values(), key=lambda result: result.key.sort_key), unavailable, warnings

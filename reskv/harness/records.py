@@ -1,0 +1,214 @@
+"""What a result file holds: the method label codec and the typed sample record (torch-free).
+
+A method label is the method name plus the options that differ from their defaults, after
+``~``: ``snapkv+reskv~validate=false``, ``snapkv+reskv~alpha=8,tau=0.3``,
+``h2o~h2o_window_only=true``. Result paths, the tables and the frames all name configurations
+by it; ``MethodLabel`` is its one writer and reader.
+
+A sample record is one line of a result file's journal and one entry of its ``samples``. Its
+generated part carries three sections the engine measures (``reskv.engine.Generation``):
+``cache_stats``, ``timings`` and, when the plan records them, ``quality``; their fields are
+declared here (``CacheStats``, ``Timings``, ``Quality``) and the frames name their columns through
+``field_column`` so that a renamed field fails at import rather than leaving an empty column. The
+JSON written is the format the committed results use (``docs/spec/platform.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+from baselines.registry import RESIDUAL_SUFFIX, base_of
+
+OPTIONS_SEPARATOR = "~"
+
+
+def option_text(value: Any) -> str:
+    """An option value as a label writes it: ``true``, ``0.3``, a grid as ``0-0.05-0.1``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple | list):
+        return "-".join(option_text(part) for part in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def option_value(text: str) -> Any:
+    """An option value as written in a label (``option_text``'s inverse)."""
+    if text in ("true", "false"):
+        return text == "true"
+    if "-" in text.lstrip("-"):  # a grid: 0-0.05-0.1
+        return tuple(option_value(part) for part in text.split("-"))
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+@dataclass(frozen=True)
+class MethodLabel:
+    """A method name and the options it runs with that differ from their defaults."""
+
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> MethodLabel:
+        """``snapkv+reskv~validate=false,tau=0.3``; a ``ValueError`` for an option without ``=``."""
+        method, _, written = text.partition(OPTIONS_SEPARATOR)
+        options = {}
+        for part in written.split(",") if written else ():
+            name, separator, value = part.partition("=")
+            if not separator:
+                raise ValueError(f"method option {part!r} of {text!r} must be written name=value")
+            options[name] = option_value(value)
+        return cls(method, options)
+
+    def __str__(self) -> str:
+        if not self.options:
+            return self.method
+        written = ",".join(f"{name}={option_text(self.options[name])}" for name in sorted(self.options))
+        return self.method + OPTIONS_SEPARATOR + written
+
+    @property
+    def base(self) -> str:
+        """The baseline without ``+reskv``."""
+        return base_of(self.method)
+
+    @property
+    def residual(self) -> bool:
+        return self.method.endswith(RESIDUAL_SUFFIX)
+
+    @property
+    def options_text(self) -> str:
+        """The part after ``~`` ("" without options)."""
+        return str(self).partition(OPTIONS_SEPARATOR)[2]
+
+
+class CacheStats(TypedDict, total=False):
+    """``cache_stats``: the compressed cache of one sample (``reskv.engine.Method.compress``)."""
+
+    compressed: bool
+    budget: int  # retained slots per KV head, b (reskv.md, Budget)
+    main_slots: list[list[int]]  # per compressed layer, per KV head
+    residual_entries: list[list[int]]
+    residual_slots: list[list[int]]
+    prompt_tokens: int
+    compressed_tokens: int
+    slots: int
+
+
+class Timings(TypedDict, total=False):
+    """``timings``: wall-clock seconds of one sample (``decode_tokens`` and ``prefill_shared_by``
+    are counts); the prefills are shared by ``prefill_shared_by`` configurations."""
+
+    prefill_s: float
+    question_prefill_s: float
+    compress_s: float
+    question_s: float
+    decode_s: float
+    decode_tokens: int
+    quality_s: float
+    prefill_shared_by: int
+
+
+class Quality(TypedDict, total=False):
+    """``quality``: distances of one sample's cache to the full cache (``reskv.quality``)."""
+
+    answer_log_prob: float
+    answer_log_prob_full: float
+    answer_log_prob_gap: float
+    kl: float
+    attention_error: float
+    residual_share: float
+    attention_error_by_layer: list[float]
+    residual_share_by_layer: list[float]
+
+
+SECTIONS = {"cache_stats": CacheStats, "timings": Timings, "quality": Quality}
+
+
+def field_column(section: str, name: str) -> str:
+    """The frame column of a section field (``quality.kl``); a ``KeyError`` for a field the
+    section does not declare."""
+    if name not in SECTIONS[section].__annotations__:
+        raise KeyError(
+            f"{section} has no field {name!r}; its fields: {list(SECTIONS[section].__annotations__)}"
+        )
+    return f"{section}.{name}"
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One sample of a configuration: its prompt, and either its generation or why it was skipped.
+
+    ``score`` is a fraction in [0, 1], None for a skipped sample (summaries leave it out).
+    """
+
+    index: int
+    prompt_digest: str
+    prompt_tokens: int
+    context_tokens: int
+    max_new_tokens: int
+    references: list[str]
+    metric: str
+    metadata: dict[str, Any]  # e.g. LongBench's sample length (LongBench-E buckets), RULER depths
+    score: float | None = None
+    prediction: str | None = None
+    prediction_token_ids: list[int] = field(default_factory=list)
+    cache_stats: CacheStats = field(default_factory=dict)
+    timings: Timings = field(default_factory=dict)
+    quality: Quality | None = None
+    skipped: str | None = None
+
+    @property
+    def question_tokens(self) -> int:
+        return self.prompt_tokens - self.context_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the journal and the result file store it (key order included)."""
+        prompt = {
+            "index": self.index,
+            "prompt_digest": self.prompt_digest,
+            "prompt_tokens": self.prompt_tokens,
+            "context_tokens": self.context_tokens,
+            "question_tokens": self.question_tokens,
+            "max_new_tokens": self.max_new_tokens,
+            "references": list(self.references),
+            "metric": self.metric,
+            "metadata": self.metadata,
+        }
+        if self.skipped is not None:
+            return {**prompt, "score": None, "skipped": self.skipped}
+        quality = {} if self.quality is None else {"quality": self.quality}
+        return {
+            **prompt,
+            "prediction": self.prediction,
+            "prediction_token_ids": list(self.prediction_token_ids),
+            "generated_tokens": len(self.prediction_token_ids),
+            "score": self.score,
+            "cache_stats": self.cache_stats,
+            "timings": self.timings,
+            **quality,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SampleRecord:
+        return cls(
+            index=data["index"],
+            prompt_digest=data["prompt_digest"],
+            prompt_tokens=data["prompt_tokens"],
+            context_tokens=data["context_tokens"],
+            max_new_tokens=data["max_new_tokens"],
+            references=data["references"],
+            metric=data["metric"],
+            metadata=data["metadata"],
+            score=data["score"],
+            prediction=data.get("prediction"),
+            prediction_token_ids=data.get("prediction_token_ids", []),
+            cache_stats=data.get("cache_stats", {}),
+            timings=data.get("timings", {}),
+            quality=data.get("quality"),
+            skipped=data.get("skipped"),
+        )

@@ -1,0 +1,1 @@
+"""The reporting: result files as frames, the paper's tables and figures (make tables, make figures)."""

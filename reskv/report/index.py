@@ -1,0 +1,158 @@
+"""The results frames (``reskv.report.frames``) as the tables look them up: blocks of compared
+methods scored on shared samples, averages, and which configurations exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+import benchmarks
+from reskv.report.frames import (
+    TASK_COLUMNS,
+    frames_from_runs,
+)
+from reskv.report.names import averaged_task_set, backbone_name, benchmark_name
+from reskv.report.render import Cell
+
+
+def _ordered(values: Iterable, order: Sequence) -> list:
+    position = {value: index for index, value in enumerate(order)}
+    return sorted(set(values), key=lambda value: (position.get(value, len(order)), value))
+
+
+def _ratio_key(ratio: float | None) -> float:
+    """A ratio as a lookup key: six decimals; 0 for the full cache, which has none."""
+    return 0.0 if ratio is None or pd.isna(ratio) else round(float(ratio), 6)
+
+
+class ResultIndex:
+    """The results frames (reskv.report.frames) as the tables look them up: blocks of compared
+    methods scored on shared samples, averages, and which configurations exist."""
+
+    def __init__(self, samples: pd.DataFrame, configs: pd.DataFrame):
+        available = configs["status"] != "unavailable"
+        self.configs = configs[available].assign(
+            setting=lambda frame: frame["setting"].fillna(""),
+            ratio=lambda frame: frame["ratio"].map(_ratio_key),
+        )
+        self.unavailable = set(configs.loc[~available, TASK_COLUMNS].itertuples(index=False, name=None))
+        self.task_samples = (
+            self.configs.groupby(TASK_COLUMNS)["task_samples"].max().to_dict() if len(self.configs) else {}
+        )
+        slices = samples.assign(setting=samples["setting"].fillna(""), ratio=samples["ratio"].map(_ratio_key))
+        self.samples = slices
+        self.slices = dict(list(slices.groupby(["backbone", "benchmark", "length", "setting", "ratio"])))
+
+    @classmethod
+    def from_directory(cls, runs_dir: Path) -> tuple[ResultIndex, list[str]]:
+        samples, configs, warnings = frames_from_runs(runs_dir)
+        return cls(samples, configs), warnings
+
+    def matching(self, **values) -> pd.DataFrame:
+        """Configurations matching ``values``; a None value matches any."""
+        frame = self.configs
+        for column, value in values.items():
+            if value is not None:
+                frame = frame[frame[column] == (_ratio_key(value) if column == "ratio" else value)]
+        return frame
+
+    def backbones(self, benchmark: str) -> list[str]:
+        return sorted(set(self.matching(benchmark=benchmark)["backbone"]))
+
+    def lengths(self, backbone: str, benchmark: str) -> list[int]:
+        return sorted(set(self.matching(backbone=backbone, benchmark=benchmark)["length"]))
+
+    def ratios(self, backbone: str, benchmark: str, length: int | None = None) -> list[float]:
+        """Ratios present, the tightest budget (largest ratio) first as the paper orders them."""
+        ratios = self.matching(backbone=backbone, benchmark=benchmark, length=length)["ratio"]
+        return sorted(set(ratios) - {0.0}, reverse=True)
+
+    def tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
+        """Tasks with a result or an unavailable mark, in the benchmark's order."""
+        found = set(self.matching(backbone=backbone, benchmark=benchmark, length=length)["task"])
+        found |= {task for *where, task in self.unavailable if tuple(where) == (backbone, benchmark, length)}
+        return _ordered(found, benchmarks.tasks(benchmark))
+
+    def averaged_tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
+        """The tasks an average covers: available ones (LongBench: its 16 English tasks only)."""
+        return [
+            task
+            for task in self.tasks(backbone, benchmark, length)
+            if (backbone, benchmark, length, task) not in self.unavailable
+            and task in averaged_task_set(benchmark)
+        ]
+
+    def has(self, backbone, benchmark, length, setting, method, ratio=None) -> bool:
+        """Whether any result matches; None for length, setting or ratio matches any."""
+        return not self.matching(
+            backbone=backbone, benchmark=benchmark, length=length, setting=setting, method=method, ratio=ratio
+        ).empty
+
+    def compare(self, backbone, benchmark, length, setting, ratio, methods: Sequence[str]) -> dict[str, dict]:
+        """Task cells ``{method: {task: Cell}}`` of methods shown side by side (a baseline and its
+        +ResKV, the CaM or ablation rows): per task, every method present is scored on the samples
+        all of them scored, so a pair never compares different samples (issue 9). A cell is partial
+        when the samples all of them ran are fewer than the task has so far (``task_samples``)."""
+        tasks = self.tasks(backbone, benchmark, length)
+        cells = {
+            method: {
+                task: Cell(unavailable=(backbone, benchmark, length, task) in self.unavailable)
+                for task in tasks
+            }
+            for method in methods
+        }
+        rows = self.slices.get((backbone, benchmark, length, setting or "", _ratio_key(ratio)))
+        if rows is None:
+            return cells
+        for task, group in rows[rows["method"].isin(methods)].groupby("task"):
+            if (backbone, benchmark, length, task) in self.unavailable:
+                continue
+            present = group["method"].nunique()
+            shared = group.groupby("index")["method"].nunique() == present
+            scored = group[group["score"].notna()].groupby("index")["method"].nunique() == present
+            partial = shared.sum() < self.task_samples[(backbone, benchmark, length, task)]
+            for method, method_rows in group.groupby("method"):
+                scores = method_rows.loc[method_rows["index"].isin(scored[scored].index), "score"].tolist()
+                value = benchmarks.task_score(benchmark, scores) if scores else None
+                cells[method][task] = Cell(value, partial=partial, n=(len(scores), len(scores)))
+        return cells
+
+    def average(self, backbone, benchmark, length, task_cells: dict[str, Cell]) -> Cell:
+        """Unweighted mean of the averaged tasks' cells, missing unless every one has a value."""
+        cells = [task_cells[task] for task in self.averaged_tasks(backbone, benchmark, length)]
+        if not cells or any(cell.value is None for cell in cells):
+            return Cell()
+        return Cell(
+            round(sum(cell.value for cell in cells) / len(cells), 2),
+            partial=any(cell.partial for cell in cells),
+            n=(min(cell.n[0] for cell in cells), max(cell.n[1] for cell in cells)),
+        )
+
+    def block_averages(self, backbone, benchmark, length, setting, ratio, methods) -> dict[str, Cell]:
+        """Average cell of each method of a block, its members compared on shared samples."""
+        compared = self.compare(backbone, benchmark, length, setting, ratio, methods)
+        return {method: self.average(backbone, benchmark, length, compared[method]) for method in methods}
+
+    def coverage_notes(self, backbone: str, benchmark: str, length: int) -> list[str]:
+        """Say when an average covers fewer tasks than the benchmark's full set, and which are n/a."""
+        notes = []
+        full_set = averaged_task_set(benchmark)
+        averaged = self.averaged_tasks(backbone, benchmark, length)
+        where = f"{backbone_name(backbone)} {benchmark_name(benchmark, length)}"
+        if len(averaged) < len(full_set):
+            notes.append(
+                f"{where}: averages over {len(averaged)} of {len(full_set)} tasks ({', '.join(averaged)})."
+            )
+        unavailable = [
+            task
+            for task in self.tasks(backbone, benchmark, length)
+            if (backbone, benchmark, length, task) in self.unavailable
+        ]
+        if unavailable:
+            notes.append(
+                f"{where}: {', '.join(unavailable)} unavailable (data missing), excluded from averages."
+            )
+        return notes

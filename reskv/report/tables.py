@@ -1,0 +1,104 @@
+"""The paper's tables from the results frames (reskv.report.frames): LaTeX (booktabs), markdown, CSV.
+
+    python -m reskv.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
+
+Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
+and the frames themselves as ``results.csv`` (one row per configuration), ``samples.csv`` and, where
+the quality measures ran, ``layers.csv`` (per layer; the quality tables are reskv.report.quality_tables):
+
+- ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
+  per setting x method x backbone x length x retained budget, a full-cache row, bold for the better
+  of each baseline / +ResKV pair.
+- ``tasks_<backbone>_<benchmark>-<length>`` (the appendix tables): every task and the average per
+  budget x setting x method; bold on the better average of each pair.
+- ``cam_<backbone>_<ratio>_<setting>`` (tab:snapkv_cam_reskv_tasks): SnapKV, +CaM, +ResKV per
+  task; bold on the best of each column.
+- ``ablation_<backbone>_<method>_<ratio>_<setting>`` (tab:ablation_main): ResKV and its three
+  ablations per task with the drop from ResKV; bold on the best of each column.
+
+Rules every table follows: a configuration that was not run is shown as missing (``--``),
+never as 0; rows shown side by side (a baseline and its +ResKV, the CaM and ablation rows) are
+scored, task by task, on the samples all of them scored, so a pair never compares different
+samples (issue 9); a cell whose samples are fewer than its task has so far (the most any
+configuration of the task has) is marked partial (dagger); the notes give the samples per task
+(``--show-n``: per cell in .md and .csv); a task whose data is unavailable is shown as ``n/a`` and
+left out of averages; an average needs every averaged task of its row, otherwise it is missing.
+Averages are the unweighted mean of the task scores shown (each the benchmark's own
+``task_score``), rounded to two decimals; bold marks a strict winner of the two-decimal values
+only, none on a tie. LongBench averages cover its 16 English tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+import benchmarks
+from reskv.harness.store import ResultStoreError, load_results
+from reskv.report.frames import (
+    frames_from_results,
+    heads_frame,
+    layers_frame,
+    write_frames,
+)
+from reskv.report.index import ResultIndex
+from reskv.report.paper_tables import ablation_tables, averages_table, cam_tables, task_table
+from reskv.report.quality_tables import quality_tables
+from reskv.report.render import Table, write_tables
+
+
+def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
+    """Every table the results support; ``heads`` (``results_frame.heads_frame``) adds the proxy's
+    choices to the quality tables."""
+    tables = [
+        table for table in (averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS) if table
+    ]
+    for benchmark in benchmarks.BENCHMARKS:
+        for backbone in index.backbones(benchmark):
+            tables += [
+                task_table(index, backbone, benchmark, length)
+                for length in index.lengths(backbone, benchmark)
+            ]
+    return tables + cam_tables(index) + ablation_tables(index) + quality_tables(index, heads)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=Path("results"),
+        help="results root (reads <dir>/runs; default: results)",
+    )
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/tables")
+    parser.add_argument(
+        "--show-n", action="store_true", help="append each cell's samples per task to the .md and .csv cells"
+    )
+    args = parser.parse_args(argv)
+    try:
+        results, unavailable, warnings = load_results(args.results_dir / "runs")  # read once, used thrice
+    except ResultStoreError as error:
+        sys.exit(f"reskv.report.tables: error: {error}")
+    samples, configs = frames_from_results(results, unavailable)
+    for warning in warnings:
+        print(f"warning: {warning}")
+    tables = all_tables(ResultIndex(samples, configs), heads_frame(results))
+    out_dir = args.out_dir or args.results_dir / "tables"
+    write_tables(tables, out_dir, args.show_n)
+    frames = write_frames(samples, configs, out_dir)
+    layers = layers_frame(results)
+    if len(layers):
+        layers.to_csv(out_dir / "layers.csv", index=False)
+        frames.append(out_dir / "layers.csv")
+    print(
+        f"{len(tables)} tables written to {out_dir} (.tex, .md, .csv; tables.md has them all); "
+        f"the results as data: {', '.join(path.name for path in frames)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

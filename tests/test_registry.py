@@ -1,0 +1,122 @@
+"""The method registry reaches every consumer, and the label codec reads back what it writes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from baselines import build_scorer
+from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, display_name
+from reskv.harness.records import MethodLabel, SampleRecord, field_column
+from reskv.scoring import TokenScorer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_lists_every_registered_method_and_only_those():
+    readme = (ROOT / "README.md").read_text()
+    (listed,) = re.findall(r"\| `method=` \| one or a list of `([^`]*)`", readme)
+    assert sorted(listed.split()) == sorted(METHODS)
+    intro = readme.split("\n\n")[1]
+    for spec in REGISTRY:
+        assert spec.display.split()[0] in intro, spec.display
+
+
+def test_every_base_method_builds_a_scorer_and_cites_its_spec_section():
+    sections = re.findall(r"^## (.*)$", (ROOT / "docs/spec/baselines.md").read_text(), flags=re.MULTILINE)
+    for spec in REGISTRY:
+        assert spec.spec in sections, spec.name
+        if spec.scorer is not None:
+            assert isinstance(build_scorer(spec.name), TokenScorer)
+
+
+def test_config_yaml_sets_each_registered_option_to_its_registry_default():
+    config = yaml.safe_load((ROOT / "configs/config.yaml").read_text())
+    assert {name: config[name] for name in OPTIONS} == {
+        name: option.default for name, option in OPTIONS.items()
+    }
+
+
+def test_an_option_of_the_wrong_type_or_method_is_refused():
+    with pytest.raises(ValueError, match="h2o_window_only takes a bool"):
+        build_scorer("h2o", options={"h2o_window_only": "yes"})
+    with pytest.raises(ValueError, match="snapkv takes no option"):
+        build_scorer("snapkv", options={"h2o_window_only": True})
+    assert build_scorer("h2o", options={"h2o_window_only": True}).window_only
+
+
+def test_display_names_pair_every_residual_base():
+    assert display_name("snapkv+reskv") == "SnapKV+ResKV"
+    assert display_name("full") == "Full Cache"
+    assert all(base + RESIDUAL_SUFFIX in METHODS for base in RESIDUAL_BASES)
+
+
+@pytest.mark.parametrize(
+    ("text", "method", "options"),
+    [
+        ("snapkv", "snapkv", {}),
+        ("snapkv+reskv~validate=false", "snapkv+reskv", {"validate": False}),
+        ("snapkv+reskv~alpha=8,tau=0.3", "snapkv+reskv", {"alpha": 8, "tau": 0.3}),
+        ("snapkv+reskv~grid=0-0.05-0.1", "snapkv+reskv", {"grid": (0, 0.05, 0.1)}),
+        ("h2o~h2o_window_only=true", "h2o", {"h2o_window_only": True}),
+        ("adakv+reskv~final_selection=fit", "adakv+reskv", {"final_selection": "fit"}),
+    ],
+)
+def test_labels_parse_to_their_options_and_format_back_to_the_same_text(text, method, options):
+    label = MethodLabel.parse(text)
+    assert (label.method, label.options) == (method, options)
+    assert str(label) == text
+    assert label.residual == method.endswith("+reskv")
+
+
+def test_a_label_option_without_a_value_names_the_option_and_the_label():
+    with pytest.raises(
+        ValueError, match=r"'validate' of 'snapkv\+reskv~validate' must be written name=value"
+    ):
+        MethodLabel.parse("snapkv+reskv~validate")
+
+
+def test_a_committed_sample_record_reads_and_writes_back_unchanged():
+    """The typed record keeps the on-disk format: every committed sample round-trips exactly."""
+    import json
+
+    path = next((ROOT / "results/ruler4k/runs").rglob("0.9.json"))
+    for sample in json.loads(path.read_text())["samples"]:
+        assert SampleRecord.from_json(sample).to_json() == sample
+
+
+def test_a_frame_column_names_a_declared_field_or_fails():
+    assert field_column("quality", "kl") == "quality.kl"
+    with pytest.raises(KeyError, match="quality has no field 'kll'"):
+        field_column("quality", "kll")
+
+
+def test_help_and_validation_stay_torch_free():
+    code = "import sys, run; run.usage(); assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_readme_command_blocks_activate_the_venv_and_run_as_written_in_a_new_shell():
+    """Each README block that calls ``python`` starts with the activation; a shell with no venv on
+    its PATH then finds the project's packages (``--help`` needs hydra)."""
+    import os
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = [
+        block for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL) if "\npython " in block
+    ]
+    assert blocks and all(block.startswith("source .venv/bin/activate\n") for block in blocks)
+    clean = {name: value for name, value in os.environ.items() if name not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    clean["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    done = subprocess.run(
+        ["bash", "-c", "source .venv/bin/activate && python run.py --help"],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+    )
+    assert done.returncode == 0 and b"method=" in done.stdout
