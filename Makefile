@@ -42,15 +42,15 @@ lint: install
 RESULTS ?= results
 
 # The paper's tables and figures from whatever results exist under $(RESULTS)/runs. `make tables`
-# also writes the results as data (pandas frames, reskv/report/frames.py): $(RESULTS)/tables/
+# also writes the results as data (pandas frames, scripts/report/frames.py): $(RESULTS)/tables/
 # results.csv (one row per configuration) and samples.csv (one per sample); ARGS=--show-n puts
 # each cell's sample count in the .md/.csv tables. `make figures` names the target behind any
 # figure whose data is missing.
 tables: install
-	$(PY) -m reskv.report.tables --results-dir $(RESULTS) $(ARGS)
+	$(PY) -m scripts.report.tables --results-dir $(RESULTS) $(ARGS)
 
 figures: install
-	$(PY) -m reskv.report.figures --results-dir $(RESULTS)
+	$(PY) -m scripts.report.figures --results-dir $(RESULTS)
 
 # Measurements behind the efficiency and evicted-key figures, and the grid-saving report
 # (embedded model on CPU: tens of minutes). Then `make figures`.
@@ -98,7 +98,7 @@ reproduce-ruler4k: assets
 # The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
 smoke: assets
 	scratch=$$(mktemp -d) && $(PY) run.py grid=smoke results_dir=$$scratch && \
-	$(PY) -m reskv.report.tables --results-dir $$scratch && echo "smoke results and tables in $$scratch"
+	$(PY) -m scripts.report.tables --results-dir $$scratch && echo "smoke results and tables in $$scratch"
 
 # Generated tables and figures only; result files (runs/) are never deleted by make.
 clean-results:

@@ -6,7 +6,7 @@
     python run.py -m hydra/launcher=local method=snapkv,adakv    # parallel jobs (joblib)
     python run.py --help                            # methods, benchmarks, tasks, presets, options
 
-Configuration lives in configs/ (Hydra); the loop itself in reskv.harness.grid. Results go to
+Configuration lives in configs/ (Hydra); the loop itself in scripts.harness.grid. Results go to
 ``<results_dir>/runs`` (one JSON per configuration, resumable), the log beside them in
 ``<results_dir>/logs``; README "Running experiments" has the details.
 
@@ -29,8 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 import benchmarks
 from baselines.registry import METHODS, OPTIONS
 from reskv.config import SETTINGS, ResidualConfig
-from reskv.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
-from reskv.harness.records import option_text
+from scripts.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
+from scripts.harness.records import option_text
 
 log = logging.getLogger("run")
 # Config groups chosen by name on the command line (``backbone=tiny-llama``); a name not in
@@ -131,7 +131,7 @@ def result_table(plan: Plan, available_tasks: set[str]):
     which cache stays closer to the full one."""
     from rich.table import Table
 
-    from reskv.harness.store import load_results, scored
+    from scripts.harness.store import load_results, scored
 
     keys = {entry.key(plan, task) for task in plan.tasks for entry in plan.grid}
     results = {result.key: result for result in load_results(plan.runs_dir)[0] if result.key in keys}
@@ -175,7 +175,7 @@ def run(plan: Plan, threads: int | None) -> None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from reskv.backbones import load_backbone
-    from reskv.harness.grid import GridRun, load_task_items
+    from scripts.harness.grid import GridRun, load_task_items
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -224,7 +224,7 @@ def remove_log_dir(results_dir: Path) -> None:
 def run_errors() -> tuple[type[Exception], ...]:
     """Errors of a run that are the user's to fix (message, exit 2), not the code's (traceback)."""
     from reskv.backbones import BackboneError
-    from reskv.harness.store import ResultStoreError
+    from scripts.harness.store import ResultStoreError
 
     return BackboneError, ResultStoreError
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import torch
 from torch import Tensor
 
 from baselines.snapkv import SnapKV
@@ -53,7 +52,9 @@ class AdaKV(SnapKV):
         super().__init__(window, kernel_size)
         self.alpha = alpha
 
-    def head_budgets(self, scores: Tensor, budget: int) -> Tensor:
+    def head_budgets(
+        self, scores: Tensor, budget: int, *, layer_idx: int | None = None, num_layers: int | None = None
+    ) -> Tensor:
         """Per-head slots ``cap_h + window``, summing to ``H_kv * budget``.
 
         Uniform ``budget`` when there is nothing to reallocate: ``budget <= window`` (each head

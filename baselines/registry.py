@@ -5,7 +5,7 @@ it, the scorer class that implements it (imported only when a method is built), 
 with ``+reskv``, the options it takes and the spec section it follows. Everything else reads it:
 ``run.py`` validates a configuration and prints ``--help`` from it before torch is loaded,
 ``baselines.build_method`` builds from it, the runner files option overrides by it
-(``reskv.harness.records.MethodLabel``), the tables and figures take their rows, pairs and
+(``scripts.harness.records.MethodLabel``), the tables and figures take their rows, pairs and
 display names from it, and the README's method list is checked against it
 (``tests/test_registry.py``). A new baseline is its file in ``baselines/`` plus one line in
 ``REGISTRY``; a new option of a baseline is one ``MethodOption`` in its line.

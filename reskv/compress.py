@@ -99,10 +99,14 @@ def level_groups(
 
 
 def compress_layer(
-    obs: LayerObservation, scorer: TokenScorer, ratio: float, residual: ResidualConfig | None = None
+    obs: LayerObservation,
+    scorer: TokenScorer,
+    ratio: float,
+    residual: ResidualConfig | None = None,
+    model_layers: int | None = None,
 ) -> CompressedLayerState | None:
     """Compress one layer (``compress_layers`` of one); ``None`` when the budget covers the prompt."""
-    return compress_layers([obs], scorer, ratio, residual)[0]
+    return compress_layers([obs], scorer, ratio, residual, model_layers)[0]
 
 
 def compress_layers(
@@ -110,9 +114,11 @@ def compress_layers(
     scorer: TokenScorer,
     ratio: float,
     residual: ResidualConfig | None = None,
+    model_layers: int | None = None,
 ) -> list[CompressedLayerState | None]:
     """Compress layers of one prompt; ``None`` for each when the budget covers the prompt (the cache
-    stays full, bit for bit).
+    stays full, bit for bit). ``model_layers`` is the model's layer count, for scorers whose budgets
+    depend on the layer (PyramidKV).
 
     Each layer is scored, selected and gathered on its own, as the base method does. What ResKV
     adds runs once for all the layers given, stacked along the heads (``stack_layers``): the
@@ -131,7 +137,12 @@ def compress_layers(
         )
     scores = [scorer.prompt_scores(obs) for obs in observations]
     window = scorer.window
-    budgets = torch.stack([scorer.head_budgets(layer_scores, budget) for layer_scores in scores]).tolist()
+    budgets = torch.stack(
+        [
+            scorer.head_budgets(layer_scores, budget, layer_idx=obs.layer_idx, num_layers=model_layers)
+            for obs, layer_scores in zip(observations, scores, strict=True)
+        ]
+    ).tolist()
     num_heads = len(budgets[0])
     sizes = [[0] * num_heads for _ in observations]
     stacked = stack_layers(observations) if residual is not None else None

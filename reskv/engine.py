@@ -74,7 +74,7 @@ class Method:
         observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
         states = []
         for batch in layer_batches(observations):
-            states += compress_layers(batch, self.scorer, self.ratio, self.residual)
+            states += compress_layers(batch, self.scorer, self.ratio, self.residual, len(cache.layers))
         layers, per_layer = [], []
         for layer, observation, state in zip(cache.layers, observations, states, strict=True):
             if state is None:

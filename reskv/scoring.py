@@ -154,8 +154,11 @@ class TokenScorer:
         queries, positions = observation_queries(obs, self.window)
         return self.score(obs.keys, queries, positions, obs.scaling)
 
-    def head_budgets(self, scores: Tensor, budget: int) -> Tensor:
-        """Slots each KV head keeps (protected window included): ``[H_kv]`` long, ``budget`` each."""
+    def head_budgets(
+        self, scores: Tensor, budget: int, *, layer_idx: int | None = None, num_layers: int | None = None
+    ) -> Tensor:
+        """Slots each KV head of layer ``layer_idx`` (of the model's ``num_layers``) keeps, protected
+        window included: ``[H_kv]`` long, ``budget`` each (PyramidKV spreads budgets over layers)."""
         return torch.full((scores.shape[0],), budget, dtype=torch.long, device=scores.device)
 
     def adjust_values(self, obs: LayerObservation, kept: Tensor) -> Tensor:

@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from benchmarks.item import Item
 from reskv.backbones import load_backbone
-from reskv.harness.grid import GridRun, load_task_items
-from reskv.harness.plan import compose_plan
-from reskv.harness.store import load_results
+from scripts.harness.grid import GridRun, load_task_items
+from scripts.harness.plan import compose_plan
+from scripts.harness.store import load_results
 
 WARM_UP_CONTEXT = 300  # tokens: longer than every observation window, so every method compresses
 DEFAULT_OVERRIDES = (

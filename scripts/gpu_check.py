@@ -95,28 +95,37 @@ def layer_results(prefill: Prefill, method_name: str, ratio: float, setting: str
     """Per compressed layer: kept mask, residual sizes, slots and the output for the observed queries."""
     method = build_method(method_name, ratio)
     results = []
-    for observation in prefill.observations(setting):
-        state = compress_layer(observation, method.scorer, ratio, method.residual)
+    observations = prefill.observations(setting)
+    for observation in observations:
+        state = compress_layer(observation, method.scorer, ratio, method.residual, len(observations))
         if state is None:
             continue
         queries = observation.queries.reshape(observation.num_kv_heads, -1, observation.queries.shape[-1])
         rule = method.residual or DecodeRule()
+        scores = method.scorer.prompt_scores(observation)
+        allotted = method.scorer.head_budgets(
+            scores, state.stats["budget"], layer_idx=observation.layer_idx, num_layers=len(observations)
+        )
         results.append(
             {
                 "kept": state.kept.cpu(),
                 "residual_slots": state.stats["residual_slots"],
                 "slots": (state.kept.sum(-1) + state.residual.entries_per_head).tolist(),
                 "budget": state.stats["budget"],
+                "layer_budget": int(allotted.max()),
                 "output": state.attend(queries, observation.scaling, rule).float().cpu(),
-                "scores": method.scorer.prompt_scores(observation).float().cpu(),
+                "scores": scores.float().cpu(),
             }
         )
     return results
 
 
 def budget_ok(method_name: str, layer: dict) -> bool:
-    """No head holds more than ``b`` slots; AdaKV: the layer holds at most ``H_kv * b``."""
+    """No head holds more than ``b`` slots; AdaKV: the layer holds at most ``H_kv * b``; PyramidKV: no
+    head holds more than its layer's pyramid budget (the layers' budgets average ``b``)."""
     slots, budget = layer["slots"], layer["budget"]
+    if method_name.startswith("pyramidkv"):
+        return max(slots) <= layer["layer_budget"]
     if method_name.startswith("adakv"):
         return sum(slots) <= len(slots) * budget
     return max(slots) <= budget

@@ -31,17 +31,6 @@ TINY_RUN = [
     "num_samples=1",
     "max_new_tokens=2",
 ]
-# PyramidKV's budgets depend on the layer, which the compressor passes to head_budgets only once
-# issue 22's construction changes are merged; until then the tests that compress with every
-# registered method leave these two out, and the ones about them are skipped.
-AWAITING_LAYER_BUDGETS = ("pyramidkv", "pyramidkv+reskv")
-AWAITING_LAYER_BUDGETS_REASON = "needs the compressor to pass layer_idx/num_layers (issue 22 merge)"
-
-
-def method_params(names) -> list:
-    """``names`` as pytest parameters, those in ``AWAITING_LAYER_BUDGETS`` skipped with the reason."""
-    skip = pytest.mark.skip(reason=AWAITING_LAYER_BUDGETS_REASON)
-    return [pytest.param(name, marks=skip) if name in AWAITING_LAYER_BUDGETS else name for name in names]
 
 
 @functools.cache

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from reskv.harness.store import SCHEMA, ResultKey
-from reskv.report import figures
-from reskv.report.figures import all_figures, efficiency_figure, evicted_keys_figure
-from reskv.report.index import ResultIndex
 from scripts.evicted_keys import evicted_with_clusters, pca_projection
+from scripts.harness.store import SCHEMA, ResultKey
+from scripts.report import figures
+from scripts.report.figures import all_figures, efficiency_figure, evicted_keys_figure
+from scripts.report.index import ResultIndex
 
 
 def write_runs(runs, configurations, task="vt") -> None:

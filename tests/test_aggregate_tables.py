@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from reskv.harness.store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
-from reskv.report.index import ResultIndex
-from reskv.report.render import Cell, mark_better, to_csv, to_latex, to_markdown
-from reskv.report.tables import all_tables, main
+from scripts.harness.store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
+from scripts.report.index import ResultIndex
+from scripts.report.render import Cell, mark_better, to_csv, to_latex, to_markdown
+from scripts.report.tables import all_tables, main
 
 BACKBONE = "llama3.1-8b-instruct"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from reskv.harness.store import load_results
-from reskv.report import tables
+from scripts.harness.store import load_results
+from scripts.report import tables
 
 COMMITTED = Path(__file__).resolve().parent.parent / "results" / "ruler4k"
 

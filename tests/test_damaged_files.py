@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reskv.harness.store import ResultFile, ResultKey, ResultStoreError, load_results
+from scripts.harness.store import ResultFile, ResultKey, ResultStoreError, load_results
 from tests.conftest import TINY_RUN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def test_a_damaged_journal_line_before_the_last_is_refused_not_cut(tmp_path):
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("command", [["-m", "reskv.report.tables"], ["-m", "reskv.report.figures"]])
+@pytest.mark.parametrize("command", [["-m", "scripts.report.tables"], ["-m", "scripts.report.figures"]])
 def test_tables_and_figures_stop_with_the_file_and_the_remedy(tmp_path, command):
     path = finished_file(tmp_path / "runs")
     path.write_text(path.read_text()[:100])

@@ -15,7 +15,7 @@ from reskv.compress import CompressedLayerState, ResidualConfig, budget_for, com
 from reskv.engine import Method, Prefill, generate
 from reskv.residual import ResidualEntries
 from reskv.scoring import causal_attention_probs
-from tests.conftest import AWAITING_LAYER_BUDGETS, cached_tiny_backbone, random_prompt
+from tests.conftest import cached_tiny_backbone, random_prompt
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_one_prefill_serves_many_runs_without_changing(prefill):
         for layer in prefill._context.cache.layers
     ]
     first = prefill.generate(build_method("snapkv+reskv", 0.8), "agnostic", 6)
-    for name in [name for name in METHODS if name not in AWAITING_LAYER_BUDGETS]:
+    for name in METHODS:
         prefill.generate(build_method(name, 0.7), "aware", 3)
         prefill.generate(build_method(name, 0.7), "agnostic", 3)
     for (keys, values, queries), layer in zip(before, prefill._context.cache.layers, strict=True):

@@ -15,12 +15,12 @@ import pytest
 
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
-from reskv.harness.grid import load_task_items, run_plan
-from reskv.harness.plan import PlanError, build_grid, compose_plan, method_label
-from reskv.harness.records import MethodLabel
-from reskv.harness.store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
-from reskv.report.index import ResultIndex
-from reskv.report.paper_tables import ABLATIONS
+from scripts.harness.grid import load_task_items, run_plan
+from scripts.harness.plan import PlanError, build_grid, compose_plan, method_label
+from scripts.harness.records import MethodLabel
+from scripts.harness.store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
+from scripts.report.index import ResultIndex
+from scripts.report.paper_tables import ABLATIONS
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RULER = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=8"]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from reskv.harness.store import deterministic_view
-from reskv.report.tables import main as write_tables
+from scripts.harness.store import deterministic_view
+from scripts.report.tables import main as write_tables
 from tests.conftest import journaled_samples, start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent

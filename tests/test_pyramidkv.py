@@ -9,7 +9,6 @@ from baselines.pyramidkv import PyramidKV, pyramid_budgets
 from baselines.snapkv import SnapKV
 from reskv.config import budget_for
 from reskv.scoring import LayerObservation
-from tests.conftest import AWAITING_LAYER_BUDGETS_REASON
 
 
 def upstream_prefix_counts(capacity: int, window: int, layers: int, q_len: int, beta: int = 20) -> list[int]:
@@ -75,7 +74,6 @@ def test_head_budgets_name_the_layer_arguments_the_compressor_must_pass():
     assert all(torch.equal(b, b[:1].expand(2)) for b in budgets)
 
 
-@pytest.mark.skip(reason=AWAITING_LAYER_BUDGETS_REASON)
 def test_a_compressed_prompt_keeps_the_pyramid_in_every_layer():
     from baselines import build_method
     from reskv.engine import Prefill

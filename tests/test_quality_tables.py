@@ -1,4 +1,4 @@
-"""The quality tables (reskv.report.quality_tables) on hand-written result files: every count and mean is
+"""The quality tables (scripts.report.quality_tables) on hand-written result files: every count and mean is
 worked out by hand in the comments."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from reskv.harness.store import SCHEMA, ResultKey, load_results
-from reskv.report.figures import layer_figures
-from reskv.report.frames import heads_frame, layers_frame
-from reskv.report.index import ResultIndex
-from reskv.report.quality_tables import proxy_table
-from reskv.report.render import to_markdown
-from reskv.report.tables import all_tables
+from scripts.harness.store import SCHEMA, ResultKey, load_results
+from scripts.report.figures import layer_figures
+from scripts.report.frames import heads_frame, layers_frame
+from scripts.report.index import ResultIndex
+from scripts.report.quality_tables import proxy_table
+from scripts.report.render import to_markdown
+from scripts.report.tables import all_tables
 
 BACKBONE = "smollm2-135m"
 # method: {task: [(score, answer_log_prob_gap, kl, attention_error) per sample]}

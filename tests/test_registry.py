@@ -12,8 +12,8 @@ import yaml
 
 from baselines import build_scorer
 from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, display_name
-from reskv.harness.records import MethodLabel, SampleRecord, field_column
 from reskv.scoring import TokenScorer
+from scripts.harness.records import MethodLabel, SampleRecord, field_column
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reskv.harness.store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
-from reskv.report.frames import configs_frame, load_frames, samples_frame, write_frames
+from scripts.harness.store import SCHEMA, UNAVAILABLE_SCHEMA, ResultKey
+from scripts.report.frames import configs_frame, load_frames, samples_frame, write_frames
 
 BACKBONE = "tiny-llama"
 

@@ -25,9 +25,9 @@ import reskv.engine
 import run
 from baselines.registry import METHODS
 from reskv.backbones import load_backbone
-from reskv.harness.grid import GridRun, load_task_items, run_plan
-from reskv.harness.plan import compose_plan
-from reskv.harness.store import load_results, summarize
+from scripts.harness.grid import GridRun, load_task_items, run_plan
+from scripts.harness.plan import compose_plan
+from scripts.harness.store import load_results, summarize
 from tests.conftest import journaled_samples, start_interruptible
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """A table as data (``Table``, ``Row``, ``Cell``), its notes, and its LaTeX (booktabs), markdown and CSV
-renderings; the rules the tables follow are in ``reskv.report.tables``.
+renderings; the rules the tables follow are in ``scripts.report.tables``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A plan is one backbone, one benchmark at one length, some tasks, and a grid of (method, ratio,
 setting) configurations, each with the method options it runs with (a method list entry may
-override them in the label syntax, ``reskv.harness.records.MethodLabel``). Everything that can
-be wrong in a plan is checked here, before the model loads; ``reskv.harness.grid`` runs it.
+override them in the label syntax, ``scripts.harness.records.MethodLabel``). Everything that can
+be wrong in a plan is checked here, before the model loads; ``scripts.harness.grid`` runs it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from baselines.registry import (
 )
 from benchmarks.item import Item
 from reskv.config import SETTINGS, ResidualConfig
-from reskv.harness.records import MethodLabel
-from reskv.harness.store import ResultKey
+from scripts.harness.records import MethodLabel
+from scripts.harness.store import ResultKey
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 

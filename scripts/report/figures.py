@@ -1,6 +1,6 @@
 """The paper's analysis figures (fig:analysis) and score-versus-budget plots, as PNG and PDF.
 
-    python -m reskv.report.figures [--results-dir results] [--out-dir results/figures]
+    python -m scripts.report.figures [--results-dir results] [--out-dir results/figures]
 
 - ``efficiency_<backbone>``: (a) peak memory and (b) decode throughput versus context length for
   the full cache, a baseline and +ResKV, from ``scripts.bench_efficiency``'s measurements.
@@ -8,7 +8,7 @@
   one line per method, the full cache as a horizontal line: the averages table's numbers (pairs
   on shared samples), titled with the tables' names, a note of the tasks and samples per task.
 - ``layers_<backbone>_<benchmark>-<length>_<setting>``: the quality measures per layer
-  (``reskv.report.frames.layers_frame``): (a) attention-output error against the full cache of
+  (``scripts.report.frames.layers_frame``): (a) attention-output error against the full cache of
   every method at the tightest budget, (b) the share of attention mass on residual entries of
   every +ResKV method at every budget; means over samples and tasks.
 - ``evicted_keys_<backbone>``: PCA projections of the keys evicted from the main cache for chosen
@@ -33,18 +33,18 @@ import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
 from baselines.registry import RESIDUAL_SUFFIX, display_name  # noqa: E402
-from reskv.harness.store import ResultStoreError, load_results  # noqa: E402
-from reskv.report.frames import frames_from_results, layers_frame  # noqa: E402
-from reskv.report.index import ResultIndex  # noqa: E402
-from reskv.report.names import (  # noqa: E402
+from scripts.harness.store import ResultStoreError, load_results  # noqa: E402
+from scripts.report.frames import frames_from_results, layers_frame  # noqa: E402
+from scripts.report.index import ResultIndex  # noqa: E402
+from scripts.report.names import (  # noqa: E402
     SETTING_NAMES,
     TASK_NAMES,
     averaged_task_set,
     backbone_name,
     benchmark_name,
 )
-from reskv.report.paper_tables import method_blocks  # noqa: E402
-from reskv.report.render import Cell, samples_note  # noqa: E402
+from scripts.report.paper_tables import method_blocks  # noqa: E402
+from scripts.report.render import Cell, samples_note  # noqa: E402
 
 FORMATS = ("png", "pdf")
 MEBIBYTE = 2**20
@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         paths = all_figures(args.results_dir, out_dir)
     except ResultStoreError as error:
-        sys.exit(f"reskv.report.figures: error: {error}")
+        sys.exit(f"scripts.report.figures: error: {error}")
     print(f"{len(paths)} figure files written to {out_dir}")
 
 

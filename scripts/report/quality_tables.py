@@ -1,4 +1,4 @@
-"""Tables of the quality measures (reskv.quality, issue 10) next to the scores; built by reskv.report.tables.
+"""Tables of the quality measures (reskv.quality, issue 10) next to the scores (scripts.report.tables).
 
 For every backbone, benchmark and length whose samples carry the measures:
 
@@ -28,12 +28,12 @@ import pandas as pd
 
 from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, UNPAIRED_METHODS, display_name
 from reskv.config import ResidualConfig
-from reskv.harness.records import MethodLabel, field_column
-from reskv.report.frames import RESIDUAL_HEADS
-from reskv.report.index import ResultIndex
-from reskv.report.names import SETTING_NAMES, backbone_name, benchmark_name, retained
-from reskv.report.paper_tables import method_row_name
-from reskv.report.render import CMIDRULE, MIDRULE, Cell, Row, Table
+from scripts.harness.records import MethodLabel, field_column
+from scripts.report.frames import RESIDUAL_HEADS
+from scripts.report.index import ResultIndex
+from scripts.report.names import SETTING_NAMES, backbone_name, benchmark_name, retained
+from scripts.report.paper_tables import method_row_name
+from scripts.report.render import CMIDRULE, MIDRULE, Cell, Row, Table
 
 GAP, KL, ERROR, SHARE = (
     field_column("quality", name)
@@ -337,7 +337,7 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
 
 def quality_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
     """The quality, pairs and pairs-summary tables; with ``heads``
-    (``reskv.report.frames.heads_frame``) also the proxy's choices."""
+    (``scripts.report.frames.heads_frame``) also the proxy's choices."""
     samples = index.samples
     if KL not in samples.columns:
         return []

@@ -1,17 +1,17 @@
 """Every result file under a results directory as tidy pandas DataFrames (issue 9).
 
-    from reskv.report.frames import configs_frame, load_frames, samples_frame
+    from scripts.report.frames import configs_frame, load_frames, samples_frame
     samples, configs, warnings = load_frames("results")   # both, read once
     configs = configs_frame("results")                      # or one of them
 
 ``samples``: one row per configuration and sample. ``configs``: one row per configuration, plus
 one row per task whose data is unavailable here (``status`` "unavailable", ``reason``).
-``python -m reskv.report.tables`` writes both as ``<results-dir>/tables/samples.csv`` and
+``python -m scripts.report.tables`` writes both as ``<results-dir>/tables/samples.csv`` and
 ``results.csv``.
 
 Columns of both frames:
 
-- the configuration (``reskv.harness.store.ResultKey``): ``backbone``, ``benchmark``,
+- the configuration (``scripts.harness.store.ResultKey``): ``backbone``, ``benchmark``,
   ``length``, ``task``, ``setting``, ``method`` (the label: ``snapkv+reskv~validate=false``),
   ``ratio``; ``setting`` and ``ratio`` are empty for the full cache, which serves every ratio;
 - the label split up: ``base_method`` (the baseline without ``+reskv``), ``residual`` (whether
@@ -25,7 +25,7 @@ divergence when the runner records them. The per-layer, per-KV-head lists of ``c
 (``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
 layers and heads. Other lists (references, token ids) are left out.
 
-``layers_frame(results)`` (``results`` as ``reskv.harness.store.load_results`` reads them): one
+``layers_frame(results)`` (``results`` as ``scripts.harness.store.load_results`` reads them): one
 row per configuration, sample and layer with the quality measures' per-layer attention error and
 residual share (``layers.csv``).
 
@@ -52,8 +52,8 @@ import pandas as pd
 
 import benchmarks
 from benchmarks.longbench_e import BUCKETS, bucket_scores
-from reskv.harness.records import MethodLabel
-from reskv.harness.store import TaskResult, load_results
+from scripts.harness.records import MethodLabel
+from scripts.harness.store import TaskResult, load_results
 
 KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
 TASK_COLUMNS = KEY_COLUMNS[:4]
@@ -232,7 +232,7 @@ def _layer_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def layers_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per configuration, sample and layer with the quality measures' per-layer values
     (``attention_error``, ``residual_share``; ``reskv.quality``), for samples that carry them;
-    ``results`` as ``reskv.harness.store.load_results`` reads them."""
+    ``results`` as ``scripts.harness.store.load_results`` reads them."""
     return _expanded_frame(results, _layer_rows, ["layer", *LAYER_MEASURES])
 
 
@@ -253,7 +253,7 @@ def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def heads_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per compressing configuration, sample, layer and KV head: its ``budget``,
     ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built;
-    ``results`` as ``reskv.harness.store.load_results`` reads them."""
+    ``results`` as ``scripts.harness.store.load_results`` reads them."""
     return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
 
 

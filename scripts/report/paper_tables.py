@@ -1,5 +1,5 @@
 """The paper's tables: averages (tab:ruler_paper, tab:longbench_paper), every task per backbone,
-SnapKV against +CaM and +ResKV, and the ablations; ``reskv.report.tables`` lists them and their rules.
+SnapKV against +CaM and +ResKV, and the ablations; ``scripts.report.tables`` lists them and their rules.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import benchmarks
 from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, SPECS, UNPAIRED_METHODS
-from reskv.harness.records import MethodLabel
-from reskv.report.index import ResultIndex
-from reskv.report.names import (
+from scripts.harness.records import MethodLabel
+from scripts.report.index import ResultIndex
+from scripts.report.names import (
     BENCHMARK_NAMES,
     SETTING_NAMES,
     TASK_NAMES,
@@ -19,7 +19,7 @@ from reskv.report.names import (
     length_name,
     retained,
 )
-from reskv.report.render import CMIDRULE, MIDRULE, Row, Table, add_notes, mark_better
+from scripts.report.render import CMIDRULE, MIDRULE, Row, Table, add_notes, mark_better
 
 # Row blocks: the baselines with a +ResKV pair, then the methods without one (registry order).
 TABLE_BASES = RESIDUAL_BASES + UNPAIRED_METHODS

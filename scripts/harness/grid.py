@@ -1,8 +1,8 @@
-"""The shared-prefill loop that runs a plan (``reskv.harness.plan``) and files its sample records.
+"""The shared-prefill loop that runs a plan (``scripts.harness.plan``) and files its sample records.
 
 Per sample the prompt is prefilled once and every configuration that still lacks that sample
 compresses a copy of the prefilled cache and decodes (``reskv.engine``). Each configuration's
-samples go to its own resumable result file (``reskv.harness.store``) as ``SampleRecord``s.
+samples go to its own resumable result file (``scripts.harness.store``) as ``SampleRecord``s.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from baselines.registry import (
     RESIDUAL_SUFFIX,
 )
 from benchmarks.item import Item
-from reskv.harness.plan import GridEntry, Plan, PlanError
-from reskv.harness.records import SampleRecord
-from reskv.harness.store import (
+from scripts.harness.plan import GridEntry, Plan, PlanError
+from scripts.harness.records import SampleRecord
+from scripts.harness.store import (
     ResultFile,
     ResultFileLocked,
     ResultKey,

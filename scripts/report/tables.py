@@ -1,10 +1,10 @@
-"""The paper's tables from the results frames (reskv.report.frames): LaTeX (booktabs), markdown, CSV.
+"""The paper's tables from the results frames (scripts.report.frames): LaTeX (booktabs), markdown, CSV.
 
-    python -m reskv.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
+    python -m scripts.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
 
 Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
 and the frames themselves as ``results.csv`` (one row per configuration), ``samples.csv`` and, where
-the quality measures ran, ``layers.csv`` (per layer; the quality tables are reskv.report.quality_tables):
+the quality measures ran, ``layers.csv`` (per layer; the quality tables are scripts.report.quality_tables):
 
 - ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
   per setting x method x backbone x length x retained budget, a full-cache row, bold for the better
@@ -38,17 +38,17 @@ from pathlib import Path
 import pandas as pd
 
 import benchmarks
-from reskv.harness.store import ResultStoreError, load_results
-from reskv.report.frames import (
+from scripts.harness.store import ResultStoreError, load_results
+from scripts.report.frames import (
     frames_from_results,
     heads_frame,
     layers_frame,
     write_frames,
 )
-from reskv.report.index import ResultIndex
-from reskv.report.paper_tables import ablation_tables, averages_table, cam_tables, task_table
-from reskv.report.quality_tables import quality_tables
-from reskv.report.render import Table, write_tables
+from scripts.report.index import ResultIndex
+from scripts.report.paper_tables import ablation_tables, averages_table, cam_tables, task_table
+from scripts.report.quality_tables import quality_tables
+from scripts.report.render import Table, write_tables
 
 
 def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         results, unavailable, warnings = load_results(args.results_dir / "runs")  # read once, used thrice
     except ResultStoreError as error:
-        sys.exit(f"reskv.report.tables: error: {error}")
+        sys.exit(f"scripts.report.tables: error: {error}")
     samples, configs = frames_from_results(results, unavailable)
     for warning in warnings:
         print(f"warning: {warning}")

@@ -1,4 +1,4 @@
-"""The results frames (``reskv.report.frames``) as the tables look them up: blocks of compared
+"""The results frames (``scripts.report.frames``) as the tables look them up: blocks of compared
 methods scored on shared samples, averages, and which configurations exist.
 """
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pandas as pd
 
 import benchmarks
-from reskv.report.frames import (
+from scripts.report.frames import (
     TASK_COLUMNS,
     frames_from_runs,
 )
-from reskv.report.names import averaged_task_set, backbone_name, benchmark_name
-from reskv.report.render import Cell
+from scripts.report.names import averaged_task_set, backbone_name, benchmark_name
+from scripts.report.render import Cell
 
 
 def _ordered(values: Iterable, order: Sequence) -> list:
@@ -29,7 +29,7 @@ def _ratio_key(ratio: float | None) -> float:
 
 
 class ResultIndex:
-    """The results frames (reskv.report.frames) as the tables look them up: blocks of compared
+    """The results frames (scripts.report.frames) as the tables look them up: blocks of compared
     methods scored on shared samples, averages, and which configurations exist."""
 
     def __init__(self, samples: pd.DataFrame, configs: pd.DataFrame):
