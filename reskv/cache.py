@@ -272,12 +272,13 @@ class ResKVCache(Cache):
         counts = []
         for layer in self.layers:
             num_kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
+            if not isinstance(layer, CompressedLayer):
+                counts.append([length] * num_kv_heads)  # every token: nothing to read from the device
+                continue
             main = torch.full((num_kv_heads,), length, device=layer.keys.device)
-            if isinstance(layer, CompressedLayer):
-                if layer.main_bias is not None:
-                    main = torch.isfinite(layer.main_bias[:, 0]).sum(-1)
-                main = main + layer.residual.entries_per_head
-            counts.append(main.tolist())
+            if layer.main_bias is not None:
+                main = torch.isfinite(layer.main_bias[:, 0]).sum(-1)
+            counts.append((main + layer.residual.entries_per_head).tolist())
         return counts
 
 

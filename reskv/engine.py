@@ -92,10 +92,10 @@ class Method:
 
 def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
     """Attended slots per layer and KV head of a cache ``Method.compress`` just returned with ``stats``:
-    main tokens plus used entries, from the host's counts (``ResKVCache.slots`` reads the same
-    from the device, one sync a layer)."""
-    if not stats["compressed"]:
-        return [[layer.keys.shape[2]] * layer.keys.shape[1] for layer in cache.layers]
+    main tokens plus used entries, from the host's counts where the statistics hold them
+    (``ResKVCache.slots`` reads the same from the device, one sync per compressed layer)."""
+    if "main_slots" not in stats:
+        return cache.slots()
     return [
         [main + entries for main, entries in zip(*counts, strict=True)]
         for counts in zip(stats["main_slots"], stats["residual_entries"], strict=True)
