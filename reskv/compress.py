@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reskv.attention import additive_mask, residual_attention
+from reskv.attention import padding_bias, residual_attention
 from reskv.config import DecodeRule, ResidualConfig, budget_for
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import (
@@ -154,17 +154,14 @@ def compress_layers(
         if residual.final_selection == "fit":
             fit_scores, window = proxy.fit_selection()
             scores = list(fit_scores.split(num_heads))
-    main_counts = [
-        [kept_count(b - r, seq_len) for b, r in zip(layer_budgets, layer_sizes, strict=True)]
+    main_sizes = [
+        [b - r for b, r in zip(layer_budgets, layer_sizes, strict=True)]
         for layer_budgets, layer_sizes in zip(budgets, sizes, strict=True)
     ]
+    main_counts = [[kept_count(size, seq_len) for size in layer_sizes] for layer_sizes in main_sizes]
     kept = [
-        select_main(
-            layer_scores,
-            window,
-            torch.tensor([b - r for b, r in zip(layer_budgets, layer_sizes, strict=True)]),
-        )
-        for layer_scores, layer_budgets, layer_sizes in zip(scores, budgets, sizes, strict=True)
+        select_main(layer_scores, window, torch.tensor(layer_sizes))
+        for layer_scores, layer_sizes in zip(scores, main_sizes, strict=True)
     ]
     if residual is not None and any(map(any, sizes)):
         entries, entry_counts = final_entries(stacked, kept, scores, sizes, main_counts, budgets, residual)
@@ -175,12 +172,7 @@ def compress_layers(
     for layer, obs in enumerate(observations):
         counts, layer_kept = main_counts[layer], kept[layer]
         positions = kept_positions(layer_kept, max(counts))
-        main_bias = None
-        if min(counts) < max(counts):
-            slots = torch.arange(max(counts), device=layer_kept.device)
-            main_bias = additive_mask(slots[None, :] < torch.tensor(counts, device=slots.device)[:, None])[
-                :, None
-            ]
+        main_bias = padding_bias(counts, layer_kept.device)
         main_values = scorer.adjust_values(obs, layer_kept)
         state = CompressedLayerState(
             gather_tokens(obs.keys, positions),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reskv.attention import additive_mask, joint_attention, joint_bias
+from reskv.attention import additive_mask, joint_attention, joint_bias, padding_bias
 from reskv.config import ResidualConfig
 from reskv.residual import ResidualEntries, cluster_rows, padded_groups, padding_tolerance, residual_size
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
@@ -145,7 +145,8 @@ class ValidationProxy:
         if any(size > 0 and w < window for size, w in zip(residual, kept_window, strict=True)):
             raise ValueError("a candidate with entries must keep all of P' (candidate_sizes skips it)")
         residual = [min(size, points) for size, points in zip(residual, evicted, strict=True)]
-        heads_t = torch.tensor(heads, device=device)
+        heads_t, top_t = torch.tensor(heads, device=device), torch.tensor(top, device=device)
+        evicted_t = torch.tensor(evicted, device=device)
         order = self.fit_order.index_select(0, heads_t)
         longest, widest = max(counts), max(top)
         # M' in position order: the ranking's top ``top_i`` and P' newest first, unused columns past
@@ -153,9 +154,7 @@ class ValidationProxy:
         slot = torch.arange(max(widest, window), device=device)
         columns = torch.cat(
             [
-                order[:, :widest].masked_fill(
-                    slot[:widest] >= torch.tensor(top, device=device)[:, None], boundary
-                ),
+                order[:, :widest].masked_fill(slot[:widest] >= top_t[:, None], boundary),
                 (boundary - 1 - slot[:window])
                 .expand(len(heads), -1)
                 .masked_fill(slot[:window] >= torch.tensor(kept_window, device=device)[:, None], boundary),
@@ -163,12 +162,6 @@ class ValidationProxy:
             dim=1,
         )
         positions = columns.sort(dim=1).values[:, :longest].clamp_(max=boundary - 1)
-        main_bias = None
-        if min(counts) < longest:
-            real = (
-                torch.arange(longest, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
-            )
-            main_bias = additive_mask(real)[:, None, :]
         groups, tolerance = [], padding_tolerance(device)
         for candidate in range(len(sizes)):
             rows = [
@@ -183,8 +176,8 @@ class ValidationProxy:
             self.prefix_values,
             heads_t,
             order,
-            torch.tensor(top, device=device),
-            torch.tensor(evicted, device=device),
+            top_t,
+            evicted_t,
             torch.tensor(residual, device=device),
             groups,
             self.config.kmeans_iterations,
@@ -193,9 +186,9 @@ class ValidationProxy:
             heads_t,
             gather_tokens(self.prefix_keys, positions, heads_t),
             gather_tokens(self.prefix_values, positions, heads_t),
-            main_bias,
+            padding_bias(counts, device),
             entries,
-            torch.tensor(evicted, device=device) / boundary,
+            evicted_t / boundary,
         )
 
     def candidate(self, budgets: Tensor, sizes: Tensor) -> CandidateCaches:

@@ -202,28 +202,21 @@ def build_residual(
 
     ``row_groups`` says which rows are clustered together; the engine's plan passes them from host
     integers, so nothing here waits for the device. Without them, sizes and point counts are read
-    back (one sync) and rows of equal size form a group: no distance FLOP is spent on padding.
+    back (one sync) and grouped by ``padded_groups`` at the device's ``padding_tolerance``.
     """
     rows = evicted.shape[0]
     evicted_counts = evicted.sum(dim=-1)
     sizes = torch.minimum(sizes.to(keys.device), evicted_counts)
     if row_groups is None:
-        row_groups = equal_size_groups(*torch.stack([sizes, evicted_counts]).tolist())
+        host_sizes, host_counts = torch.stack([sizes, evicted_counts]).tolist()
+        with_entries = [row for row, size in enumerate(host_sizes) if size]
+        row_groups = padded_groups(with_entries, host_sizes, host_counts, padding_tolerance(keys.device))
     # Evicted tokens first, best score first (stable: ties toward the lower position); each row's
     # first ``sizes[i]`` of them are its initial centres.
     ranked = torch.where(evicted, scores.float(), float("-inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     heads = torch.arange(rows, device=keys.device) % keys.shape[0]
     return cluster_rows(keys, values, heads, order, None, evicted_counts, sizes, row_groups, iterations)
-
-
-def equal_size_groups(sizes: list[int], point_counts: list[int]) -> list[RowGroup]:
-    """One group per distinct non-zero size (host ints; sizes already capped at the point counts)."""
-    groups = []
-    for size in sorted(set(sizes) - {0}):
-        rows = [row for row, row_size in enumerate(sizes) if row_size == size]
-        groups.append(RowGroup(rows, size, max(point_counts[row] for row in rows), equal_sizes=True))
-    return groups
 
 
 def padded_groups(
