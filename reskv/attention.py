@@ -9,6 +9,8 @@ so a decode step's logits are one matmul (``CompressedLayer`` appends new tokens
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,15 +32,27 @@ def padding_bias(counts: list[int], device: torch.device) -> Tensor | None:
     return additive_mask(slots[None, :] < torch.tensor(counts, device=device)[:, None])[:, None, :]
 
 
+def gate_logit(p_max: Tensor, rule: DecodeRule) -> Tensor:
+    """``alpha * (tau - p_max)``, the gate's argument (reskv.md, Eq. gate), computed as
+    ``(p_max - tau) * -alpha``: the same bits (negation is exact), in place."""
+    return p_max.sub_(rule.tau).mul_(-rule.alpha)
+
+
 def gate_values(main_mass: Tensor, rule: DecodeRule) -> Tensor:
     """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` with ``p_max = exp(max(a) - lse_M)``,
     which is ``1 / main_mass`` for ``main_mass = sum_p exp(a_p - max(a))``."""
     if not rule.gate:
         return torch.ones_like(main_mass)
-    # alpha * (tau - p_max) as (p_max - tau) * -alpha: the same bits (negation is exact) in place,
-    # one tensor op fewer; a sigmoid is never below a g_min <= 0, so that clamp is skipped.
-    gate = main_mass.reciprocal().sub_(rule.tau).mul_(-rule.alpha).sigmoid_()
+    # A sigmoid is never below a g_min <= 0, so that clamp is skipped.
+    gate = gate_logit(main_mass.reciprocal(), rule).sigmoid_()
     return gate.clamp_(min=rule.g_min) if rule.g_min > 0 else gate
+
+
+def log_gate(p_max: Tensor, rule: DecodeRule) -> Tensor:
+    """``log g(q)`` (``gate_values``) from ``p_max``: ``logsigmoid``, one op where ``log(sigmoid)`` takes
+    two (``rule.gate`` is on)."""
+    log_gate = torch.nn.functional.logsigmoid(gate_logit(p_max, rule))
+    return log_gate.clamp_(min=math.log(rule.g_min)) if rule.g_min > 0 else log_gate
 
 
 def population_bias(log_counts: Tensor, beta: float) -> Tensor:
@@ -122,6 +136,48 @@ def joint_attention(
     return (output, residual_share[..., 0]) if with_residual_share else output
 
 
+def fp32_logits(queries: Tensor, keys: Tensor, bias: Tensor, scaling: float) -> Tensor:
+    """``queries @ keys^T * scaling + bias`` in fp32 (``[H_kv, Q, n]``), reading the keys in their own dtype
+    on CUDA (``out_dtype``: fp32 accumulation and output, no fp32 copy of the cache). An fp32 cache is
+    read as it is; a half-precision cache on CPU (``scripts.gpu_check``'s CPU run only) is copied."""
+    if keys.dtype != torch.float32 and keys.is_cuda:
+        return torch.bmm(queries, keys.transpose(1, 2), out_dtype=torch.float32).mul_(scaling).add_(bias)
+    return torch.baddbmm(bias, queries.float(), keys.float().transpose(1, 2), alpha=scaling)
+
+
+def shared_softmax_attention(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    residual_slots: int,
+    scaling: float,
+    rule: DecodeRule,
+) -> Tensor:
+    """``joint_attention``'s shared-softmax output ``[H_kv, Q, d]`` as one SDPA call, in the cache's dtype.
+
+    The gate multiplies every entry's softmax weight by ``g(q)``: that is ``log g(q)`` added to the
+    entries' logits, so with the entries' bias ``beta * log(c_j) + log g(q)`` one softmax over
+    ``[entries ; main]`` is the shared softmax (reskv.md, Eqs. reskv and gate). ``g`` needs the main
+    part's ``p_max``, its largest softmax probability, first: a pre-pass over the main logits. SDPA then reads
+    keys and values in the cache's dtype with an fp32 softmax (no per-step fp32 copy of the cache), and
+    a layer without entries (a base method) is the same call with the bias as it is (issue 24). Equal
+    to ``joint_attention`` up to fp rounding (tests/test_decode_path.py); ``joint_attention`` stays the
+    reference, used where the residual share is measured and by the no-shared-softmax ablation.
+    """
+    mask = bias
+    if residual_slots and rule.gate:
+        main_logits = fp32_logits(queries, keys[:, residual_slots:], bias[..., residual_slots:], scaling)
+        p_max = main_logits.softmax(dim=-1).amax(dim=-1, keepdim=True)
+        entries = bias[..., :residual_slots] + log_gate(p_max, rule)
+        mask = torch.cat([entries, bias[..., residual_slots:].expand(-1, entries.shape[1], -1)], dim=-1)
+    if mask.dtype != queries.dtype:
+        mask = mask.to(queries.dtype)  # SDPA takes a float mask in the queries' dtype
+    return torch.nn.functional.scaled_dot_product_attention(
+        queries[:, None], keys[:, None], values[:, None], attn_mask=mask[:, None], scale=scaling
+    )[:, 0]
+
+
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:
     """``[H_kv, 1 or Q, r + n]``: ``population_bias`` on the entries, then ``main_bias`` (0 when None;
     broadcastable to ``[H_kv, Q, n]``)."""
@@ -143,9 +199,9 @@ def joint_buffers(
     spare_slots: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``[entries ; main]`` keys and values (in the main cache's dtype) and their ``joint_bias``:
-    the layout ``joint_attention`` reads, followed by ``spare_slots`` uninitialised slots for
+    the layout ``joint_attention`` reads, followed by ``spare_slots`` zero-filled slots for
     tokens appended later (so the cache a decode step extends is built by one copy, not two)."""
-    spare = main_keys.new_empty(main_keys.shape[0], spare_slots, main_keys.shape[-1])
+    spare = main_keys.new_zeros(main_keys.shape[0], spare_slots, main_keys.shape[-1])
     keys = torch.cat([residual_keys.to(main_keys.dtype), main_keys, spare], dim=1)
     values = torch.cat(
         [residual_values.to(main_values.dtype), main_values, spare.to(main_values.dtype)], dim=1

@@ -27,9 +27,10 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import additive_mask, joint_attention, joint_buffers
+from reskv.attention import additive_mask, joint_attention, joint_buffers, shared_softmax_attention
 from reskv.compress import CompressedLayerState
 from reskv.config import DecodeRule
+from reskv.residual import ResidualEntries
 from reskv.scoring import LayerObservation, accumulated_attention
 
 ATTENTION_NAME = "reskv"
@@ -130,69 +131,117 @@ class ObservedLayer(DynamicLayer):
         )
 
 
-def _with_spare_slots(buffer: Tensor, spare: int) -> Tensor:
-    """``buffer`` extended by ``spare`` uninitialised slots along dim 2 (the slot dim of keys,
-    values and bias rows)."""
-    shape = list(buffer.shape)
-    shape[2] = spare
-    return torch.cat([buffer, buffer.new_empty(shape)], dim=2)
-
-
 class CompressedLayer(CacheLayerMixin):
-    """Residual entries + main cache after compression; new tokens are appended to main, exact.
+    """Residual entries + main cache after compression, in static-capacity buffers; new tokens are
+    appended to main, exact.
 
-    Entries and main cache share one key buffer and one value buffer, ``[entries ; main ; appended
-    ; spare]``, with an additive bias row over them (``reskv.attention.joint_attention``): a decode
-    step's logits are one matmul, and a new token is written into spare slots instead of copying
-    the cache (built with ``GROWTH_SLOTS`` of them, grown by as many when full). ``keys``/``values`` (what
-    ``update`` returns) and ``main_bias`` are views of the main part. ``get_seq_length`` reports
-    the uncompressed length so positions continue from it (no re-rotation of cached keys).
+    Entries and main cache share one key buffer and one value buffer, ``[entries ; main ; appended ;
+    spare]``, with an additive bias row over them: ``beta * log(c_j)`` on the entries, 0 or ``-inf``
+    (padding) on main, 0 on appended tokens and ``-inf`` on spare slots (zero-filled). A token is
+    written at a device-side slot (``position``, with ``index_copy_``), and attention always spans all
+    ``capacity`` slots, the spare ones getting weight 0: a decode step has no host sync and no shape
+    that depends on data, which ``torch.compile`` and CUDA graphs need (issue 24).
+
+    The host keeps its own count of written slots (``claim``): ``update`` claims its tokens when run
+    eagerly, and a compiled decode step's caller claims them before the step (``ResKVCache.claim``),
+    so that the compiled code never reads a Python counter. A claim beyond the capacity regrows the
+    buffers (one copy); ``reserve`` sets the capacity before decoding, so that a generation writes in
+    place. ``keys``/``values`` (what ``update`` returns) and ``main_bias`` are views of everything
+    after the entries. ``get_seq_length`` reports the uncompressed length, so positions continue from
+    it (no re-rotation of cached keys).
     """
 
     is_sliding = False
-    GROWTH_SLOTS = 256  # one copy of the cache per 256 decoded tokens
+    is_compileable = True
+    GROWTH_SLOTS = 256  # spare slots of a new layer, and the least a claim regrows by
 
-    def __init__(self, state: CompressedLayerState, seq_len: int, rule: DecodeRule):
+    def __init__(
+        self, state: CompressedLayerState, seq_len: int, rule: DecodeRule, spare_slots: int = GROWTH_SLOTS
+    ):
         super().__init__()
         residual = state.residual
         self.residual, self.residual_slots = residual, residual.keys.shape[1]
-        self.padded = state.main_bias is not None
-        keys, values, self._bias = joint_buffers(
+        main_bias = state.main_bias
+        if main_bias is None:
+            main_bias = torch.zeros(
+                state.main_keys.shape[0], 1, state.main_keys.shape[1], device=state.main_keys.device
+            )
+        keys, values, bias = joint_buffers(
             residual.keys, residual.values, residual.log_counts,
-            state.main_keys, state.main_values, state.main_bias, rule.beta, self.GROWTH_SLOTS,
+            state.main_keys, state.main_values, main_bias, rule.beta, spare_slots,
         )  # fmt: skip
-        self._keys, self._values = keys[None], values[None]
-        self.length = self.residual_slots + state.main_keys.shape[1]  # filled slots of the buffers
+        self.filled = self.residual_slots + state.main_keys.shape[1]  # written slots, host side
+        self._set_buffers(
+            keys[None], values[None], bias.index_fill_(-1, self._spare_slots(bias), float("-inf"))
+        )
+        self.position = torch.tensor([self.filled], device=keys.device)  # the next slot to write
         self.device = keys.device
         self.evicted_fraction = state.evicted_fraction
         self.rule = rule
         self.seq_len = seq_len
         self.is_initialized = True
-        self._expose_main()
 
-    def _expose_main(self) -> None:
-        main = slice(self.residual_slots, self.length)
-        self.keys, self.values = self._keys[:, :, main], self._values[:, :, main]
-        self.main_bias = self._bias[..., main] if self.padded else None
+    @classmethod
+    def exact(cls, layer: CacheLayerMixin, spare_slots: int) -> CompressedLayer:
+        """Every token of an exact layer (the full method's) in a static-capacity layer without entries."""
+        keys, values = layer.keys[0], layer.values[0]
+        state = CompressedLayerState(
+            keys,
+            values,
+            None,
+            ResidualEntries.empty(keys.shape[0], keys),
+            kept=keys.new_ones(keys.shape[:2], dtype=torch.bool),
+        )
+        return cls(state, layer.get_seq_length(), DecodeRule(), spare_slots)
+
+    def _spare_slots(self, bias: Tensor) -> Tensor:
+        return torch.arange(self.filled, bias.shape[-1], device=bias.device)
+
+    def _set_buffers(self, keys: Tensor, values: Tensor, bias: Tensor) -> None:
+        self._keys, self._values, self._bias = keys, values, bias
+        self.capacity = keys.shape[2]
+        after_entries = slice(self.residual_slots, None)
+        self.keys, self.values = keys[:, :, after_entries], values[:, :, after_entries]
+        self.main_bias = bias[..., after_entries]
+
+    def _resize(self, capacity: int) -> None:
+        """New buffers of ``capacity`` slots holding the written ones (spare: zeros, bias ``-inf``)."""
+        written = slice(0, self.filled)
+        keys, values = (
+            buffer.new_zeros(*buffer.shape[:2], capacity, *buffer.shape[3:])
+            for buffer in (self._keys, self._values)
+        )
+        bias = self._bias.new_full((*self._bias.shape[:-1], capacity), float("-inf"))
+        keys[:, :, written], values[:, :, written] = self._keys[:, :, written], self._values[:, :, written]
+        bias[..., written] = self._bias[..., written]
+        self._set_buffers(keys, values, bias)
+
+    def claim(self, tokens: int) -> None:
+        """Count ``tokens`` more written slots on the host, regrowing the buffers if they lack room."""
+        if self.filled + tokens > self.capacity:
+            self._resize(self.filled + max(tokens, self.GROWTH_SLOTS))
+        self.filled += tokens
+        self.seq_len += tokens
+
+    def reserve(self, tokens: int) -> None:
+        """Make the capacity exactly the written slots plus ``tokens``: a generation of that many tokens
+        writes in place, and its attention spans no more spare slots than it will fill."""
+        if self.capacity != self.filled + tokens:
+            self._resize(self.filled + tokens)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         raise RuntimeError("a compressed layer is built from a prefilled one, never lazily")
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         require_single_sequence(key_states)
-        end = self.length + key_states.shape[-2]
-        if end > self._keys.shape[2]:
-            spare = end - self.length + self.GROWTH_SLOTS
-            self._keys, self._values, self._bias = (
-                _with_spare_slots(buffer[:, :, : self.length], spare)
-                for buffer in (self._keys, self._values, self._bias)
-            )
-        self._keys[:, :, self.length : end] = key_states
-        self._values[:, :, self.length : end] = value_states
-        self._bias[..., self.length : end] = 0.0
-        self.length = end
-        self.seq_len += key_states.shape[-2]
-        self._expose_main()
+        tokens = key_states.shape[-2]
+        if not torch.compiler.is_compiling():
+            self.claim(tokens)
+        slots = self.position if tokens == 1 else self.position + torch.arange(tokens, device=self.device)
+        self._keys.index_copy_(2, slots, key_states)
+        self._values.index_copy_(2, slots, value_states)
+        self._bias.index_fill_(-1, slots, 0.0)
+        self.position.add_(tokens)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -205,40 +254,56 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def fork(self, observation_window: int = 0, accumulate: bool = False) -> CompressedLayer:
-        """A twin to extend without touching this layer: it sees only the filled slots, so its first
+        """A twin to extend without touching this layer: it sees only the written slots, so its first
         ``update`` copies the buffers into new ones (the arguments are ``ObservedLayer.fork``'s)."""
         twin = copy.copy(self)
-        twin._keys, twin._values, twin._bias = (
-            buffer[:, :, : self.length] for buffer in (self._keys, self._values, self._bias)
+        twin._set_buffers(
+            *(buffer[..., : self.filled, :] for buffer in (self._keys, self._values)),
+            self._bias[..., : self.filled],
         )
-        twin._expose_main()
+        twin.position = self.position.clone()
         return twin
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-        """Attention over this layer's buffers (``key``/``value`` are the ``keys``/``values`` views)."""
-        return self.attend_parts(query, scaling, with_residual_share=False)[0]
+        """Attention over this layer's buffers (``key``/``value`` are the ``keys``/``values`` views):
+        ``reskv.attention.shared_softmax_attention``, or ``joint_attention`` for the no-shared-softmax
+        ablation."""
+        if not self.rule.shared_softmax:
+            return self.attend_parts(query, scaling, with_residual_share=False)[0]
+        queries, bias = self._grouped(query)
+        output = shared_softmax_attention(
+            queries, self._keys[0], self._values[0], bias, self.residual_slots, scaling, self.rule
+        )
+        return self._ungrouped(output, query)
+
+    def _grouped(self, query: Tensor) -> tuple[Tensor, Tensor]:
+        """``query`` ``[1, H, q, d]`` as ``[H_kv, G * q, d]`` (a GQA group's heads together) and the bias
+        it sees; ``q`` tokens fed together (the last ``q`` written) see each other causally."""
+        _, num_heads, query_len, head_dim = query.shape
+        num_kv_heads = self._keys.shape[1]
+        bias = self._bias
+        if query_len > 1:
+            last = self.position - query_len + torch.arange(query_len, device=query.device)
+            visible = torch.arange(self.capacity, device=query.device)[None, :] <= last[:, None]
+            bias = bias + additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
+        return query[0].reshape(num_kv_heads, -1, head_dim), bias
+
+    @staticmethod
+    def _ungrouped(output: Tensor, query: Tensor) -> Tensor:
+        _, num_heads, query_len, head_dim = query.shape
+        return output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
 
     def attend_parts(
         self, query: Tensor, scaling: float, with_residual_share: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """The attention output ``[1, q, H, d]`` and the residual share ``[H, q]`` of ``query``
         ``[1, H, q, d]`` (``reskv.attention.joint_attention``); the share is ``None`` unless asked
-        for (a decode step does not read it)."""
-        _, num_heads, query_len, head_dim = query.shape
-        num_kv_heads, key_len = self.keys.shape[1], self.keys.shape[2]
-        bias = self._bias[..., : self.length]
-        if query_len > 1:
-            # Tokens fed together (the question suffix) see each other causally; entries are seen by all.
-            visible = (
-                torch.arange(key_len, device=query.device)[None, :]
-                <= torch.arange(key_len - query_len, key_len, device=query.device)[:, None]
-            )
-            causal = additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
-            bias = bias + torch.nn.functional.pad(causal, (self.residual_slots, 0))[None]
+        for."""
+        queries, bias = self._grouped(query)
         attended = joint_attention(
-            query[0].reshape(num_kv_heads, -1, head_dim),
-            self._keys[0, :, : self.length],
-            self._values[0, :, : self.length],
+            queries,
+            self._keys[0],
+            self._values[0],
             bias,
             self.residual_slots,
             scaling,
@@ -247,10 +312,9 @@ class CompressedLayer(CacheLayerMixin):
             with_residual_share,
         )
         output, residual_share = attended if with_residual_share else (attended, None)
-        output = output.reshape(num_heads, query_len, head_dim).transpose(0, 1)[None].to(query.dtype)
         if residual_share is not None:
-            residual_share = residual_share.reshape(num_heads, query_len)
-        return output, residual_share
+            residual_share = residual_share.reshape(query.shape[1], query.shape[2])
+        return self._ungrouped(output, query), residual_share
 
 
 class ResKVCache(Cache):
@@ -267,6 +331,17 @@ class ResKVCache(Cache):
         """An exact copy to extend (more prompt tokens or decoding) without touching this one."""
         return ResKVCache([layer.fork(observation_window, accumulate) for layer in self.layers])
 
+    def claim(self, tokens: int) -> None:
+        """Count on the host the ``tokens`` a compiled step is about to write (``CompressedLayer.claim``)."""
+        for layer in self.layers:
+            layer.claim(tokens)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more in every compressed layer (``CompressedLayer.reserve``)."""
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                layer.reserve(tokens)
+
     def slots(self) -> list[list[int]]:
         """Attended slots per layer and KV head (main, padding excluded, plus residual entries)."""
         counts = []
@@ -275,9 +350,7 @@ class ResKVCache(Cache):
             if not isinstance(layer, CompressedLayer):
                 counts.append([length] * num_kv_heads)  # every token: nothing to read from the device
                 continue
-            main = torch.full((num_kv_heads,), length, device=layer.keys.device)
-            if layer.main_bias is not None:
-                main = torch.isfinite(layer.main_bias[:, 0]).sum(-1)
+            main = torch.isfinite(layer.main_bias[:, 0]).sum(-1)  # padding and spare slots are -inf
             counts.append((main + layer.residual.entries_per_head).tolist())
         return counts
 

@@ -14,6 +14,7 @@ compressed cache. Compression always builds a new cache, so one prefill serves e
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ LAYER_BATCH_BYTES = 4 << 30
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
 # the validation proxy (96 fit + 32 validation).
 DEFAULT_OBSERVATION_WINDOW = 128
+# How a generation decodes: one eager forward per token, or one compiled graph per token (``compiled_step``).
+DECODE_MODES = ("eager", "compiled")
 
 
 @dataclass(frozen=True)
@@ -232,14 +235,19 @@ class Prefill:
         stop_token_ids: Sequence[int] = (),
         min_new_tokens: int = 0,
         answer_ids: Sequence[int] | None = None,
+        decode: str = "eager",
     ) -> Generation:
         """Compress a copy of the prefilled cache for ``method`` and decode greedily.
 
         Until ``min_new_tokens`` tokens exist, stop tokens (the backbone's and ``stop_token_ids``)
         cannot be chosen (transformers' ``min_length`` semantics). With ``answer_ids`` (a reference
         answer's tokens, possibly empty) the generation also carries ``reskv.quality``'s measures
-        against the full cache (``quality_s`` in its timings)."""
+        against the full cache (``quality_s`` in its timings). ``decode="compiled"`` runs each decode step
+        as one compiled graph (``compiled_step``): the same tokens, no per-op host overhead; the first
+        step of each new cache shape pays the compilation."""
         self._check_positions(max_new_tokens)
+        if decode not in DECODE_MODES:
+            raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_MODES)}")
         timings = {}
         start = time.perf_counter()
         cache, stats = self.compressed(method, setting)
@@ -247,14 +255,17 @@ class Prefill:
         compressed = cache.fork() if answer_ids is not None else None  # before the question
         logits = self._source(setting).last_logits
         question = self.prompt_ids[self.context_length :]
+        cache.reserve((len(question) if setting == "agnostic" else 0) + max_new_tokens)
         if setting == "agnostic" and question:
             start = time.perf_counter()
             logits = self.next_logits(question, cache)
             timings["question_s"] = time.perf_counter() - start
         prompted = cache.fork() if answer_ids is not None else None  # after the whole prompt
         start = time.perf_counter()
+        cache = static_cache(cache, max_new_tokens)  # one decode path for every method, the full one included
         stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
-        token_ids = self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids)
+        step = self._compiled_step if decode == "compiled" else self.next_logits
+        token_ids = self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids, step)
         timings["decode_s"] = time.perf_counter() - start
         timings["decode_tokens"] = len(token_ids)
         text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -332,10 +343,29 @@ class Prefill:
         )
         return quality
 
+    def _compiled_step(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
+        """``next_logits`` of one token through ``compiled_step``: the host claims the cache's slot first,
+        so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
+        (token_id,) = token_ids
+        position = cache.get_seq_length()
+        cache.claim(1)
+        device = self.backbone.device
+        return compiled_step(self.backbone.model, self.backbone.cache_argument)(
+            torch.tensor([[token_id]], device=device), torch.tensor([[position]], device=device), cache
+        )
+
     def _decode(
-        self, cache: ResKVCache, logits: Tensor, max_new_tokens: int, min_new_tokens: int, stop_ids: set[int]
+        self,
+        cache: ResKVCache,
+        logits: Tensor,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        stop_ids: set[int],
+        step=None,
     ) -> list[int]:
-        """Greedy decoding; the stop token itself is not part of the answer."""
+        """Greedy decoding; the stop token itself is not part of the answer. ``step`` computes the next
+        logits of one token (``next_logits`` unless given)."""
+        step = step or self.next_logits
         token_ids: list[int] = []
         stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
         while len(token_ids) < max_new_tokens:
@@ -346,8 +376,42 @@ class Prefill:
                 break
             token_ids.append(next_id)
             if len(token_ids) < max_new_tokens:
-                logits = self.next_logits([next_id], cache)
+                logits = step([next_id], cache)
         return token_ids
+
+
+def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
+    """``cache`` with every exact layer (the full method's) copied into a static-capacity
+    ``CompressedLayer`` without entries, with ``spare_slots``: one decode path for every method, no
+    copy of the cache per step (an exact layer's ``update`` concatenates), and the static shapes a
+    compiled step needs."""
+    return ResKVCache(
+        [
+            layer if isinstance(layer, CompressedLayer) else CompressedLayer.exact(layer, spare_slots)
+            for layer in cache.layers
+        ]
+    )
+
+
+@functools.cache
+def compiled_step(model: torch.nn.Module, cache_argument: str):
+    """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
+    graph break): ``(token [1, 1], position [1, 1], cache) -> logits [V]``, for a cache of
+    ``CompressedLayer``s (``static_cache``). On CUDA its kernels are replayed as CUDA graphs
+    (``mode="reduce-overhead"``), which removes the per-op host cost a decode step is bound by (issue 24)."""
+
+    def step(token: Tensor, position: Tensor, cache: ResKVCache) -> Tensor:
+        output = model(
+            input_ids=token,
+            position_ids=position,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument: cache, CACHE_KWARG: cache},
+        )
+        return output.logits[0, -1]
+
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    return torch.compile(step, fullgraph=True, mode=mode)
 
 
 def single_sequence(prompt_ids: Sequence[int] | Tensor) -> list[int]:

@@ -50,7 +50,7 @@ def synthetic_prefilled_cache(
         layer = ObservedLayer()
         layer.keys = keys.to(torch.bfloat16)[None]
         layer.values = torch.randn(1, num_kv_heads, seq_len, head_dim, generator=generator).to(torch.bfloat16)
-        layer.is_initialized = True
+        layer.is_initialized, layer.device = True, layer.keys.device
         layer.queries = torch.randn(num_heads, OBSERVED_QUERIES, head_dim, generator=generator).to(
             torch.bfloat16
         )

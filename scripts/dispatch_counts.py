@@ -8,9 +8,9 @@ on CPU with a ``TorchDispatchMode``:
 - an *op* is one aten call that launches work: view ops (``func.is_view``: slices, reshapes,
   transposes, ``expand``) and bare allocations (``empty``), which launch no kernel, are left out;
 - a *sync* is a call that makes the host wait for a device's data: ``item``/``int()``/``bool()``
-  (``aten._local_scalar_dense``), ``nonzero``, ``unique`` and ``masked_select`` (their output shape
-  is data), and ``Tensor.tolist`` (which on CPU reads memory without dispatching, so it is
-  counted by a wrapper for the duration of the count).
+  (``aten.item`` under ``inference_mode``, ``aten._local_scalar_dense`` outside it), ``nonzero``,
+  ``unique`` and ``masked_select`` (their output shape is data), and ``Tensor.tolist`` (which on CPU
+  reads memory without dispatching, so it is counted by a wrapper for the duration of the count).
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
-SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+SYNC_OPS = {
+    aten.item.default,
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+}
 SYNC_PACKETS = {aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._unique}
 
 

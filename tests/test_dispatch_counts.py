@@ -23,6 +23,14 @@ def test_counter_counts_launching_ops_and_syncs_by_hand():
     assert counts.syncs_by_op == {"_local_scalar_dense": 1, "tolist": 1}
 
 
+def test_counter_counts_a_read_under_inference_mode():
+    """Under ``inference_mode`` (the engine's) ``int()`` dispatches ``aten.item``, not
+    ``_local_scalar_dense``: still one sync."""
+    with torch.inference_mode(), count_dispatch() as counts:
+        int(torch.ones(1).sum())
+    assert counts.syncs == 1
+
+
 @pytest.mark.parametrize("layers", [2, 5])
 @pytest.mark.parametrize("base", ["snapkv", "adakv", "tova", "h2o"])
 def test_compression_syncs_do_not_grow_with_layers(base, layers):

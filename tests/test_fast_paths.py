@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from baselines import build_scorer
-from reskv.attention import gate_values, joint_attention, residual_attention
+from reskv.attention import gate_values, joint_attention, residual_attention, shared_softmax_attention
 from reskv.cache import CompressedLayer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.config import DecodeRule
@@ -69,16 +69,10 @@ def random_entries(obs: LayerObservation, slots: int, unused: int, seed: int):
     return keys, values, log_counts
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [DecodeRule(), DecodeRule(beta=0.0), DecodeRule(gate=False), DecodeRule(shared_softmax=False)],
-    ids=["default", "beta0", "no-gate", "no-shared-softmax"],
-)
-def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
-    """One matmul over ``[entries ; main]`` with the population bias as the entries' bias row equals
-    the plain two-matmul rule, with padded main slots and unused entries."""
-    obs = observation
-    keys, values, log_counts = random_entries(obs, slots=7, unused=3, seed=1)
+def padded_layer_with_entries(obs: LayerObservation, rule: DecodeRule, slots: int = 7, unused: int = 3):
+    """Queries, ``[entries ; main]`` keys, values and bias (head 1 padded, head 0 with unused entries)
+    and the plain rule's float64 output on them (``plain_attention``)."""
+    keys, values, log_counts = random_entries(obs, slots=slots, unused=unused, seed=1)
     main_bias = torch.zeros(obs.num_kv_heads, 1, obs.seq_len)
     main_bias[1, 0, :40] = -math.inf  # head 1 padded
     queries = obs.queries[:, -3:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
@@ -86,14 +80,11 @@ def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
     population = torch.where(
         torch.isfinite(log_counts), rule.beta * log_counts.nan_to_num(neginf=0), -math.inf
     )
-    joint = joint_attention(
+    joint = (
         queries,
         torch.cat([keys, obs.keys], dim=1),
         torch.cat([values, obs.values], dim=1),
         torch.cat([population[:, None, :], main_bias], dim=-1),
-        7,
-        obs.scaling,
-        rule,
         evicted_fraction,
     )
     expected = plain_attention(
@@ -105,8 +96,36 @@ def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
         obs.scaling,
         rule,
     )
-    assert int(torch.isfinite(log_counts).sum()) == 2 * 7 - 3  # entries exist, some unused
+    return joint, expected
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [DecodeRule(), DecodeRule(beta=0.0), DecodeRule(gate=False), DecodeRule(shared_softmax=False)],
+    ids=["default", "beta0", "no-gate", "no-shared-softmax"],
+)
+def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
+    """One matmul over ``[entries ; main]`` with the population bias as the entries' bias row equals
+    the plain two-matmul rule, with padded main slots and unused entries."""
+    (queries, keys, values, bias, evicted_fraction), expected = padded_layer_with_entries(observation, rule)
+    joint = joint_attention(queries, keys, values, bias, 7, observation.scaling, rule, evicted_fraction)
     torch.testing.assert_close(joint.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("slots", [7, 0], ids=["entries", "base"])
+@pytest.mark.parametrize(
+    "rule",
+    [DecodeRule(), DecodeRule(beta=0.0), DecodeRule(gate=False), DecodeRule(g_min=0.99)],
+    ids=["default", "beta0", "no-gate", "g-min"],
+)
+def test_the_decode_path_equals_the_two_matmul_softmax(observation, rule, slots):
+    """The decode path's single SDPA call, the gate folded into the entries' bias, equals the plain
+    rule with padded main slots and unused entries, and with no entries at all (a base method)."""
+    (queries, keys, values, bias, _), expected = padded_layer_with_entries(
+        observation, rule, slots=slots, unused=3 if slots else 0
+    )
+    decoded = shared_softmax_attention(queries, keys, values, bias, slots, observation.scaling, rule)
+    torch.testing.assert_close(decoded.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def lse_merge_attention(queries, main_keys, main_values, entries, scaling, rule: DecodeRule):
@@ -216,8 +235,9 @@ def test_a_head_without_entries_gives_exactly_the_main_only_output(observation, 
 
 
 def test_decode_buffer_equals_a_growing_concatenated_cache(observation, monkeypatch):
-    """Tokens written into the layer's spare slots (the buffer regrown every 2 tokens here) give
-    the same keys and the same outputs as a cache rebuilt by ``torch.cat`` at every step."""
+    """Tokens written at the layer's device-side position (the buffer regrown every 2 tokens here)
+    give, in the written slots, the keys, values and bias of a cache rebuilt by ``torch.cat`` at every
+    step, ``-inf`` bias on every slot not yet written, and the same outputs."""
     monkeypatch.setattr(CompressedLayer, "GROWTH_SLOTS", 2)
     obs, rule = observation, ResidualConfig(validate=False, fixed_ratio=0.2)
     state = compress_layer(obs, build_scorer("adakv"), 0.5, rule)
@@ -234,8 +254,15 @@ def test_decode_buffer_equals_a_growing_concatenated_cache(observation, monkeypa
         plain_keys = torch.cat([plain_keys, new_keys[0]], dim=1)
         plain_values = torch.cat([plain_values, new_values[0]], dim=1)
         plain_bias = torch.cat([plain_bias, torch.zeros(obs.num_kv_heads, 1, new)], dim=-1)
-        assert torch.equal(keys[0], plain_keys) and torch.equal(values[0], plain_values)
-        assert torch.equal(layer.main_bias, plain_bias)
+        written = plain_keys.shape[1]
+        assert keys.shape[2] >= written
+        assert torch.equal(keys[0, :, :written], plain_keys) and torch.equal(
+            values[0, :, :written], plain_values
+        )
+        assert torch.equal(layer.main_bias[..., :written], plain_bias)
+        assert torch.equal(
+            layer.main_bias[..., written:], torch.full_like(layer.main_bias[..., written:], -math.inf)
+        )
         query = torch.randn(1, obs.queries.shape[0], 1, dim, generator=generator)
         output = layer.attend(None, query, keys, values, obs.scaling)[0, 0]  # [H, d]
         residual = state.residual
@@ -251,25 +278,28 @@ def test_decode_buffer_equals_a_growing_concatenated_cache(observation, monkeypa
         torch.testing.assert_close(output.double(), expected.reshape(-1, dim), rtol=1e-5, atol=1e-6)
 
 
-def test_decode_writes_into_the_buffers_built_at_compression(observation):
-    """The layer is built with ``GROWTH_SLOTS`` spare slots, so the first that many decoded tokens
-    are written in place: the storage the compression filled is the one decode reads (one copy of
-    the cache per generation, not a second one at its first token); the next token regrows it."""
+def test_a_reserved_generation_writes_in_place(observation):
+    """After ``reserve(n)`` the buffers hold exactly the written slots plus ``n``: the next ``n``
+    tokens are written into the same storage (no copy of the cache during a generation) and the
+    token after them regrows it."""
     obs, rule = observation, ResidualConfig(validate=False, fixed_ratio=0.2)
     state = compress_layer(obs, build_scorer("snapkv"), 0.5, rule)
     layer = CompressedLayer(state, obs.seq_len, rule)
     assert int(layer.residual.entries_per_head.min()) > 0  # the buffers hold entries and main cache
+    written = layer.residual.keys.shape[1] + state.main_keys.shape[1]
+    layer.reserve(5)
+    assert layer.keys.shape[2] == written + 5 - layer.residual.keys.shape[1]
 
     def storages():
         return layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()
 
-    built = storages()
+    reserved = storages()
     token = torch.zeros(1, obs.num_kv_heads, 1, obs.keys.shape[-1])
-    for _ in range(CompressedLayer.GROWTH_SLOTS):
+    for _ in range(5):
         layer.update(token, token)
-    assert storages() == built
+    assert storages() == reserved
     layer.update(token, token)
-    assert storages()[0] != built[0] and storages()[1] != built[1]
+    assert storages()[0] != reserved[0] and storages()[1] != reserved[1]
 
 
 def test_observation_probabilities_equal_the_fully_masked_softmax(observation):
