@@ -1,8 +1,8 @@
 """What every measurement shares: the machine it ran on, peak memory and random prompts.
 
-The benchmarks (``scripts.bench_*``, ``scripts.evicted_keys``), ``scripts.gpu_check`` and the
-runner's provenance block (``scripts.harness.grid``) all take these from here, so two reports
-of one quantity are measured the same way:
+The benchmarks and tools of ``scripts.bench`` (``gpu_check`` among them) and the runner's
+provenance block (``scripts.harness.grid``) all take these from here, so two reports of one
+quantity are measured the same way:
 
 - ``machine``: cores, torch threads, load average, versions and the GPU; ``machine_header`` prints
   it with the matmul rate of the moment, for tables of timings;

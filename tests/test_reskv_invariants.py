@@ -16,7 +16,7 @@ from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.engine import Method, Prefill, attended_slots
 from reskv.residual import build_residual, nearest_centers
 from reskv.scoring import LayerObservation
-from scripts.bench_engine import kmeans_peak_memory
+from scripts.bench.engine import kmeans_peak_memory
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS
 

@@ -1,6 +1,6 @@
 """Peak memory and decode throughput versus context length (fig:analysis (a) and (b)).
 
-    python -m scripts.bench_efficiency [--backbone smollm2-135m] [--lengths 1024 2048 4096 8192]
+    python -m scripts.bench.efficiency [--backbone smollm2-135m] [--lengths 1024 2048 4096 8192]
         [--methods full snapkv snapkv+reskv] [--ratio 0.9] [--new-tokens 32] [--results-dir results]
 
 For every (context length, method): prefill a random-token prompt of that length, compress,
@@ -29,7 +29,7 @@ import torch
 from baselines import build_method
 from reskv.backbones import Backbone, load_backbone
 from reskv.engine import Prefill
-from scripts.bench_engine import decode_seconds_per_token
+from scripts.bench.engine import decode_seconds_per_token
 from scripts.measure import machine_header, peak_memory, peak_memory_kind, random_prompt
 
 

@@ -1,6 +1,6 @@
 """The GPU path in one command: CUDA correctness against the CPU, then efficiency at 8B scale.
 
-    python -m scripts.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
+    python -m scripts.bench.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios

@@ -1,6 +1,6 @@
 """Engine speed figures on the embedded model, every ratio measured within one run (issue 8).
 
-    python -m scripts.bench_engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
+    python -m scripts.bench.engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
 
 Prints a header (``scripts.measure.machine_header``: cores, threads, torch, load average, the fp32
 matmul rate of the moment), then per prompt length and ratio: the prefill time; ResKV construction
@@ -16,8 +16,8 @@ than whole decode steps). Last, ``kmeans_peak_memory`` for a Llama-3.1-8B-shaped
 tokens (peak transient MiB and seconds on this machine). Decode steps alternate between methods
 one token at a time (A B C A B C ...) so machine noise hits all alike; a step's time is the median
 over ``--decode-tokens`` steps. Then the op and host-device sync counts of a whole-prompt
-compression at Llama-3.1-8B's attention shape (``scripts.construction_counts``: what a GPU's host
-pays, issue 22) and the model of its k-means distance launches at 131K tokens.
+compression at Llama-3.1-8B's attention shape (``scripts.bench.construction_counts``: what a GPU's
+host pays, issue 22) and the model of its k-means distance launches at 131K tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from reskv.backbones import load_backbone
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import Method, Prefill
 from reskv.residual import build_residual, residual_size
-from scripts.construction_counts import COUNTED_METHODS, counts_table, launches_table
+from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
 from scripts.measure import machine_header, peak_allocated
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
