@@ -55,21 +55,22 @@ figures: install
 # Measurements behind the efficiency and evicted-key figures, and the grid-saving report
 # (embedded model on CPU: tens of minutes). Then `make figures`.
 bench: assets
-	$(PY) -m scripts.bench_grid results_dir=$(abspath $(RESULTS))
-	$(PY) -m scripts.bench_efficiency --results-dir $(RESULTS)
-	$(PY) -m scripts.evicted_keys --results-dir $(RESULTS)
+	$(PY) -m scripts.bench.grid_saving results_dir=$(abspath $(RESULTS))
+	$(PY) -m scripts.bench.efficiency --results-dir $(RESULTS)
+	$(PY) -m scripts.bench.evicted_keys --results-dir $(RESULTS)
 
 # Engine speed on the embedded model: ResKV construction vs prefill, decode per token vs SnapKV
 # and vs the full cache at ~4K and ~8K tokens (a few minutes on CPU).
 bench-engine: assets
-	$(PY) -m scripts.bench_engine
+	$(PY) -m scripts.bench.engine
 
-# The GPU path in one command (scripts/gpu_check.py): CUDA correctness against the CPU on tiny random
-# models, then memory and speed at the paper backbones' shapes (random weights, no download).
-# Without CUDA it runs everything at tiny sizes on the CPU. With a preinstalled torch/transformers
-# and no registry: `python -m scripts.gpu_check --out results/gpu` (needs matplotlib besides them).
+# The GPU path in one command (scripts/bench/gpu_check.py): CUDA correctness against the CPU on
+# tiny random models, then memory and speed at the paper backbones' shapes (random weights, no
+# download). Without CUDA it runs everything at tiny sizes on the CPU. With a preinstalled
+# torch/transformers and no registry: `python -m scripts.bench.gpu_check --out results/gpu` (needs
+# matplotlib besides them).
 gpu-check: install
-	$(PY) -m scripts.gpu_check --out $(RESULTS)/gpu
+	$(PY) -m scripts.bench.gpu_check --out $(RESULTS)/gpu
 
 # Issue 10's reproduction (results/README.md): RULER at 4K on the embedded model, CPU, with the
 # quality measures. Hours of CPU; resumable: rerun the same command to continue where it stopped.

@@ -19,16 +19,16 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import textwrap
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import benchmarks
-from baselines.registry import METHODS, OPTIONS
-from reskv.config import SETTINGS, ResidualConfig
+from baselines.registry import METHODS, OPTIONS, RESKV_OPTIONS
+from reskv.config import SETTINGS
 from scripts.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 from scripts.harness.records import option_text
 
@@ -61,6 +61,13 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def override_text(value) -> str:
+    """An option value as a command-line override writes it: a label's text, a list in brackets."""
+    if isinstance(value, tuple):
+        return "[" + ",".join(option_text(part) for part in value) + "]"
+    return option_text(value)
+
+
 def usage() -> str:
     """``--help``: what can be run, from the registries themselves (no torch needed)."""
     task_lines = []
@@ -91,11 +98,17 @@ def usage() -> str:
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
             "threads=N (torch CPU threads)   results_dir=DIR",
             *(
-                f"{name}={option_text(option.default)} ({type(option.default).__name__})  {option.help}"
+                f"{name}={override_text(option.default)} ({type(option.default).__name__})  {option.help}"
                 for name, option in OPTIONS.items()
             ),
-            "reskv.OPTION=...  ResKV hyper-parameters (configs/config.yaml has the defaults):",
-            "  " + ", ".join(spec.name for spec in fields(ResidualConfig)),
+            "reskv.OPTION=...  ResKV hyper-parameters, here at their defaults (reskv.config.ResidualConfig):",
+            *textwrap.wrap(
+                "  ".join(f"{name}={override_text(value)}" for name, value in RESKV_OPTIONS.items()),
+                width=100,
+                initial_indent="  ",
+                subsequent_indent="  ",
+                break_on_hyphens=False,
+            ),
             "",
             "Hydra's own help: python run.py --hydra-help",
         ]

@@ -8,16 +8,30 @@ with ``+reskv``, the options it takes and the spec section it follows. Everythin
 (``scripts.harness.records.MethodLabel``), the tables and figures take their rows, pairs and
 display names from it, and the README's method list is checked against it
 (``tests/test_registry.py``). A new baseline is its file in ``baselines/`` plus one line in
-``REGISTRY``; a new option of a baseline is one ``MethodOption`` in its line.
+``REGISTRY``; a new option of a baseline is one ``MethodOption`` in its line, and a new ResKV
+option one field of ``reskv.config.ResidualConfig`` (``RESKV_OPTIONS``): the Hydra configuration
+takes its keys and defaults from these declarations (``scripts.harness.plan.option_defaults``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from reskv.config import ResidualConfig
 
 RESIDUAL_SUFFIX = "+reskv"
 FULL_METHOD = "full"
-OptionValue = bool | int | float | str
+OptionValue = bool | int | float | str | tuple
+
+
+def check_option(name: str, default: OptionValue, value: object) -> OptionValue:
+    """``value`` as the type of the option's ``default`` (an int for a float, a list for a tuple);
+    a ``ValueError`` naming the option, the value and what it takes otherwise."""
+    kind = type(default)
+    if type(value) is kind or (kind, type(value)) in ((float, int), (tuple, list)):
+        return kind(value)
+    takes = "true or false" if kind is bool else f"a {kind.__name__}"
+    raise ValueError(f"option {name} takes {takes}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -31,11 +45,7 @@ class MethodOption:
     help: str
 
     def check(self, value: object) -> OptionValue:
-        """``value`` as this option's type; a ``ValueError`` naming the option otherwise."""
-        kind = type(self.default)
-        if type(value) is kind or (kind is float and type(value) is int):
-            return kind(value)
-        raise ValueError(f"option {self.name} takes a {kind.__name__}, got {value!r}")
+        return check_option(self.name, self.default, value)
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,8 @@ RESIDUAL_BASES = tuple(spec.name for spec in REGISTRY if spec.pairs_with_reskv)
 UNPAIRED_METHODS = tuple(name for name in BASE_METHODS if name not in RESIDUAL_BASES)
 METHODS = (FULL_METHOD, *BASE_METHODS, *(base + RESIDUAL_SUFFIX for base in RESIDUAL_BASES))
 OPTIONS = {option.name: option for spec in REGISTRY for option in spec.options}
+# What every +reskv method takes besides its base's options, by name with its default.
+RESKV_OPTIONS = {spec.name: spec.default for spec in fields(ResidualConfig)}
 
 
 def base_of(method: str) -> str:

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from reskv.backbones import tiny_backbone
 
@@ -21,6 +20,9 @@ TINY_CONFIGS = [
     ("tiny-qwen2", 2, 2),
 ]
 TINY_IDS = [f"{arch}-h{heads}-kv{kv}" for arch, heads, kv in TINY_CONFIGS]
+# The token ids the tests' random prompts draw from (``scripts.measure.random_prompt``): none of the
+# embedded tokenizer's special ids (0-2), so no prompt holds an end-of-text token.
+TOKENS = range(100, 40000)
 # `python run.py` on the tiny random backbone, one RULER vt sample, two answer tokens: seconds.
 TINY_RUN = [
     sys.executable,
@@ -42,11 +44,6 @@ def cached_tiny_backbone(arch: str, heads: int, kv_heads: int):
 def tiny(request):
     """A tiny backbone of each architecture / group size."""
     return cached_tiny_backbone(*request.param)
-
-
-def random_prompt(length: int, seed: int = 0, vocab: int = 40000) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (length,), generator=generator).tolist()
 
 
 def start_interruptible(command: list[str], **popen_options) -> subprocess.Popen:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from scripts.evicted_keys import evicted_with_clusters, pca_projection
+from scripts.bench.evicted_keys import evicted_with_clusters, pca_projection
 from scripts.harness.store import SCHEMA, ResultKey
 from scripts.report import figures
 from scripts.report.figures import all_figures, efficiency_figure, evicted_keys_figure
@@ -112,7 +112,7 @@ def test_evicted_keys_figure_takes_any_number_of_panels(tmp_path, panel_count):
     assert [path.suffix for path in evicted_keys_figure(panels, "tiny-llama", tmp_path)] == [".png", ".pdf"]
 
 
-# Measurements as scripts.bench_efficiency writes them, with one row: one length of one method.
+# Measurements as scripts.bench.efficiency writes them, with one row: one length of one method.
 ONE_ROW_MEASUREMENTS = {
     "backbone": "tiny-llama",
     "memory_kind": "CUDA max allocated",

@@ -1,11 +1,11 @@
-"""The engine benchmark's FLOP accounting (scripts.bench_engine), against hand-counted operations."""
+"""The engine benchmark's FLOP accounting (scripts.bench.engine) against hand-counted operations."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from scripts.bench_engine import counted_gflop
+from scripts.bench.engine import counted_gflop
 
 
 def test_counted_flops_of_a_matmul_and_of_causal_and_full_attention():

@@ -23,7 +23,8 @@ from reskv.compress import compress_layer, compress_layers
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import Prefill
 from reskv.residual import build_residual
-from tests.conftest import cached_tiny_backbone, random_prompt
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 
 PROMPT_LENGTH = 300
 
@@ -34,7 +35,7 @@ def observations(request):
     last 20 tokens: the whole prompt (query-aware) or the context (query-agnostic)."""
     prefill = Prefill(
         cached_tiny_backbone("tiny-qwen2", 6, 2),
-        random_prompt(PROMPT_LENGTH, seed=5),
+        random_prompt(TOKENS, PROMPT_LENGTH, seed=5),
         PROMPT_LENGTH - 20,
         [build_method("h2o", 0.5)],
     )

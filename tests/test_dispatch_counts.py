@@ -1,13 +1,13 @@
-"""The op and sync counter (scripts.dispatch_counts) on hand-counted code, and the construction's
-host-device syncs: a fixed number per layer batch, however many layers (issue 22)."""
+"""The op and sync counter (scripts.bench.dispatch_counts) on hand-counted code, and the
+construction's host-device syncs: a fixed number per layer batch, however many layers (issue 22)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scripts.construction_counts import count_compression, synthetic_prefilled_cache
-from scripts.dispatch_counts import count_dispatch
+from scripts.bench.construction_counts import count_compression, synthetic_prefilled_cache
+from scripts.bench.dispatch_counts import count_dispatch
 
 
 def test_counter_counts_launching_ops_and_syncs_by_hand():

@@ -15,7 +15,8 @@ from reskv.compress import CompressedLayerState, ResidualConfig, budget_for, com
 from reskv.engine import Method, Prefill, generate
 from reskv.residual import ResidualEntries
 from reskv.scoring import causal_attention_probs
-from tests.conftest import cached_tiny_backbone, random_prompt
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def backbone():
 
 @pytest.fixture
 def prefill(backbone) -> Prefill:
-    prompt = random_prompt(260, seed=5)
+    prompt = random_prompt(TOKENS, 260, seed=5)
     return Prefill(backbone, prompt, 230, [build_method(name, 0.6) for name in METHODS])
 
 
@@ -95,7 +96,7 @@ def test_h2o_statistics_captured_in_chunks_equal_the_direct_column_sums(backbone
     """Record every prompt query (observation window >= s) so the direct sum can be recomputed."""
     monkeypatch.setattr("reskv.scoring.QUERY_CHUNK", 16)
     record_all = build_method("h2o+reskv", 0.5, residual=ResidualConfig(fit_queries=400))
-    prefill = Prefill(backbone, random_prompt(90, seed=4), 70, [record_all])
+    prefill = Prefill(backbone, random_prompt(TOKENS, 90, seed=4), 70, [record_all])
     for layer in prefill._prompt_state().cache.layers:  # context in one pass, question in another
         keys = layer.keys[0]
         assert layer.queries.shape[1] == keys.shape[1] == 90
@@ -179,7 +180,7 @@ def test_bad_setting_and_unknown_backbone_are_clear_errors(prefill):
 
 def test_budget_below_the_protected_window_keeps_the_most_recent_tokens(backbone):
     """Documented fallback: with b < 64 SnapKV keeps the last b tokens; +ResKV has no room for entries."""
-    prompt = random_prompt(100, seed=9)
+    prompt = random_prompt(TOKENS, 100, seed=9)
     prefill = Prefill(backbone, prompt, 100, [build_method("snapkv+reskv", 0.5)])
     for name in ("snapkv", "snapkv+reskv"):
         stats = prefill.generate(build_method(name, 0.5), "aware", 2).cache_stats
@@ -189,16 +190,17 @@ def test_budget_below_the_protected_window_keeps_the_most_recent_tokens(backbone
 
 
 def test_a_prompt_too_short_for_any_slot_is_a_clear_error(backbone):
-    prefill = Prefill(backbone, random_prompt(3), 3, [])
+    prefill = Prefill(backbone, random_prompt(TOKENS, 3, seed=0), 3, [])
     with pytest.raises(ValueError, match="leaves no slot"):
         prefill.generate(build_method("snapkv", 0.9), "aware", 2)
 
 
 def test_a_batch_of_prompts_is_refused_naming_its_size(backbone, prefill):
+    first, second = random_prompt(TOKENS, 20, seed=1), random_prompt(TOKENS, 20, seed=2)
     with pytest.raises(ValueError, match="batch size 2"):
-        Prefill(backbone, [random_prompt(20, seed=1), random_prompt(20, seed=2)], 10, [])
-    single = Prefill(backbone, torch.tensor([random_prompt(20, seed=1)]), 10, [])  # [1, s] is one sequence
-    assert single.prompt_ids == random_prompt(20, seed=1)
+        Prefill(backbone, [first, second], 10, [])
+    single = Prefill(backbone, torch.tensor([first]), 10, [])  # [1, s] is one sequence
+    assert single.prompt_ids == first
     cache, _ = build_method("snapkv", 0.6).compress(prefill._context.cache, prefill.scaling)
     attention = backbone.model.model.layers[0].self_attn
     query = torch.zeros(2, 6, 1, 16)
@@ -222,10 +224,10 @@ def test_min_new_tokens_masks_the_stop_ids_until_reached(prefill):
 
 def test_prompt_plus_generation_past_the_backbone_positions_is_refused(backbone, monkeypatch):
     monkeypatch.setattr(backbone.model.config, "max_position_embeddings", 262)
-    prompt = random_prompt(260, seed=5)
+    prompt = random_prompt(TOKENS, 260, seed=5)
     prefill = Prefill(backbone, prompt, 230, [])
     with pytest.raises(ValueError, match="260 prompt tokens \\+ 3 new tokens = 263 positions .* 262"):
         prefill.generate(build_method("full"), "aware", max_new_tokens=3)
     assert len(prefill.generate(build_method("full"), "aware", max_new_tokens=2).token_ids) <= 2
     with pytest.raises(ValueError, match="263 prompt tokens \\+ 0 new tokens"):
-        Prefill(backbone, random_prompt(263, seed=5), 230, [])
+        Prefill(backbone, random_prompt(TOKENS, 263, seed=5), 230, [])

@@ -22,7 +22,8 @@ from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import lloyd_assignments
 from reskv.scoring import LayerObservation, causal_attention_probs
-from tests.conftest import cached_tiny_backbone, random_prompt
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 
 PROMPT_LENGTH = 300
 
@@ -30,7 +31,7 @@ PROMPT_LENGTH = 300
 @pytest.fixture(scope="module", params=[("tiny-llama", 4, 2), ("tiny-qwen2", 6, 2)], ids=["g2", "g3"])
 def observation(request) -> LayerObservation:
     prefill = Prefill(
-        cached_tiny_backbone(*request.param), random_prompt(PROMPT_LENGTH, seed=5), PROMPT_LENGTH
+        cached_tiny_backbone(*request.param), random_prompt(TOKENS, PROMPT_LENGTH, seed=5), PROMPT_LENGTH
     )
     return prefill._context.cache.layers[1].observation(1, prefill.scaling)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baselines.registry import METHODS
-from scripts import gpu_check
+from scripts.bench import gpu_check
 
 
 def layer(

@@ -52,6 +52,9 @@ def final_files(results_dir: Path) -> dict[str, dict]:
         ("setting=sideways", ["unknown setting 'sideways'", "aware", "agnostic"]),
         ("num_samples=0", ["num_samples 0"]),
         ("reskv.final_selection=best", ["final_selection 'best'", "base", "fit"]),
+        ("reskv.validate=maybe", ["option validate takes true or false, got 'maybe'"]),
+        ("reskv.alpha=high", ["option alpha takes a float, got 'high'"]),
+        ("h2o_window_only=1", ["option h2o_window_only takes true or false, got 1"]),
         ("backbone.quality=sometimes", ["backbone.quality 'sometimes'", "true or false"]),
         (
             "method=['snapkv~validate=false']",

@@ -20,7 +20,8 @@ from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import residual_size
 from reskv.scoring import LayerObservation
-from tests.conftest import cached_tiny_backbone, random_prompt
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 from tests.test_baselines import plain_caps
 
 PROMPT_LENGTH = 300
@@ -36,7 +37,7 @@ FIT, VALIDATION = 96, 32
 def observation(request) -> LayerObservation:
     prefill = Prefill(
         cached_tiny_backbone(*request.param),
-        random_prompt(PROMPT_LENGTH, seed=11),
+        random_prompt(TOKENS, PROMPT_LENGTH, seed=11),
         PROMPT_LENGTH,
         [build_method("h2o", RATIO)],  # records H2O's prefill statistic for the deployed scores
     )
@@ -349,7 +350,7 @@ def test_validation_split_is_96_fit_and_32_validation_queries(observation):
 
 def test_short_prompt_splits_3_to_1_and_moves_the_boundary():
     backbone = cached_tiny_backbone("tiny-qwen2", 6, 2)
-    short = Prefill(backbone, random_prompt(40, seed=2), 40, [build_method("snapkv+reskv", 0.5)])
+    short = Prefill(backbone, random_prompt(TOKENS, 40, seed=2), 40, [build_method("snapkv+reskv", 0.5)])
     obs = short._context.cache.layers[1].observation(1, short.scaling)
     fit, validation = observation_split(obs, ResidualConfig())
     assert (fit.stop - fit.start, validation.stop - validation.start) == (30, 10)

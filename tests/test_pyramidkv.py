@@ -77,11 +77,12 @@ def test_head_budgets_name_the_layer_arguments_the_compressor_must_pass():
 def test_a_compressed_prompt_keeps_the_pyramid_in_every_layer():
     from baselines import build_method
     from reskv.engine import Prefill
-    from tests.conftest import cached_tiny_backbone, random_prompt
+    from scripts.measure import random_prompt
+    from tests.conftest import TOKENS, cached_tiny_backbone
 
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
     method = build_method("pyramidkv", 0.8)
-    prefill = Prefill(backbone, random_prompt(600, seed=2), 600, [method])
+    prefill = Prefill(backbone, random_prompt(TOKENS, 600, seed=2), 600, [method])
     stats = prefill.generate(method, "aware", 2).cache_stats
     budget = budget_for(600, 0.8)
     expected = pyramid_budgets(budget, 600, backbone.num_layers, 32, 20)

@@ -15,7 +15,8 @@ from reskv.attention import joint_attention, joint_bias
 from reskv.config import ResidualConfig
 from reskv.engine import Method, Prefill
 from reskv.quality import FORCED_STEPS, kl_divergence, sequence_log_prob
-from tests.conftest import cached_tiny_backbone, random_prompt
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 from tests.test_engine import KeepEverything
 
 ANSWER = [311, 4032, 17, 980]
@@ -29,7 +30,7 @@ def backbone():
 
 @pytest.fixture
 def prefill(backbone) -> Prefill:
-    return Prefill(backbone, random_prompt(300, seed=3), 260, [build_method("snapkv+reskv", 0.7)])
+    return Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 260, [build_method("snapkv+reskv", 0.7)])
 
 
 def test_kl_of_a_hand_built_two_token_case():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import yaml
 
 from baselines import build_scorer
 from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, display_name
+from reskv.config import ResidualConfig
 from reskv.scoring import TokenScorer
+from scripts.harness.plan import compose_plan
 from scripts.harness.records import MethodLabel, SampleRecord, field_column
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,15 +38,71 @@ def test_every_base_method_builds_a_scorer_and_cites_its_spec_section():
             assert isinstance(build_scorer(spec.name), TokenScorer)
 
 
-def test_config_yaml_sets_each_registered_option_to_its_registry_default():
+# A value other than the default for every declared option: a new option needs one here, and the
+# test below then checks that it reaches a run.
+NON_DEFAULT = {
+    "h2o_window_only": True,
+    "tau": 0.5,
+    "alpha": 6.0,
+    "g_min": 0.1,
+    "beta": 0.5,
+    "gate": False,
+    "shared_softmax": False,
+    "grid": (0.0, 0.1),
+    "validate": False,
+    "fixed_ratio": 0.2,
+    "delta": 0.02,
+    "kmeans_iterations": 2,
+    "fit_queries": 64,
+    "validation_queries": 16,
+    "final_selection": "fit",
+}
+
+
+def declared_options() -> list[str]:
+    """Every option as declared: each registry line's, then ResKV's settings' fields."""
+    return [option.name for spec in REGISTRY for option in spec.options] + [
+        field.name for field in fields(ResidualConfig)
+    ]
+
+
+def test_each_method_option_is_declared_once_and_the_yaml_declares_none():
+    """Labels name base and ResKV options alike (``~name=value``), and the configuration holds the
+    base options beside its own keys: one name declared twice would leave one of them unreachable."""
+    declared = declared_options()
+    assert len(declared) == len(set(declared)), sorted(name for name in declared if declared.count(name) > 1)
     config = yaml.safe_load((ROOT / "configs/config.yaml").read_text())
-    assert {name: config[name] for name in OPTIONS} == {
-        name: option.default for name, option in OPTIONS.items()
-    }
+    assert not set(config) & {*declared, "reskv"}
+
+
+def hydra_text(value) -> str:
+    if isinstance(value, tuple):
+        return "[" + ",".join(str(part) for part in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_every_declared_option_reaches_a_run_from_the_command_line_and_from_a_label(tmp_path):
+    """Each option, set to a value other than its default by its config key and by a method
+    label, is what the grid entry runs with and names its label; a base option builds its scorer."""
+    assert sorted(NON_DEFAULT) == sorted(declared_options())
+    common = [f"results_dir={tmp_path}", "ratio=0.5", "setting=aware"]
+    owners = [(spec.name, option.name, f"{option.name}=") for spec in REGISTRY for option in spec.options]
+    owners += [("snapkv+reskv", field.name, f"reskv.{field.name}=") for field in fields(ResidualConfig)]
+    for method, name, key in owners:
+        value = NON_DEFAULT[name]
+        label = str(MethodLabel(method, {name: value}))
+        for overrides in ([f"method={method}", key + hydra_text(value)], [f"method=['{label}']"]):
+            (entry,) = compose_plan([*overrides, *common]).grid
+            assert entry.label == label, overrides
+            if name in OPTIONS:
+                assert dict(entry.options)[name] == value, overrides
+                build_scorer(method, options=dict(entry.options))
+            else:
+                assert getattr(entry.residual, name) == value, overrides
 
 
 def test_an_option_of_the_wrong_type_or_method_is_refused():
-    with pytest.raises(ValueError, match="h2o_window_only takes a bool"):
+    with pytest.raises(ValueError, match="h2o_window_only takes true or false, got 'yes'"):
         build_scorer("h2o", options={"h2o_window_only": "yes"})
     with pytest.raises(ValueError, match="snapkv takes no option"):
         build_scorer("snapkv", options={"h2o_window_only": True})

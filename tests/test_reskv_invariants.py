@@ -12,11 +12,13 @@ import torch
 import reskv.residual
 from baselines import build_method, build_scorer
 from reskv.attention import DecodeRule, residual_attention
-from reskv.compress import ResidualConfig, budget_for, compress_layer, kmeans_peak_memory
+from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.engine import Method, Prefill, attended_slots
 from reskv.residual import build_residual, nearest_centers
 from reskv.scoring import LayerObservation
-from tests.conftest import random_prompt
+from scripts.bench.engine import kmeans_peak_memory
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS
 
 PROMPT_LENGTH = 300
 NO_GATE = DecodeRule(gate=False)
@@ -25,7 +27,7 @@ NO_GATE = DecodeRule(gate=False)
 @pytest.fixture
 def prefill(tiny) -> Prefill:
     methods = [build_method("h2o", 0.5)]  # capture H2O statistics too
-    return Prefill(tiny, random_prompt(PROMPT_LENGTH), PROMPT_LENGTH - 20, methods)
+    return Prefill(tiny, random_prompt(TOKENS, PROMPT_LENGTH, seed=0), PROMPT_LENGTH - 20, methods)
 
 
 @pytest.fixture

@@ -157,14 +157,18 @@ class GridRun:
 
     @property
     def environment(self) -> dict[str, Any]:
-        """Where this run's timings were taken (stored in each new result file's provenance)."""
-        import torch
+        """Where this run's timings were taken (stored in each new result file's provenance): the
+        machine's cores, load average and torch threads (``scripts.measure.machine``), the model's
+        device and dtype."""
+        from scripts.measure import machine
 
-        model = self.backbone.model
+        facts, model = machine(), self.backbone.model
         return {
+            "cpu_count": facts["cpu_count"],
+            "load_average": facts["load_average"],
             "device": str(model.device),
             "dtype": str(model.dtype).removeprefix("torch."),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": facts["torch_threads"],
         }
 
     def open(self) -> int:

@@ -4,14 +4,19 @@ A plan is one backbone, one benchmark at one length, some tasks, and a grid of (
 setting) configurations, each with the method options it runs with (a method list entry may
 override them in the label syntax, ``scripts.harness.records.MethodLabel``). Everything that can
 be wrong in a plan is checked here, before the model loads; ``scripts.harness.grid`` runs it.
+
+The method options' config keys and defaults come from their declarations in the registry
+(``option_defaults``); configs/ names the node that holds them and sets none of them itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hydra.core.config_store import ConfigStore
 
 import benchmarks
 from baselines.registry import (
@@ -20,9 +25,11 @@ from baselines.registry import (
     OPTIONS,
     REGISTRY,
     RESIDUAL_SUFFIX,
+    RESKV_OPTIONS,
     SPECS,
     OptionValue,
     base_of,
+    check_option,
 )
 from benchmarks.item import Item
 from reskv.config import SETTINGS, ResidualConfig
@@ -30,6 +37,7 @@ from scripts.harness.records import MethodLabel
 from scripts.harness.store import ResultKey
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+OPTIONS_NODE = "method_options"  # configs/config.yaml's defaults list names it
 
 
 class PlanError(ValueError):
@@ -45,16 +53,25 @@ def as_list(value: Any) -> list:
     return list(value)
 
 
+def option_defaults() -> dict[str, Any]:
+    """Every method option at its default, as the configuration holds them: each base method's
+    registered options as top-level keys, ResKV's under ``reskv`` (``baselines.registry``)."""
+    return {**{name: option.default for name, option in OPTIONS.items()}, "reskv": dict(RESKV_OPTIONS)}
+
+
+# At import, not in run.py's main block: the processes of a multirun launcher (joblib, submitit)
+# compose their configuration again, and they import this module but never run run.py's block.
+ConfigStore.instance().store(name=OPTIONS_NODE, node=option_defaults())
+
+
 def residual_config(options: Mapping[str, Any]) -> ResidualConfig:
-    """ResidualConfig from the ``reskv`` config node (lists become tuples), with a clear error."""
-    names = [spec.name for spec in fields(ResidualConfig)]
-    unknown = sorted(set(options) - set(names))
+    """ResidualConfig from ResKV option values by name, each of its default's type (a list for
+    the grid), with a clear error."""
+    unknown = sorted(set(options) - set(RESKV_OPTIONS))
     if unknown:
-        raise PlanError(f"unknown reskv option(s) {unknown}; valid options: {names}")
-    values = {
-        name: tuple(value) if isinstance(value, list | tuple) else value for name, value in options.items()
-    }
+        raise PlanError(f"unknown reskv option(s) {unknown}; valid options: {list(RESKV_OPTIONS)}")
     try:
+        values = {name: check_option(name, RESKV_OPTIONS[name], value) for name, value in options.items()}
         return ResidualConfig(**values)
     except (TypeError, ValueError) as error:
         raise PlanError(f"bad reskv options: {error}") from error
@@ -67,7 +84,7 @@ def method_options(
     method's registry options (``options`` holds the plan's values; defaults where absent)."""
     chosen: dict[str, Any] = {}
     if method.endswith(RESIDUAL_SUFFIX):
-        chosen.update({spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)})
+        chosen.update({name: getattr(residual, name) for name in RESKV_OPTIONS})
     for option in SPECS[base_of(method)].options:
         chosen[option.name] = options.get(option.name, option.default)
     return chosen
@@ -210,7 +227,7 @@ def parse_method(
     if overrides and not label.residual:
         raise PlanError(f"{entry!r}: ResKV options {sorted(overrides)} need a {RESIDUAL_SUFFIX} method")
     if overrides:
-        current = {spec.name: getattr(residual, spec.name) for spec in fields(ResidualConfig)}
+        current = {name: getattr(residual, name) for name in RESKV_OPTIONS}
         residual = residual_config({**current, **overrides})
     return label.method, residual, base_options
 
@@ -290,7 +307,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
     residual = residual_config(config["reskv"])
-    try:  # each registered base-method option is a top-level config key (configs/config.yaml)
+    try:  # each registered base-method option is a top-level config key (option_defaults)
         options = {name: option.check(config[name]) for name, option in OPTIONS.items()}
     except ValueError as error:
         raise PlanError(str(error)) from error

@@ -154,15 +154,10 @@ def prompt_digest(prompt_ids: Iterable[int]) -> str:
 def provenance(environment: dict[str, Any] | None = None) -> dict[str, Any]:
     """Package versions, the git commit of the code and the machine's state when a result was begun.
 
-    ``environment`` is what the runner knows of the run (device, dtype, torch threads); the start
-    time, CPU count and load average are added here, since the timings depend on them.
+    ``environment`` is what the runner knows of the machine and the run (cores, load average,
+    device, dtype, torch threads: the timings depend on them); the start time is added here.
     """
-    machine = {
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "cpu_count": os.cpu_count(),
-        "load_average": [round(load, 2) for load in os.getloadavg()],
-        **(environment or {}),
-    }
+    machine = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(environment or {})}
     versions = {"python": platform.python_version()}
     for package in RECORDED_PACKAGES:
         try:

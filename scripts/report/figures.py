@@ -3,7 +3,7 @@
     python -m scripts.report.figures [--results-dir results] [--out-dir results/figures]
 
 - ``efficiency_<backbone>``: (a) peak memory and (b) decode throughput versus context length for
-  the full cache, a baseline and +ResKV, from ``scripts.bench_efficiency``'s measurements.
+  the full cache, a baseline and +ResKV, from ``scripts.bench.efficiency``'s measurements.
 - ``budget_<backbone>_<benchmark>-<length>_<setting>``: average score versus retained budget,
   one line per method, the full cache as a horizontal line: the averages table's numbers (pairs
   on shared samples), titled with the tables' names, a note of the tasks and samples per task.
@@ -12,7 +12,7 @@
   every method at the tightest budget, (b) the share of attention mass on residual entries of
   every +ResKV method at every budget; means over samples and tasks.
 - ``evicted_keys_<backbone>``: PCA projections of the keys evicted from the main cache for chosen
-  layers and KV heads, coloured by residual cluster, from ``scripts.evicted_keys``.
+  layers and KV heads, coloured by residual cluster, from ``scripts.bench.evicted_keys``.
 
 A figure whose data is missing is named on stdout with the ``make`` target that produces it.
 """

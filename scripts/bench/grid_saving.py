@@ -1,6 +1,6 @@
 """What one shared prefill saves: a grid run against a fresh prefill per configuration.
 
-    python -m scripts.bench_grid [run.py overrides ...]   # on top of DEFAULT_OVERRIDES
+    python -m scripts.bench.grid_saving [run.py overrides ...]   # on top of DEFAULT_OVERRIDES
 
 Runs the same plan twice in this process into scratch result directories: once as run.py does
 (each sample prefilled once for the whole grid) and once with ``share_prefill=false`` (a new

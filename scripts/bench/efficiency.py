@@ -1,6 +1,6 @@
 """Peak memory and decode throughput versus context length (fig:analysis (a) and (b)).
 
-    python -m scripts.bench_efficiency [--backbone smollm2-135m] [--lengths 1024 2048 4096 8192]
+    python -m scripts.bench.efficiency [--backbone smollm2-135m] [--lengths 1024 2048 4096 8192]
         [--methods full snapkv snapkv+reskv] [--ratio 0.9] [--new-tokens 32] [--results-dir results]
 
 For every (context length, method): prefill a random-token prompt of that length, compress,
@@ -9,8 +9,8 @@ decodes the same amount), and record the peak memory of the whole request. The d
 inverse of the median step time over ``--new-tokens`` greedy steps in which all methods' caches,
 compressed from one more prefill, take turns (A B C A B C ...), so drifts in the machine's speed
 hit all methods alike.
-Peak memory is CUDA's max allocated bytes on a GPU; on CPU, where no allocator statistics exist,
-it is the process's peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``
+Peak memory is ``scripts.measure.peak_memory``'s: CUDA's max allocated bytes on a GPU; on CPU,
+where no allocator statistics exist, the process's peak resident set size (``VmHWM``, reset
 before each request), which includes the model weights. A request that runs out of memory is
 recorded as None (a gap in the figure). Report: ``<results-dir>/runs/_bench/efficiency_<backbone>.json``.
 """
@@ -29,36 +29,14 @@ import torch
 from baselines import build_method
 from reskv.backbones import Backbone, load_backbone
 from reskv.engine import Prefill
-from scripts.bench_engine import decode_seconds_per_token, machine_header
-
-PROC_STATUS = Path("/proc/self/status")
-PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+from scripts.bench.engine import decode_seconds_per_token
+from scripts.measure import machine_header, peak_memory, peak_memory_kind, random_prompt
 
 
-def memory_kind(backbone: Backbone) -> str:
-    return "CUDA max allocated" if backbone.device.type == "cuda" else "peak RSS"
-
-
-def reset_peak_memory(backbone: Backbone) -> None:
-    if backbone.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(backbone.device)
-    else:
-        PROC_CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-
-
-def peak_memory(backbone: Backbone) -> int:
-    if backbone.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(backbone.device)
-    line = next(line for line in PROC_STATUS.read_text().splitlines() if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
-def random_prompt(backbone: Backbone, length: int, seed: int) -> list[int]:
+def random_token_prompt(backbone: Backbone, length: int, seed: int) -> list[int]:
     """Token ids drawn uniformly from the vocabulary minus special tokens (fixed seed)."""
     special = set(backbone.tokenizer.all_special_ids)
-    vocabulary = torch.tensor([i for i in range(len(backbone.tokenizer)) if i not in special])
-    generator = torch.Generator().manual_seed(seed)
-    return vocabulary[torch.randint(len(vocabulary), (length,), generator=generator)].tolist()
+    return random_prompt([i for i in range(len(backbone.tokenizer)) if i not in special], length, seed)
 
 
 def measure(
@@ -75,17 +53,17 @@ def measure(
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     rows = []
     for length in lengths:
-        prompt = random_prompt(backbone, length, seed)
+        prompt = random_token_prompt(backbone, length, seed)
         methods = {name: build_method(name, ratio, seed=seed) for name in names}
         at_length = {}
         for name, method in methods.items():
             gc.collect()
-            reset_peak_memory(backbone)
             try:
-                prefill = Prefill(unstoppable, prompt, length, [method])
-                generation = prefill.generate(method, "aware", max_new_tokens=new_tokens)
+                with peak_memory(backbone.device) as peak:
+                    prefill = Prefill(unstoppable, prompt, length, [method])
+                    generation = prefill.generate(method, "aware", max_new_tokens=new_tokens)
                 at_length[name] = {
-                    "peak_memory_bytes": peak_memory(backbone),
+                    "peak_memory_bytes": peak.bytes,
                     "prefill_s": prefill.timings["prefill_s"],
                     **generation.timings,
                 }
@@ -128,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "ratio": args.ratio,
                 "new_tokens": args.new_tokens,
                 "decode_rate": "1 / median of new_tokens lockstep greedy steps (decode_s: the request's own)",
-                "memory_kind": memory_kind(backbone),
+                "memory_kind": peak_memory_kind(backbone.device),
                 "machine": {**machine, "end": machine_header()},  # cores, threads, torch, load, matmul rate
                 "rows": rows,
             },

@@ -1,7 +1,7 @@
 """Keys evicted from the main cache and their residual clusters (fig:analysis (c) and (d)).
 
-    python -m scripts.evicted_keys [--backbone smollm2-135m] [--task niah_single_2] [--length 4096]
-        [--method snapkv+reskv] [--ratio 0.9] [--heads 4:0 20:1] [--results-dir results]
+    python -m scripts.bench.evicted_keys [--backbone smollm2-135m] [--task niah_single_2]
+        [--length 4096] [--method snapkv+reskv] [--ratio 0.9] [--heads 4:0 20:1] [--results-dir results]
 
 Prefills one RULER prompt's context (the query-agnostic cache), compresses every layer with the
 method and, for each chosen (layer, KV head), stores the PCA projection of the evicted keys (the

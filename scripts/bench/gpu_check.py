@@ -1,6 +1,6 @@
 """The GPU path in one command: CUDA correctness against the CPU, then efficiency at 8B scale.
 
-    python -m scripts.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
+    python -m scripts.bench.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
@@ -12,10 +12,11 @@ layer's total). Each configuration also decodes a few tokens end to end on the d
 
 Efficiency: randomly initialised models of the paper's backbones' shapes (memory and speed do not
 depend on the weights), bf16. Per context length one prefill serves every (method, ratio);
-for each it records the prefill's and the compression + decode's peak allocated memory
-(``torch.cuda.max_memory_allocated``, reset per phase; the request's peak is the larger of the
-two, since the prefilled cache stays alive while a compressed copy decodes), the compression
-time, and the decode rate over ``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
+for each it records the prefill's and the compression + decode's peak memory
+(``scripts.measure.peak_memory``: CUDA's max allocated bytes, reset per phase, or on the CPU the
+peak resident set size; the request's peak is the larger of the two, since the prefilled cache
+stays alive while a compressed copy decodes), the compression time, and the decode rate over
+``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
@@ -29,8 +30,6 @@ import datetime
 import gc
 import importlib.util
 import json
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
 from reskv.compress import compress_layer
 from reskv.config import SETTINGS, DecodeRule
 from reskv.engine import Prefill
+from scripts.measure import machine, peak_memory, peak_memory_kind, random_prompt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (shape, query heads, KV heads): both architectures, GQA group sizes 1 and 4.
@@ -141,8 +141,7 @@ def check_model(
 ) -> list[dict]:
     """Rows of the correctness report for one tiny model: every method, ratio, setting and dtype."""
     reference_model = tiny_model(shape, heads, kv_heads)
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(1, 512, (CHECK_PROMPT,), generator=generator).tolist()
+    prompt = random_prompt(range(1, 512), CHECK_PROMPT, seed=1)
     context_length = CHECK_PROMPT - CHECK_QUESTION
     all_methods = [build_method(name, 0.9) for name in methods]
     reference = Prefill(reference_model, prompt, context_length, all_methods)
@@ -224,11 +223,6 @@ def passed(row: dict) -> bool:
     return ok
 
 
-def random_prompt(vocab_size: int, length: int, seed: int = 42) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -238,16 +232,6 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_bytes(device: torch.device) -> int | None:
-    """CUDA's max allocated bytes since the last reset; None on the CPU (no allocator statistics)."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -271,36 +255,34 @@ def efficiency_rows(
         # The longest setting is the backbone's whole window: prompt plus answer fill its positions.
         length = min(length, config.max_position_embeddings - new_tokens)
         base = {"shape": backbone.name, "length": length}
-        prompt = random_prompt(config.vocab_size, length)
+        prompt = random_prompt(range(1, config.vocab_size), length, seed=42)
         release_memory(device)
-        reset_peak(device)
         try:
-            synchronize(device)
-            started = time.perf_counter()
-            prefill = Prefill(unstoppable, prompt, length, list(methods.values()))
-            synchronize(device)
-            prefill_s = time.perf_counter() - started
+            with peak_memory(device) as prefill_peak:
+                synchronize(device)
+                started = time.perf_counter()
+                prefill = Prefill(unstoppable, prompt, length, list(methods.values()))
+                synchronize(device)
+                prefill_s = time.perf_counter() - started
         except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
             rows += [{**base, "method": n, "ratio": r, "status": "OOM"} for n, r in configurations]
             continue
-        prefill_peak = peak_bytes(device)
         # Kernel selection and allocator warm-up happen on a first call: keep them out of the rows.
         prefill.generate(build_method("snapkv", ratios[0]), "aware", max_new_tokens=2)
         for name, ratio in configurations:
             row = {**base, "method": name, "ratio": ratio, "prefill_s": prefill_s}
             gc.collect()
-            reset_peak(device)
             try:
-                generation = prefill.generate(methods[name, ratio], "aware", max_new_tokens=new_tokens)
-                synchronize(device)
+                with peak_memory(device) as decode_peak:
+                    generation = prefill.generate(methods[name, ratio], "aware", max_new_tokens=new_tokens)
+                    synchronize(device)
             except RuntimeError as error:
                 if not is_out_of_memory(error):
                     raise
                 rows.append({**row, "status": "OOM"})
                 continue
-            decode_peak = peak_bytes(device)
             slots = sum(sum(layer) for layer in generation.cache_stats["slots"])
             rows.append(
                 {
@@ -310,9 +292,9 @@ def efficiency_rows(
                     "decode_tokens_per_s": generation.timings["decode_tokens"]
                     / generation.timings["decode_s"],
                     "cache_bytes_after_decode": 2 * slots * config.head_dim * item_bytes,
-                    "prefill_peak_bytes": prefill_peak,
-                    "decode_peak_bytes": decode_peak,
-                    "request_peak_bytes": None if decode_peak is None else max(prefill_peak, decode_peak),
+                    "prefill_peak_bytes": prefill_peak.bytes,
+                    "decode_peak_bytes": decode_peak.bytes,
+                    "request_peak_bytes": max(prefill_peak.bytes, decode_peak.bytes),
                     "residual_heads": sum(
                         sum(size > 0 for size in layer)
                         for layer in generation.cache_stats.get("residual_slots", [])
@@ -323,26 +305,15 @@ def efficiency_rows(
     return rows
 
 
-def machine() -> dict:
-    """What ran the check: GPU, driver, versions, date."""
-    import transformers
-
+def check_machine(device: str) -> dict:
+    """What ran the check (``scripts.measure.machine``), the date, the peak memory's kind and the
+    attention path of exact layers."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cuda_available": torch.cuda.is_available(),
+        **machine(),
         "flash_attn_importable": importlib.util.find_spec("flash_attn") is not None,
+        "memory_kind": peak_memory_kind(device),
     }
-    if torch.cuda.is_available():
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        info |= {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda}
     # Exact layers of half-precision CUDA runs use FlashAttention-2 when it imports (reskv.cache).
     info["attention_path"] = (
         "flash_attention_2 (half precision), sdpa (fp32)"
@@ -353,7 +324,7 @@ def machine() -> dict:
 
 
 PANELS = (
-    ("request_peak_bytes", 2**-30, "peak allocated (GiB)", "Peak memory per request (prefill included)"),
+    ("request_peak_bytes", 2**-30, "peak memory (GiB)", "Peak memory per request (prefill included)"),
     ("cache_bytes_after_decode", 2**-30, "KV slots x 2 x head dim (GiB)", "KV cache after decoding"),
     ("decode_tokens_per_s", 1, "decode tokens / s", "Decode throughput"),
 )
@@ -466,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1) + "\n")
         plot(report, args.out)
         return 0 if report.get("correctness_passed", True) else 1
-    report = {"machine": machine(), "correctness": [], "efficiency": []}
+    report = {"machine": check_machine(device), "correctness": [], "efficiency": []}
 
     def save() -> None:
         path.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,30 +1,29 @@
 """Engine speed figures on the embedded model, every ratio measured within one run (issue 8).
 
-    python -m scripts.bench_engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
+    python -m scripts.bench.engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
 
-Prints a header (cores, threads, torch, load average, the fp32 matmul rate of the moment), then per
-prompt length and ratio: the prefill time; ResKV construction (``snapkv+reskv`` compression minus
-``snapkv`` compression: validation proxy, k-means and final entries over all layers and heads) and
-its share of the prefill (target <= 10%); the same two in floating-point operations
-(``torch.utils.flop_counter``): the share construction would take at the prefill's FLOP rate (its
-smaller matmuls reach less), so kernel tuning alone cannot bring the time share much below it;
-decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.05x) and the full cache. A
-second table isolates what the entries cost a decode step: one layer's ``joint_attention`` over the
-budget's slots, main cache only against ``r = 0.1 b`` of them residual entries (random tensors of
-the model's shapes, hundreds of interleaved calls, so far less noisy than whole decode steps). Last,
-``reskv.compress.kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient
-MiB and seconds on this machine). Decode steps alternate between methods one token at a time (A B C
-A B C ...) so machine noise hits all alike; a step's time is the median over ``--decode-tokens``
-steps. Then the op and host-device sync counts of a whole-prompt compression at Llama-3.1-8B's
-attention shape (``scripts.construction_counts``: what a GPU's host pays, issue 22) and the model of
-its k-means distance launches at 131K tokens.
+Prints a header (``scripts.measure.machine_header``: cores, threads, torch, load average, the fp32
+matmul rate of the moment), then per prompt length and ratio: the prefill time; ResKV construction
+(``snapkv+reskv`` compression minus ``snapkv`` compression: validation proxy, k-means and final
+entries over all layers and heads) and its share of the prefill (target <= 10%); the same two in
+floating-point operations (``torch.utils.flop_counter``): the share construction would take at the
+prefill's FLOP rate (its smaller matmuls reach less), so kernel tuning alone cannot bring the time
+share much below it; decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.05x) and
+the full cache. A second table isolates what the entries cost a decode step: one layer's
+``joint_attention`` over the budget's slots, main cache only against ``r = 0.1 b`` of them residual
+entries (random tensors of the model's shapes, hundreds of interleaved calls, so far less noisy
+than whole decode steps). Last, ``kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K
+tokens (peak transient MiB and seconds on this machine). Decode steps alternate between methods
+one token at a time (A B C A B C ...) so machine noise hits all alike; a step's time is the median
+over ``--decode-tokens`` steps. Then the op and host-device sync counts of a whole-prompt
+compression at Llama-3.1-8B's attention shape (``scripts.bench.construction_counts``: what a GPU's
+host pays, issue 22) and the model of its k-means distance launches at 131K tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import time
 
@@ -36,11 +35,11 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from baselines import build_method
 from reskv.attention import joint_attention
 from reskv.backbones import load_backbone
-from reskv.compress import kmeans_peak_memory
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import Method, Prefill
-from reskv.residual import residual_size
-from scripts.construction_counts import COUNTED_METHODS, counts_table, launches_table
+from reskv.residual import build_residual, residual_size
+from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
+from scripts.measure import machine_header, peak_allocated
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -120,29 +119,42 @@ def attention_step_seconds(backbone, slots: int, entries: int, calls: int = 300)
     return tuple(statistics.median(seconds) for _, _, seconds in runs.values())
 
 
-def reference_gflops(size: int = 1024, repeats: int = 5) -> float:
-    """This machine's fp32 matmul rate right now: the median of ``repeats`` products of two
-    ``size``-square matrices. On a shared host it drifts by tens of percent within minutes without
-    the load average showing it (2048-square products on the 2-core machine of issue 8: 83-126
-    GFLOP/s over one minute, 160 a few minutes later, load average below 2 throughout), so a header
-    printed at the start and at the end of a run tells whether its rows were timed alike."""
-    left, right = torch.randn(size, size), torch.randn(size, size)
-    seconds = []
-    for _ in range(repeats):
+def kmeans_peak_memory(
+    seq_len: int = 32768,
+    ratio: float = 0.6,
+    residual_ratio: float = 0.2,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+) -> dict:
+    """Peak transient memory and time of one layer's residual clustering on random tensors.
+
+    Defaults: a Llama-3.1-8B-shaped layer (8 KV heads, head dim 128) at 32K tokens, ratio 0.6,
+    and the largest residual the grid allows (``r = 0.2 b``), every head evicting ``s - b`` tokens.
+    The peak is what ``build_residual`` holds allocated beyond its inputs
+    (``scripts.measure.peak_allocated``). Returns ``{"peak_bytes", "seconds", "points", "entries"}``
+    (points and entries per head).
+    """
+    generator = torch.Generator(device=device).manual_seed(0)
+    keys = torch.randn(num_kv_heads, seq_len, head_dim, generator=generator, device=device).to(dtype)
+    values = torch.randn(num_kv_heads, seq_len, head_dim, generator=generator, device=device).to(dtype)
+    scores = torch.rand(num_kv_heads, seq_len, generator=generator, device=device)
+    budget = budget_for(seq_len, ratio)
+    evicted = scores.argsort(dim=-1).argsort(dim=-1) < seq_len - budget  # the lowest-scored s - b tokens
+    sizes = torch.full((num_kv_heads,), residual_size(residual_ratio, budget), device=device)
+    with peak_allocated(device) as peak:
         start = time.perf_counter()
-        torch.mm(left, right)
-        seconds.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(seconds) / 1e9
-
-
-def machine_header() -> str:
-    """Cores, torch threads, torch version, load average and the matmul rate of the moment: what a
-    reader needs to judge timings."""
-    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    return (
-        f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"load average {load} (1/5/15 min), fp32 matmul {reference_gflops():.0f} GFLOP/s (1024-square)"
-    )
+        entries = build_residual(keys, values, evicted, scores, sizes, iterations=4)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return {
+        "peak_bytes": peak.bytes,
+        "seconds": seconds,
+        "points": seq_len - budget,
+        "entries": int(entries.entries_per_head.max()),
+    }
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Ops and syncs of one whole-prompt compression at Llama-3.1-8B's attention shape (issue 22).
 
-    python -m scripts.construction_counts --lengths 4096 32768
+    python -m scripts.bench.construction_counts --lengths 4096 32768
 
 ``Prefill.compressed`` runs ``Method.compress`` over a prefilled cache; here the cache is filled with
 random keys, values and observed queries of the shape the 8B model's prefill leaves (32 layers,
@@ -27,7 +27,7 @@ from reskv.cache import ObservedLayer, ResKVCache
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import LAYER_BATCH_BYTES
 from reskv.residual import DEVICE_MEMORY_SHARE, DISTANCE_CHUNK_BYTES, residual_size
-from scripts.dispatch_counts import count_dispatch
+from scripts.bench.dispatch_counts import count_dispatch
 
 LLAMA_ATTENTION = dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
 COUNTED_METHODS = ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova", "tova+reskv", "h2o", "h2o+reskv")

@@ -1,0 +1,1 @@
+"""The benchmarks and measurement tools, each a command (``python -m scripts.bench.<name>``)."""

@@ -1,0 +1,156 @@
+"""What every measurement shares: the machine it ran on, peak memory and random prompts.
+
+The benchmarks and tools of ``scripts.bench`` (``gpu_check`` among them) and the runner's
+provenance block (``scripts.harness.grid``) all take these from here, so two reports of one
+quantity are measured the same way:
+
+- ``machine``: cores, torch threads, load average, versions and the GPU; ``machine_header`` prints
+  it with the matmul rate of the moment, for tables of timings;
+- ``peak_memory``: the process's peak during a block (CUDA's max allocated bytes, or on CPU the
+  peak resident set size), what a request needs to fit; ``peak_allocated``: the most bytes a
+  block itself held allocated at once beyond what it started with, what an algorithm adds;
+- ``random_prompt``: token ids drawn uniformly from a vocabulary with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+PROC_STATUS = Path("/proc/self/status")
+PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages, to two decimals."""
+    return [round(load, 2) for load in os.getloadavg()]
+
+
+def machine() -> dict[str, Any]:
+    """What ran a measurement: CPU cores, torch threads, load average, versions and, with CUDA,
+    the GPU, its driver and CUDA version."""
+    info = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": load_average(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if info["cuda_available"]:
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        info |= {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda}
+    return info
+
+
+def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate right now: the median of ``repeats`` products of two
+    ``size``-square matrices. On a shared host it drifts by tens of percent within minutes without
+    the load average showing it (2048-square products on the 2-core machine of issue 8: 83-126
+    GFLOP/s over one minute, 160 a few minutes later, load average below 2 throughout), so a header
+    printed at the start and at the end of a run tells whether its rows were timed alike."""
+    left, right = torch.randn(size, size), torch.randn(size, size)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(left, right)
+        seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(seconds) / 1e9
+
+
+def machine_header() -> str:
+    """Cores, torch threads, torch version, load average and the matmul rate of the moment: what a
+    reader needs to judge timings."""
+    info = machine()
+    load = " ".join(f"{value:.2f}" for value in info["load_average"])
+    return (
+        f"{info['cpu_count']} cores, {info['torch_threads']} torch threads, torch {info['torch']}, "
+        f"load average {load} (1/5/15 min), fp32 matmul {matmul_gflops():.0f} GFLOP/s (1024-square)"
+    )
+
+
+@dataclass
+class MemoryPeak:
+    """What a peak-memory block measured: ``bytes`` is set when the block ends (None if it raised)."""
+
+    bytes: int | None = None
+
+
+def peak_memory_kind(device: torch.device | str) -> str:
+    """What ``peak_memory`` measures on ``device``, for a report to name."""
+    return "CUDA max allocated" if torch.device(device).type == "cuda" else "peak RSS"
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device | str) -> Iterator[MemoryPeak]:
+    """``with peak_memory(device) as peak: ...``: the process's peak memory during the block.
+
+    On CUDA the allocator's max allocated bytes (``torch.cuda.max_memory_allocated``, reset at
+    entry); on CPU, which keeps no allocator statistics, the peak resident set size (``VmHWM``,
+    reset to the current size through ``/proc/self/clear_refs``, Linux >= 4.0). Both count the
+    model weights and whatever else the process holds.
+    """
+    device, peak = torch.device(device), MemoryPeak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield peak
+        peak.bytes = torch.cuda.max_memory_allocated(device)
+        return
+    PROC_CLEAR_REFS.write_text("5")
+    yield peak
+    line = next(line for line in PROC_STATUS.read_text().splitlines() if line.startswith("VmHWM:"))
+    peak.bytes = int(line.split()[1]) * 1024
+
+
+@contextlib.contextmanager
+def peak_allocated(device: torch.device | str) -> Iterator[MemoryPeak]:
+    """``with peak_allocated(device) as peak: ...``: the most bytes the block held allocated at
+    once beyond what was allocated when it began (its transient memory, inputs excluded).
+
+    On CUDA from the allocator's statistics; on CPU from the profiler's allocation and free
+    events (``profile_memory=True``), summed in time order.
+    """
+    device, peak = torch.device(device), MemoryPeak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        yield peak
+        peak.bytes = torch.cuda.max_memory_allocated(device) - baseline
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+        yield peak
+    allocations = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in profile.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    peak.bytes = max(itertools.accumulate(nbytes for _, nbytes in allocations), default=0)
+
+
+def random_prompt(vocabulary: Sequence[int], length: int, seed: int) -> list[int]:
+    """``length`` token ids drawn uniformly from ``vocabulary`` with a fixed seed.
+
+    For a range ``range(low, high)`` the ids equal ``torch.randint(low, high, ...)``'s under the
+    same seed (both take ``low + draw % (high - low)``)."""
+    ids = torch.tensor(list(vocabulary))
+    generator = torch.Generator().manual_seed(seed)
+    return ids[torch.randint(len(ids), (length,), generator=generator)].tolist()
