@@ -30,7 +30,7 @@ DISTANCE_CHUNK_BYTES = 4 << 20
 # On CUDA a block is one GEMM launch and one argmin, ~23 us of host time each whatever their size
 # (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per layer at 131K tokens. There the
 # block is an eighth of the device's memory (10 GiB on an 80 GB H100): one launch per Lloyd step up
-# to 131K tokens at the 8B shape (``scripts.construction_counts`` prints the model).
+# to 131K tokens at the 8B shape (``scripts.bench.construction_counts`` prints the model).
 DEVICE_MEMORY_SHARE = 8
 
 

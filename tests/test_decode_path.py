@@ -8,7 +8,7 @@ import torch
 from baselines import build_method
 from reskv.cache import CompressedLayer
 from reskv.engine import Prefill, static_cache
-from scripts.dispatch_counts import count_dispatch
+from scripts.bench.dispatch_counts import count_dispatch
 from tests.conftest import cached_tiny_backbone, random_prompt
 
 DECODED_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv+reskv")

@@ -10,14 +10,15 @@ floating-point operations (``torch.utils.flop_counter``): the share construction
 prefill's FLOP rate (its smaller matmuls reach less), so kernel tuning alone cannot bring the time
 share much below it; decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.05x) and
 the full cache. A second table isolates what the entries cost a decode step: one layer's
-``joint_attention`` over the budget's slots, main cache only against ``r = 0.1 b`` of them residual
+``shared_softmax_attention`` over the budget's slots, main cache only against ``r = 0.1 b`` of them residual
 entries (random tensors of the model's shapes, hundreds of interleaved calls, so far less noisy
 than whole decode steps). Last, ``kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K
 tokens (peak transient MiB and seconds on this machine). Decode steps alternate between methods
 one token at a time (A B C A B C ...) so machine noise hits all alike; a step's time is the median
 over ``--decode-tokens`` steps. Then the op and host-device sync counts of a whole-prompt
 compression at Llama-3.1-8B's attention shape (``scripts.bench.construction_counts``: what a GPU's
-host pays, issue 22) and the model of its k-means distance launches at 131K tokens.
+host pays, issue 22), the model of its k-means distance launches at 131K tokens, and the same
+counts for one decoded token (``scripts.bench.decode_counts``, issue 24).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from rich.table import Table
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from baselines import build_method
-from reskv.attention import joint_attention
+from reskv.attention import shared_softmax_attention
 from reskv.backbones import load_backbone
 from reskv.config import ResidualConfig, budget_for
-from reskv.engine import Method, Prefill
+from reskv.engine import Method, Prefill, static_cache
 from reskv.residual import build_residual, residual_size
 from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
+from scripts.bench.decode_counts import DECODE_COUNTED_METHODS, decode_counts_table
 from scripts.measure import machine_header, peak_allocated
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -88,7 +90,7 @@ def decode_seconds_per_token(prefill: Prefill, methods: dict[str, Method], token
     full cache's first answer token and then follows its own greedy choice, as ``Prefill.generate``
     would."""
     first_token = prefill.generate(build_method("full"), "aware", 1).token_ids[0]
-    caches = {name: prefill.compressed(method, "aware")[0] for name, method in methods.items()}
+    caches = {name: decode_cache(prefill, method, tokens) for name, method in methods.items()}
     next_tokens = dict.fromkeys(methods, first_token)
     samples = {name: [] for name in methods}
     for _ in range(tokens):
@@ -99,9 +101,17 @@ def decode_seconds_per_token(prefill: Prefill, methods: dict[str, Method], token
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def decode_cache(prefill: Prefill, method: Method, tokens: int):
+    """The cache ``Prefill.generate`` decodes ``tokens`` tokens with for ``method`` (query-aware)."""
+    cache, _ = prefill.compressed(method, "aware")
+    cache.reserve(tokens)
+    return static_cache(cache, tokens)
+
+
 def attention_step_seconds(backbone, slots: int, entries: int, calls: int = 300) -> tuple[float, float]:
-    """Median seconds of one decode step's ``joint_attention`` for one layer of ``backbone``'s shapes
-    over ``slots`` slots: all main cache, and ``entries`` of them residual entries (calls interleaved)."""
+    """Median seconds of one decode step's attention (``shared_softmax_attention``) for one layer of
+    ``backbone``'s shapes over ``slots`` slots: all main cache, and ``entries`` of them residual entries
+    (calls interleaved)."""
     config, head_dim = backbone.model.config, backbone.head_dim
     num_kv_heads = config.num_key_value_heads
     queries = torch.randn(num_kv_heads, config.num_attention_heads // num_kv_heads, head_dim)
@@ -114,7 +124,7 @@ def attention_step_seconds(backbone, slots: int, entries: int, calls: int = 300)
     for _ in range(calls):
         for residual_slots, bias, seconds in runs.values():
             start = time.perf_counter()
-            joint_attention(queries, keys, values, bias, residual_slots, scaling, rule)
+            shared_softmax_attention(queries, keys, values, bias, residual_slots, scaling, rule)
             seconds.append(time.perf_counter() - start)
     return tuple(statistics.median(seconds) for _, _, seconds in runs.values())
 
@@ -180,7 +190,9 @@ def main() -> None:
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # decode timing needs a first answer token
     table = Table(title="Engine speed, SmolLM2-135M (medians; ratios within one run)")
-    steps = Table(title="Decode attention, one layer and step (joint_attention, medians of 300 calls)")
+    steps = Table(
+        title="Decode attention, one layer and step (shared_softmax_attention, medians of 300 calls)"
+    )
     for column in (
         "prompt tokens",
         "ratio",
@@ -263,6 +275,7 @@ def main() -> None:
     console.print(steps)
     if args.count_lengths:
         console.print(counts_table(args.count_lengths, 0.9, list(COUNTED_METHODS)))
+        console.print(decode_counts_table(args.count_lengths, 0.9, list(DECODE_COUNTED_METHODS)))
         console.print(launches_table(131072, 0.9))
     if not args.skip_memory:
         memory = kmeans_peak_memory()

@@ -1,10 +1,10 @@
 """Ops and host-device syncs of one decoded token at Llama-3.1-8B's attention shape (issue 24).
 
-    python -m scripts.decode_counts --lengths 4096 32768
+    python -m scripts.bench.decode_counts --lengths 4096 32768
 
 A 32-layer Llama with the 8B model's attention (32 query heads, 8 KV heads, head dim 128) but tiny
 hidden and MLP widths decodes one token over a cache compressed from random keys and values
-(``scripts.construction_counts.synthetic_prefilled_cache``): the ops a decode step issues depend on
+(``scripts.bench.construction_counts.synthetic_prefilled_cache``): the ops a decode step issues depend on
 the layers and the attention path, not on the widths. Every method decodes through the cache
 ``Prefill.generate`` decodes (``reskv.engine.static_cache``), eagerly.
 """
@@ -21,8 +21,8 @@ from baselines import build_method
 from reskv.backbones import random_backbone
 from reskv.cache import CACHE_KWARG
 from reskv.engine import static_cache
-from scripts.construction_counts import LLAMA_ATTENTION, synthetic_prefilled_cache
-from scripts.dispatch_counts import count_dispatch
+from scripts.bench.construction_counts import LLAMA_ATTENTION, synthetic_prefilled_cache
+from scripts.bench.dispatch_counts import count_dispatch
 
 DECODE_COUNTED_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 
