@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (reskv.md)
+# How a generation decodes: one eager forward per token, or one compiled graph per token
+# (``reskv.engine.compiled_step``).
+DECODE_MODES = ("eager", "compiled")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch import Tensor
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
 from reskv.compress import compress_layers
-from reskv.config import SETTINGS, DecodeRule, ResidualConfig
+from reskv.config import DECODE_MODES, SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
 from reskv.scoring import LayerObservation, TokenScorer
@@ -38,8 +38,6 @@ LAYER_BATCH_BYTES = 4 << 30
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
 # the validation proxy (96 fit + 32 validation).
 DEFAULT_OBSERVATION_WINDOW = 128
-# How a generation decodes: one eager forward per token, or one compiled graph per token (``compiled_step``).
-DECODE_MODES = ("eager", "compiled")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,8 +13,10 @@ from baselines import build_method
 from reskv.cache import CompressedLayer
 from reskv.engine import Prefill, static_cache
 from scripts.bench.dispatch_counts import count_dispatch
-from tests.conftest import cached_tiny_backbone, random_prompt
+from scripts.measure import random_prompt
+from tests.conftest import TINY_RUN, TOKENS, cached_tiny_backbone
 
+ROOT = Path(__file__).resolve().parent.parent
 DECODED_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv+reskv")
 FORCED = [17, 905, 3, 2211, 64, 7]  # tokens fed one at a time, whatever the model would choose
 
@@ -18,7 +24,9 @@ FORCED = [17, 905, 3, 2211, 64, 7]  # tokens fed one at a time, whatever the mod
 @pytest.fixture(scope="module")
 def prefill() -> Prefill:
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
-    return Prefill(backbone, random_prompt(300, seed=3), 270, [build_method(m, 0.7) for m in DECODED_METHODS])
+    return Prefill(
+        backbone, random_prompt(TOKENS, 300, seed=3), 270, [build_method(m, 0.7) for m in DECODED_METHODS]
+    )
 
 
 def decode_cache(prefill: Prefill, name: str):
@@ -59,3 +67,24 @@ def test_the_compiled_step_gives_the_eager_logits(prefill, name):
         for mode in ("eager", "compiled")
     }
     assert generated["compiled"].token_ids == generated["eager"].token_ids
+
+
+@pytest.mark.slow
+def test_the_runner_decodes_compiled_when_asked_and_records_it(tmp_path):
+    """``decode=compiled`` reaches every generation: the same answers as ``decode=eager`` and the mode
+    in each result file's provenance."""
+    answers = {}
+    for mode in ("eager", "compiled"):
+        command = [
+            *TINY_RUN,
+            "method=[full,snapkv+reskv]",
+            "ratio=0.7",
+            f"decode={mode}",
+            f"results_dir={tmp_path / mode}",
+        ]
+        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+        for path in sorted((tmp_path / mode / "runs").rglob("*.json")):
+            result = json.loads(path.read_text())
+            assert result["provenance"]["machine"]["decode"] == mode
+            answers.setdefault(mode, []).append([sample["prediction"] for sample in result["samples"]])
+    assert len(answers["eager"]) == 2 and answers["compiled"] == answers["eager"]

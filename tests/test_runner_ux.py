@@ -87,6 +87,7 @@ def test_help_lists_what_can_be_run():
     [
         ("backbone=nope", "unknown backbone 'nope'; choose from ['llama3.1-8b-instruct'"),
         ("method=nope", "unknown method 'nope'; choose from ['full'"),
+        ("decode=fast", "unknown decode mode 'fast'; choose from ['eager', 'compiled']"),
     ],
 )
 def test_bad_values_fail_cleanly_and_leave_no_log_directory(argument, expected, tmp_path):

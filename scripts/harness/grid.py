@@ -159,7 +159,7 @@ class GridRun:
     def environment(self) -> dict[str, Any]:
         """Where this run's timings were taken (stored in each new result file's provenance): the
         machine's cores, load average and torch threads (``scripts.measure.machine``), the model's
-        device and dtype."""
+        device and dtype, and the decode mode."""
         from scripts.measure import machine
 
         facts, model = machine(), self.backbone.model
@@ -169,6 +169,7 @@ class GridRun:
             "device": str(model.device),
             "dtype": str(model.dtype).removeprefix("torch."),
             "torch_threads": facts["torch_threads"],
+            "decode": self.plan.decode,
         }
 
     def open(self) -> int:
@@ -309,6 +310,7 @@ class GridRun:
                 stop_token_ids=item.stop_token_ids,
                 min_new_tokens=min(item.min_new_tokens, max_new_tokens),
                 answer_ids=answer_ids,
+                decode=self.plan.decode,
             )
             score = benchmarks.score_item(item, generation.text)
             self._file(

@@ -32,7 +32,7 @@ from baselines.registry import (
     check_option,
 )
 from benchmarks.item import Item
-from reskv.config import SETTINGS, ResidualConfig
+from reskv.config import DECODE_MODES, SETTINGS, ResidualConfig
 from scripts.harness.records import MethodLabel
 from scripts.harness.store import ResultKey
 
@@ -152,6 +152,7 @@ class Plan:
     share_prefill: bool
     max_new_tokens: int | None
     results_dir: Path
+    decode: str = "eager"  # reskv.config.DECODE_MODES
     grid: tuple[GridEntry, ...] = field(default=())
     quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)
 
@@ -303,6 +304,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         raise PlanError(
             f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
         )
+    _choose("decode mode", [config["decode"]], DECODE_MODES)
     quality = backbone.get("quality", False)
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
@@ -331,6 +333,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         share_prefill=bool(config["share_prefill"]),
         max_new_tokens=max_new_tokens,
         results_dir=Path(config["results_dir"]),
+        decode=config["decode"],
         grid=build_grid(methods, ratios, settings, residual, options),
         quality=quality,
     )
