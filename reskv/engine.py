@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from reskv.backbones import Backbone
-from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
-from reskv.compress import compress_layers
+from reskv.cache import CACHE_KWARG, CompressedLayer, ObservedLayer, ResKVCache
+from reskv.compress import CompressedLayerState, compress_layers
 from reskv.config import SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
@@ -70,24 +70,39 @@ class Method:
         Layers are compressed in batches (``layer_batches``): ResKV's own work runs once per batch."""
         if self.scorer is None:
             return cache.fork(), {"compressed": False}
-        rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
         observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
         states = []
         for batch in layer_batches(observations):
-            states += compress_layers(batch, self.scorer, self.ratio, self.residual, len(cache.layers))
-        layers, per_layer = [], []
-        for layer, observation, state in zip(cache.layers, observations, states, strict=True):
-            if state is None:
-                layers.append(layer.fork())
+            states += self.compress_batch(batch, len(cache.layers))
+        kept = [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
+        return self.assemble(kept, observations[0].seq_len)
+
+    def compress_batch(
+        self, observations: list[LayerObservation], num_layers: int
+    ) -> list[CompressedLayerState | None]:
+        """``compress_layers`` with this method's scorer, ratio and residual, in a ``num_layers`` model."""
+        return compress_layers(observations, self.scorer, self.ratio, self.residual, num_layers)
+
+    def assemble(
+        self, layers: Sequence[CompressedLayerState | ObservedLayer], seq_len: int
+    ) -> tuple[ResKVCache, dict]:
+        """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
+        covers the ``seq_len``-token prompt) and its statistics; ``layers`` are left unchanged: a
+        ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer`` is forked."""
+        rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
+        cache_layers, per_layer = [], []
+        for layer in layers:
+            if isinstance(layer, ObservedLayer):
+                cache_layers.append(layer.fork())
                 continue
-            layers.append(CompressedLayer(state, observation.seq_len, rule))
-            per_layer.append(state.stats)
+            cache_layers.append(CompressedLayer(layer, seq_len, rule))
+            per_layer.append(layer.stats)
         stats = {"compressed": bool(per_layer)}
         if per_layer:
             stats["budget"] = per_layer[0]["budget"]
             for key in ("main_slots", "residual_entries", "residual_slots"):
                 stats[key] = [layer_stats[key] for layer_stats in per_layer]
-        return ResKVCache(layers), stats
+        return ResKVCache(cache_layers), stats
 
 
 def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
