@@ -4,7 +4,9 @@
 
 - ``ObservedLayer``: an exact, growing cache (a ``DynamicLayer``) that can record, while the
   prompt is prefilled, what the scorers need: the last observation-window queries and, for
-  H2O, column sums of attention (computed in query chunks, never an ``s x s`` tensor); or
+  H2O, column sums of attention (computed in query chunks, never an ``s x s`` tensor);
+- ``CompressingLayer``: an ``ObservedLayer`` that compresses itself during its one prefill
+  forward and then drops its full keys and values (``Prefill(..., retain="compressed")``); or
 - ``CompressedLayer``: the exact main cache (ragged heads padded with masked slots) plus the
   residual entries, attended with the shared-softmax rule of ``reskv.attention``.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 from torch import Tensor
@@ -129,6 +132,44 @@ class ObservedLayer(DynamicLayer):
         return LayerObservation(
             layer_idx, self.keys[0], self.values[0], self.queries, self.accumulated, scaling
         )
+
+
+# A method's compression of a batch of layers (``compress_layers`` bound to its scorer, ratio and
+# residual); ``None`` for a layer whose budget covers the prompt.
+BatchCompressor = Callable[[list[LayerObservation]], list[CompressedLayerState | None]]
+
+
+class CompressingLayer(ObservedLayer):
+    """An ``ObservedLayer`` for one prefill forward that compresses itself as its attention runs,
+    then lets go of its full keys and values (``Prefill(..., retain="compressed")``, reskv.md,
+    "Where the full cache lives").
+
+    Right after the exact causal output the layer holds all its keys and values, the observed
+    queries and the H2O sums: what the compressors need. NVIDIA/kvpress compresses at the same
+    point with a forward hook on each attention module (``kvpress/presses/base_press.py``,
+    ``BasePress.forward_hook``); here the attention function already dispatches to this layer.
+    Each compressor gets the layer as a batch of one; ``compressed`` keeps its result under its
+    key: a ``CompressedLayerState``, or, where the budget covers the prompt, an exact
+    ``ObservedLayer`` over the full tensors (the cache ``Method.compress`` keeps then). Nothing else
+    keeps the full tensors, so they are freed when the model's attention module returns, before the
+    next layer runs; the layer cannot be fed again.
+    """
+
+    def __init__(
+        self, observation_window: int, accumulate: bool, compressors: Mapping[Hashable, BatchCompressor]
+    ):
+        super().__init__(observation_window, accumulate)
+        self.compressors = compressors
+        self.compressed: dict[Hashable, CompressedLayerState | ObservedLayer] = {}
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        output = super().attend(module, query, key, value, scaling)
+        observation = self.observation(module.layer_idx, scaling)
+        for name, compress in self.compressors.items():
+            state = compress([observation])[0]
+            self.compressed[name] = self.fork() if state is None else state
+        self.keys = self.values = self.queries = self.accumulated = None
+        return output
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -326,6 +367,17 @@ class ResKVCache(Cache):
     @classmethod
     def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> ResKVCache:
         return cls([ObservedLayer(observation_window, accumulate) for _ in range(num_layers)])
+
+    @classmethod
+    def compressing(
+        cls,
+        num_layers: int,
+        observation_window: int,
+        accumulate: bool,
+        compressors: Mapping[Hashable, BatchCompressor],
+    ) -> ResKVCache:
+        """A cache for one prefill forward that compresses each layer as it runs (``CompressingLayer``)."""
+        return cls([CompressingLayer(observation_window, accumulate, compressors) for _ in range(num_layers)])
 
     def fork(self, observation_window: int = 0, accumulate: bool = False) -> ResKVCache:
         """An exact copy to extend (more prompt tokens or decoding) without touching this one."""

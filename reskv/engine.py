@@ -10,6 +10,10 @@ with the question suffix (one more exact forward over the suffix only), then com
 query-agnostic setting compresses the context cache and feeds the suffix on top of the
 compressed cache. Compression always builds a new cache, so one prefill serves every
 (method, ratio, setting).
+
+``Prefill(..., retain="compressed")`` never holds a full cache of every layer: each setting's
+forward compresses each layer for every registered method as its attention runs and frees it
+(reskv.md, "Where the full cache lives").
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import torch
 from torch import Tensor
 
 from reskv.backbones import Backbone
-from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
-from reskv.compress import compress_layers
+from reskv.cache import CACHE_KWARG, CompressedLayer, ObservedLayer, ResKVCache
+from reskv.compress import CompressedLayerState, compress_layers
 from reskv.config import DECODE_MODES, SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
@@ -35,6 +39,9 @@ from reskv.scoring import LayerObservation, TokenScorer
 # ~23 us per op whatever its size; issue 22). 4 GiB holds all 32 layers of an 8B-shaped model up to
 # 32K tokens in bf16 (8 layers at 131K), a transient well within a GPU's memory.
 LAYER_BATCH_BYTES = 4 << 30
+# Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
+# compressed during the forward and freed ("compressed"; reskv.md, "Where the full cache lives").
+RETAIN = ("full", "compressed")
 # Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
 # the validation proxy (96 fit + 32 validation).
 DEFAULT_OBSERVATION_WINDOW = 128
@@ -71,24 +78,39 @@ class Method:
         Layers are compressed in batches (``layer_batches``): ResKV's own work runs once per batch."""
         if self.scorer is None:
             return cache.fork(), {"compressed": False}
-        rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
         observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
         states = []
         for batch in layer_batches(observations):
-            states += compress_layers(batch, self.scorer, self.ratio, self.residual, len(cache.layers))
-        layers, per_layer = [], []
-        for layer, observation, state in zip(cache.layers, observations, states, strict=True):
-            if state is None:
-                layers.append(layer.fork())
+            states += self.compress_batch(batch, len(cache.layers))
+        kept = [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
+        return self.assemble(kept, observations[0].seq_len)
+
+    def compress_batch(
+        self, observations: list[LayerObservation], num_layers: int
+    ) -> list[CompressedLayerState | None]:
+        """``compress_layers`` with this method's scorer, ratio and residual, in a ``num_layers`` model."""
+        return compress_layers(observations, self.scorer, self.ratio, self.residual, num_layers)
+
+    def assemble(
+        self, layers: Sequence[CompressedLayerState | ObservedLayer], seq_len: int
+    ) -> tuple[ResKVCache, dict]:
+        """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
+        covers the ``seq_len``-token prompt) and its statistics; ``layers`` are left unchanged: a
+        ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer`` is forked."""
+        rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
+        cache_layers, per_layer = [], []
+        for layer in layers:
+            if isinstance(layer, ObservedLayer):
+                cache_layers.append(layer.fork())
                 continue
-            layers.append(CompressedLayer(state, observation.seq_len, rule))
-            per_layer.append(state.stats)
+            cache_layers.append(CompressedLayer(layer, seq_len, rule))
+            per_layer.append(layer.stats)
         stats = {"compressed": bool(per_layer)}
         if per_layer:
             stats["budget"] = per_layer[0]["budget"]
             for key in ("main_slots", "residual_entries", "residual_slots"):
                 stats[key] = [layer_stats[key] for layer_stats in per_layer]
-        return ResKVCache(layers), stats
+        return ResKVCache(cache_layers), stats
 
 
 def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
@@ -139,7 +161,23 @@ class _FullReference:
 
 
 class Prefill:
-    """One prompt prefilled once, serving any number of (method, setting) generations."""
+    """One prompt prefilled once, serving any number of (method, setting) generations.
+
+    ``retain`` (``RETAIN``) says where the prompt is kept. "full" (the default): the context is
+    prefilled here (``timings["prefill_s"]``) and kept exact; the query-aware setting extends a
+    copy with the question on first use (``question_prefill_s``); every method compresses copies,
+    any method may be asked for, and the quality measures and ``observations`` read the full cache.
+
+    "compressed": nothing is prefilled here. A setting's first use runs one forward (the context
+    for query-agnostic, ``prefill_s``; the whole prompt for query-aware, ``prompt_prefill_s``)
+    in which each layer is compressed for every method of ``methods`` as its attention runs, then
+    freed (``reskv.cache.CompressingLayer``): no full cache of all layers ever exists, and the
+    compression time is part of that forward's. Query-agnostic states equal "full"'s bit for bit
+    (the same context forward); query-aware ones get the question's keys and values from one
+    forward instead of a context forward and a question forward, equal only up to fp rounding.
+    Only the methods given here can be asked for; the full method, the quality measures and
+    ``observations`` need "full".
+    """
 
     def __init__(
         self,
@@ -147,10 +185,17 @@ class Prefill:
         prompt_ids: Sequence[int],
         context_length: int,
         methods: Sequence[Method] = (),
+        retain: str = "full",
     ):
         prompt_ids = single_sequence(prompt_ids)
         if not 0 < context_length <= len(prompt_ids):
             raise ValueError(f"context_length {context_length} outside (0, {len(prompt_ids)}]")
+        if retain not in RETAIN:
+            raise ValueError(f"unknown retain {retain!r}; choose one of {list(RETAIN)}")
+        self.retain = retain
+        self.methods = tuple(methods)
+        if any(method.scorer is None for method in self.methods):
+            self._require_full_cache("the full method")
         self.backbone = backbone
         self.prompt_ids = prompt_ids
         self.context_length = context_length
@@ -161,12 +206,36 @@ class Prefill:
         self.accumulate = any(m.needs_accumulated_attention for m in methods)
         self.scaling = backbone.head_dim**-0.5
         self.timings: dict[str, float] = {}
-        start = time.perf_counter()
-        cache = ResKVCache.for_prefill(config.num_hidden_layers, self.observation_window, self.accumulate)
-        self._context = _PrefilledState(cache, self.next_logits(self.prompt_ids[:context_length], cache))
-        self.timings["prefill_s"] = time.perf_counter() - start
+        self._context: _PrefilledState | None = None
+        if retain == "full":
+            self._context = self._prefill(self.prompt_ids[:context_length], "prefill_s")
         self._whole_prompt: _PrefilledState | None = None
         self._full_reference: _FullReference | None = None
+
+    def _require_full_cache(self, what: str) -> None:
+        """Refuse ``what`` where the full cache is not kept."""
+        if self.retain != "full":
+            raise ValueError(
+                f"{what} needs the full cache, which Prefill(..., retain={self.retain!r}) frees layer by "
+                "layer during the prefill; use a Prefill with retain='full' (the default) for it"
+            )
+
+    def _prefill(self, token_ids: Sequence[int], timing: str) -> _PrefilledState:
+        """An exact forward over ``token_ids`` from an empty cache, timed as ``timings[timing]``: the
+        cache is kept (retain="full"), or each layer compressed for every method as it runs."""
+        start = time.perf_counter()
+        num_layers = self.backbone.model.config.num_hidden_layers
+        if self.retain == "full":
+            cache = ResKVCache.for_prefill(num_layers, self.observation_window, self.accumulate)
+        else:
+            compressors = {
+                method: functools.partial(method.compress_batch, num_layers=num_layers)
+                for method in self.methods
+            }
+            cache = ResKVCache.compressing(num_layers, self.observation_window, self.accumulate, compressors)
+        state = _PrefilledState(cache, self.next_logits(token_ids, cache))
+        self.timings[timing] = time.perf_counter() - start
+        return state
 
     def _check_positions(self, max_new_tokens: int) -> None:
         """Refuse to run past the backbone's positions (the runner checks earlier and skips)."""
@@ -193,8 +262,11 @@ class Prefill:
         return output.logits[0] if every_position else output.logits[0, -1]
 
     def _prompt_state(self) -> _PrefilledState:
-        """The whole prompt, exact: the context cache extended with the question (computed once)."""
-        if self._whole_prompt is None:
+        """The whole prompt, exact: the context cache extended with the question (computed once); with
+        retain="compressed", one forward over the whole prompt compressing as it goes."""
+        if self._whole_prompt is None and self.retain == "compressed":
+            self._whole_prompt = self._prefill(self.prompt_ids, "prompt_prefill_s")
+        elif self._whole_prompt is None:
             start = time.perf_counter()
             cache = self._context.cache.fork(self.observation_window, self.accumulate)
             question = self.prompt_ids[self.context_length :]
@@ -207,21 +279,39 @@ class Prefill:
         """What a setting compresses: the whole prompt (query-aware) or the context (query-agnostic)."""
         if setting not in SETTINGS:
             raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
-        return self._prompt_state() if setting == "aware" else self._context
+        if setting == "aware":
+            return self._prompt_state()
+        if self._context is None:  # retain="compressed": the context forward runs on first use
+            self._context = self._prefill(self.prompt_ids[: self.context_length], "prefill_s")
+        return self._context
 
     def observations(self, setting: str = "agnostic") -> list[LayerObservation]:
         """Per-layer views of the prefilled cache a setting compresses (the context for query-agnostic,
         the whole prompt for query-aware); read-only, for analyses such as the evicted-key figure."""
+        self._require_full_cache("observations()")
         layers = self._source(setting).cache.layers
         return [layer.observation(index, self.scaling) for index, layer in enumerate(layers)]
 
     def compressed(self, method: Method, setting: str = "aware") -> tuple[ResKVCache, dict]:
         """``method``'s compression of a copy of the cache ``setting`` compresses (the whole prompt
-        query-aware, the context query-agnostic: feed it the question) and its statistics."""
-        source = self._source(setting).cache
-        cache, stats = method.compress(source, self.scaling)
+        query-aware, the context query-agnostic: feed it the question) and its statistics; with
+        retain="compressed", a new cache over the states its forward stored for ``method``."""
+        seq_len = len(self.prompt_ids) if setting == "aware" else self.context_length
+        if self.retain == "full":
+            cache, stats = method.compress(self._source(setting).cache, self.scaling)
+        else:
+            if method.scorer is None:
+                self._require_full_cache("the full method")
+            if method not in self.methods:
+                raise ValueError(
+                    f"method {method.name!r} was not given to this Prefill(..., retain='compressed'), whose "
+                    "forward compresses only for the methods listed then: pass that Method object in "
+                    "Prefill(..., methods=[...])"
+                )
+            layers = self._source(setting).cache.layers
+            cache, stats = method.assemble([layer.compressed[method] for layer in layers], seq_len)
         stats["prompt_tokens"] = len(self.prompt_ids)
-        stats["compressed_tokens"] = source.layers[0].get_seq_length()
+        stats["compressed_tokens"] = seq_len
         stats["slots"] = attended_slots(cache, stats)
         return cache, stats
 
@@ -246,6 +336,8 @@ class Prefill:
         self._check_positions(max_new_tokens)
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_MODES)}")
+        if answer_ids is not None:
+            self._require_full_cache("the quality measures (answer_ids)")
         timings = {}
         start = time.perf_counter()
         cache, stats = self.compressed(method, setting)
