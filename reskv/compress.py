@@ -9,8 +9,6 @@ summarised by ``r`` k-means entries, ``r`` chosen per head by the validation pro
 
 from __future__ import annotations
 
-import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -229,58 +227,3 @@ def final_entries(
             )
         )
     return per_layer, entries.entries_per_head.reshape(len(sizes), num_heads).tolist()
-
-
-def kmeans_peak_memory(
-    seq_len: int = 32768,
-    ratio: float = 0.6,
-    residual_ratio: float = 0.2,
-    num_kv_heads: int = 8,
-    head_dim: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str = "cpu",
-) -> dict:
-    """Peak transient memory and time of one layer's residual clustering on random tensors.
-
-    Defaults: a Llama-3.1-8B-shaped layer (8 KV heads, head dim 128) at 32K tokens, ratio 0.6,
-    and the largest residual the grid allows (``r = 0.2 b``), every head evicting ``s - b`` tokens.
-    The peak is the high-water mark of memory allocated inside ``build_residual`` beyond its
-    inputs: ``torch.cuda.max_memory_allocated`` on CUDA, the profiler's allocation events on CPU.
-    Returns ``{"peak_bytes", "seconds", "points", "entries"}`` (points and entries per head).
-    """
-    generator = torch.Generator(device=device).manual_seed(0)
-    keys = torch.randn(num_kv_heads, seq_len, head_dim, generator=generator, device=device).to(dtype)
-    values = torch.randn(num_kv_heads, seq_len, head_dim, generator=generator, device=device).to(dtype)
-    scores = torch.rand(num_kv_heads, seq_len, generator=generator, device=device)
-    budget = budget_for(seq_len, ratio)
-    evicted = scores.argsort(dim=-1).argsort(dim=-1) < seq_len - budget  # the lowest-scored s - b tokens
-    sizes = torch.full((num_kv_heads,), residual_size(residual_ratio, budget), device=device)
-
-    def run() -> tuple[ResidualEntries, float]:
-        start = time.perf_counter()
-        entries = build_residual(keys, values, evicted, scores, sizes, iterations=4)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        return entries, time.perf_counter() - start
-
-    if device == "cpu":
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-            entries, seconds = run()
-        allocations = sorted(
-            (event.start_ns(), event.nbytes())
-            for event in prof.profiler.kineto_results.events()
-            if event.name() == "[memory]"
-        )
-        peak = max(itertools.accumulate(nbytes for _, nbytes in allocations), default=0)
-    else:
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        entries, seconds = run()
-        peak = torch.cuda.max_memory_allocated(device) - baseline
-    return {
-        "peak_bytes": int(peak),
-        "seconds": seconds,
-        "points": seq_len - budget,
-        "entries": int(entries.entries_per_head.max()),
-    }

@@ -17,7 +17,7 @@ from reskv.selection import gather_tokens
 
 # Bound on the k-means distance block (fp32 bytes) on CPU, so transient memory does not grow with
 # s * r: one layer's clustering at Llama-3.1-8B's shape and 32K tokens peaks at 142 MiB, mostly
-# the fp32 points (``reskv.compress.kmeans_peak_memory``, ratio 0.6, r = 0.2 b, CPU). 4 MiB is
+# the fp32 points (``scripts.bench.engine.kmeans_peak_memory``, ratio 0.6, r = 0.2 b, CPU). 4 MiB is
 # also the fastest block measured on CPU: [3, 3634, 64] points against 395 centres take 8.0 ms
 # in 4 MiB blocks and 12.1 ms in one, [3, 7200, 64] against 790 centres 30 ms and 68 ms (2 cores,
 # torch 2.13): larger blocks are fresh pages on every call, smaller ones make the GEMMs thin.
