@@ -139,7 +139,7 @@ def joint_attention(
 def fp32_logits(queries: Tensor, keys: Tensor, bias: Tensor, scaling: float) -> Tensor:
     """``queries @ keys^T * scaling + bias`` in fp32 (``[H_kv, Q, n]``), reading the keys in their own dtype
     on CUDA (``out_dtype``: fp32 accumulation and output, no fp32 copy of the cache). An fp32 cache is
-    read as it is; a half-precision cache on CPU (``scripts.gpu_check``'s CPU run only) is copied."""
+    read as it is; a half-precision cache on CPU (``scripts.bench.gpu_check``'s CPU run only) is copied."""
     if keys.dtype != torch.float32 and keys.is_cuda:
         return torch.bmm(queries, keys.transpose(1, 2), out_dtype=torch.float32).mul_(scaling).add_(bias)
     return torch.baddbmm(bias, queries.float(), keys.float().transpose(1, 2), alpha=scaling)
