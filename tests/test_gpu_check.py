@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,21 +77,42 @@ def test_pass_rule(change, dtype, expected):
     assert gpu_check.passed(row) is expected
 
 
+# The CPU run splits the check's sweeps over two tiny models: every method (GQA group 4, fp32),
+# and every dtype (the other architecture, GQA group 1) for a plain and a ResKV-composed cache.
+METHOD_SWEEP_MODEL, DTYPE_SWEEP_MODEL = "llama3.1-8b-instruct-h8-kv2", "qwen2.5-7b-instruct-h4-kv4"
+DTYPE_SWEEP_METHODS = ("snapkv", "snapkv+reskv")
+
+
+def report_of(out: Path, *arguments: str) -> dict:
+    assert gpu_check.main(["--out", str(out), *arguments]) == 0
+    return json.loads((out / "gpu_check.json").read_text())
+
+
 @pytest.mark.slow
-def test_cpu_run_writes_a_passing_report_and_the_figure(tmp_path):
-    checked = METHODS
-    assert gpu_check.main(["--out", str(tmp_path), "--methods", *checked]) == 0
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+def test_cpu_run_of_every_method_writes_a_passing_report_and_the_figure(tmp_path):
+    report = report_of(tmp_path, "--models", METHOD_SWEEP_MODEL, "--dtypes", "fp32", "--methods", *METHODS)
     assert report["machine"]["cuda_available"] is False and report["machine"]["attention_path"] == "sdpa"
     correctness = report["correctness"]
-    # 4 tiny models x 3 dtypes x every compressing method checked x 2 ratios x 2 settings.
-    assert len(correctness) == 4 * 3 * (len(checked) - 1) * 2 * 2 and report["correctness_passed"]
+    # Every compressing method x 2 ratios x 2 settings.
+    assert len(correctness) == (len(METHODS) - 1) * 2 * 2 and report["correctness_passed"]
+    assert {row["method"] for row in correctness} == set(METHODS) - {"full"}
     assert sum(row["residual_heads"] for row in correctness if "+reskv" in row["method"]) > 0
     efficiency = [row for row in report["efficiency"] if row.get("status") == "ok"]
     # 2 shapes x 2 lengths x (full + 4 methods x 2 ratios).
     assert len(efficiency) == 2 * 2 * 9
-    full = {row["length"]: row for row in efficiency if row["method"] == "full"}
+    full = {(row["shape"], row["length"]): row for row in efficiency if row["method"] == "full"}
     for row in efficiency:
         if row["method"] != "full":
-            assert row["cache_bytes_after_decode"] < full[row["length"]]["cache_bytes_after_decode"]
+            full_bytes = full[row["shape"], row["length"]]["cache_bytes_after_decode"]
+            assert row["cache_bytes_after_decode"] < full_bytes
     assert (tmp_path / "efficiency.png").stat().st_size > 0 and (tmp_path / "efficiency.pdf").exists()
+
+
+@pytest.mark.slow
+def test_cpu_run_in_every_dtype_passes(tmp_path):
+    arguments = ["--models", DTYPE_SWEEP_MODEL, "--methods", *DTYPE_SWEEP_METHODS, "--skip-efficiency"]
+    report = report_of(tmp_path, *arguments)
+    correctness = report["correctness"]
+    # 3 dtypes x 2 methods x 2 ratios x 2 settings, against the CPU fp32 reference.
+    assert len(correctness) == 3 * 2 * 2 * 2 and report["correctness_passed"]
+    assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)

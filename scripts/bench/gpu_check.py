@@ -2,6 +2,7 @@
 
     python -m scripts.bench.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
+        [--models llama3.1-8b-instruct-h8-kv2 ...] [--dtypes fp32 bf16 fp16] [--methods ...]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
 0.6 and 0.9 in both settings, once on the CPU in fp32 (the reference) and on the device in
@@ -45,13 +46,16 @@ from reskv.engine import Prefill
 from scripts.measure import machine, peak_memory, peak_memory_kind, random_prompt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# (shape, query heads, KV heads): both architectures, GQA group sizes 1 and 4.
-TINY_MODELS = (
-    ("llama3.1-8b-instruct", 4, 4),
-    ("llama3.1-8b-instruct", 8, 2),
-    ("qwen2.5-7b-instruct", 4, 4),
-    ("qwen2.5-7b-instruct", 8, 2),
-)
+# (shape, query heads, KV heads) by name: both architectures, GQA group sizes 1 and 4.
+TINY_MODELS = {
+    f"{shape}-h{heads}-kv{kv_heads}": (shape, heads, kv_heads)
+    for shape, heads, kv_heads in (
+        ("llama3.1-8b-instruct", 4, 4),
+        ("llama3.1-8b-instruct", 8, 2),
+        ("qwen2.5-7b-instruct", 4, 4),
+        ("qwen2.5-7b-instruct", 8, 2),
+    )
+}
 CHECK_RATIOS = (0.6, 0.9)
 CHECK_PROMPT, CHECK_QUESTION, CHECK_DECODE = 1024, 32, 4
 # Scores closer than this, relative to the layer's largest score, are a tie to fp32 rounding.
@@ -132,15 +136,11 @@ def budget_ok(method_name: str, layer: dict) -> bool:
 
 
 def check_model(
-    shape: str,
-    heads: int,
-    kv_heads: int,
-    device: str,
-    dtypes: Sequence[str],
-    methods: Sequence[str] = METHODS,
+    model_name: str, device: str, dtypes: Sequence[str], methods: Sequence[str] = METHODS
 ) -> list[dict]:
-    """Rows of the correctness report for one tiny model: every method, ratio, setting and dtype."""
-    reference_model = tiny_model(shape, heads, kv_heads)
+    """Rows of the correctness report for one tiny model (``TINY_MODELS``): every method, ratio,
+    setting and dtype."""
+    reference_model = tiny_model(*TINY_MODELS[model_name])
     prompt = random_prompt(range(1, 512), CHECK_PROMPT, seed=1)
     context_length = CHECK_PROMPT - CHECK_QUESTION
     all_methods = [build_method(name, 0.9) for name in methods]
@@ -158,7 +158,7 @@ def check_model(
                     got = layer_results(prefill, method_name, ratio, setting)
                     generation = prefill.generate(build_method(method_name, ratio), setting, CHECK_DECODE)
                     row = {
-                        "model": f"{shape}-h{heads}-kv{kv_heads}",
+                        "model": model_name,
                         "dtype": dtype_name,
                         "method": method_name,
                         "ratio": ratio,
@@ -429,6 +429,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.9, 0.6])
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--models", nargs="+", default=list(TINY_MODELS), choices=list(TINY_MODELS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
@@ -458,9 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1) + "\n")
 
     if not args.skip_correctness:
-        for shape, heads, kv_heads in TINY_MODELS:
+        for name in args.models:
             started = time.perf_counter()
-            report["correctness"] += check_model(shape, heads, kv_heads, device, list(DTYPES), args.methods)
+            report["correctness"] += check_model(name, device, args.dtypes, args.methods)
+            shape, heads, kv_heads = TINY_MODELS[name]
             print(
                 f"correctness {shape} h{heads} kv{kv_heads}: {time.perf_counter() - started:.1f}s", flush=True
             )
