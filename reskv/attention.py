@@ -10,6 +10,7 @@ so a decode step's logits are one matmul (``CompressedLayer`` appends new tokens
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -176,6 +177,78 @@ def shared_softmax_attention(
     return torch.nn.functional.scaled_dot_product_attention(
         queries[:, None], keys[:, None], values[:, None], attn_mask=mask[:, None], scale=scaling
     )[:, 0]
+
+
+@dataclass
+class RowGates:
+    """The gates of stacked rows (``stacked_shared_softmax_attention``): each row's ``DecodeRule`` as
+    ``[B, 1, 1, 1]`` tensors, so one expression computes every row's ``log g(q)`` as ``log_gate``
+    computes one. A row's gate is closed (``g = 1``) where its rule has no gate or it has no entries:
+    ``opened`` says which on the host (no step reads it back), ``open_column`` on the device."""
+
+    opened: tuple[bool, ...]
+    open_column: Tensor
+    tau: Tensor
+    negated_alpha: Tensor
+    log_g_min: Tensor  # -inf where g_min <= 0: no clamp
+
+    @classmethod
+    def of(cls, rules: list[DecodeRule], with_entries: list[bool], device: torch.device) -> RowGates:
+        def column(values: list[float]) -> Tensor:
+            return torch.tensor(values, device=device)[:, None, None, None]
+
+        opened = tuple(rule.gate and entries for rule, entries in zip(rules, with_entries, strict=True))
+        return cls(
+            opened,
+            column(list(opened)).bool(),
+            column([rule.tau for rule in rules]),
+            column([-rule.alpha for rule in rules]),
+            column([math.log(rule.g_min) if rule.g_min > 0 else float("-inf") for rule in rules]),
+        )
+
+    def rows(self, kept: list[int]) -> RowGates:
+        """The gates of the ``kept`` rows, in that order."""
+        index = torch.tensor(kept, device=self.tau.device)
+        return RowGates(
+            tuple(self.opened[row] for row in kept),
+            *(
+                column.index_select(0, index)
+                for column in (self.open_column, self.tau, self.negated_alpha, self.log_g_min)
+            ),
+        )
+
+    def log_gate(self, p_max: Tensor) -> Tensor:
+        """``log g(q)`` of every row (0 where the gate is closed), as ``log_gate`` gives for one rule."""
+        log_gate = torch.nn.functional.logsigmoid((p_max - self.tau) * self.negated_alpha)
+        return torch.where(self.open_column, torch.maximum(log_gate, self.log_g_min), 0.0)
+
+
+def stacked_shared_softmax_attention(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    entries: Tensor,
+    gates: RowGates,
+    scaling: float,
+) -> Tensor:
+    """``shared_softmax_attention`` for ``B`` stacked rows, each its own cache and rule: ``[B, H_kv, Q, d]``.
+
+    ``keys``/``values`` ``[B, H_kv, n, d]`` hold each row's ``[entries ; main]`` at the start of its
+    slots, padded with ``-inf`` bias to the longest row; ``entries`` ``[B, 1, 1, n]`` marks each row's
+    entry slots, since their number differs by row. The rule is the same: the main part's ``p_max``
+    (entries masked) gives ``log g(q)``, added to the entries' bias, then one SDPA call. A row whose
+    gate is closed keeps its bias as it is, as the one-row function does."""
+    mask = bias
+    if any(gates.opened):
+        batch, num_kv_heads = queries.shape[:2]
+        main_bias = bias.masked_fill(entries, float("-inf")).flatten(0, 1)
+        main_logits = fp32_logits(queries.flatten(0, 1), keys.flatten(0, 1), main_bias, scaling)
+        p_max = main_logits.softmax(dim=-1).amax(dim=-1, keepdim=True).unflatten(0, (batch, num_kv_heads))
+        mask = torch.where(entries, bias + gates.log_gate(p_max), bias)
+    return torch.nn.functional.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask.to(queries.dtype), scale=scaling
+    )
 
 
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:

@@ -6,14 +6,16 @@
   prompt is prefilled, what the scorers need: the last observation-window queries and, for
   H2O, column sums of attention (computed in query chunks, never an ``s x s`` tensor);
 - ``CompressingLayer``: an ``ObservedLayer`` that compresses itself during its one prefill
-  forward and then drops its full keys and values (``Prefill(..., retain="compressed")``); or
+  forward and then drops its full keys and values (``Prefill(..., retain="compressed")``);
 - ``CompressedLayer``: the exact main cache (ragged heads padded with masked slots) plus the
-  residual entries, attended with the shared-softmax rule of ``reskv.attention``.
+  residual entries, attended with the shared-softmax rule of ``reskv.attention``; or
+- ``StackedLayer``: compressed layers of several generations of one prompt as one batch.
 
 The attention function registered as ``"reskv"`` with transformers' ``AttentionInterface``
 hands every call to the layer that holds the state; the model code is used unchanged. Masks
 are built here, not by transformers: a custom attention name gets ``attention_mask=None``.
-Batch size 1 throughout: each prompt is compressed on its own.
+Batch size 1 throughout, but for ``StackedLayer``: each prompt is compressed on its own, and the
+generations of one prompt may then decode together, one row each (issue 25).
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reskv.attention import additive_mask, joint_attention, joint_buffers, shared_softmax_attention
+from reskv.attention import (
+    RowGates,
+    additive_mask,
+    joint_attention,
+    joint_buffers,
+    shared_softmax_attention,
+    stacked_shared_softmax_attention,
+)
 from reskv.compress import CompressedLayerState
 from reskv.config import DecodeRule
 from reskv.residual import ResidualEntries
@@ -110,6 +119,7 @@ class ObservedLayer(DynamicLayer):
         return twin
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        require_single_sequence(query)
         if self.observation_window:
             self._observe(query[0], key[0], scaling)
         return causal_attention(module, query, key, value, scaling)
@@ -309,6 +319,7 @@ class CompressedLayer(CacheLayerMixin):
         """Attention over this layer's buffers (``key``/``value`` are the ``keys``/``values`` views):
         ``reskv.attention.shared_softmax_attention``, or ``joint_attention`` for the no-shared-softmax
         ablation."""
+        require_single_sequence(query)
         if not self.rule.shared_softmax:
             return self.attend_parts(query, scaling, with_residual_share=False)[0]
         queries, bias = self._grouped(query)
@@ -358,6 +369,95 @@ class CompressedLayer(CacheLayerMixin):
         return self._ungrouped(output, query), residual_share
 
 
+class StackedLayer(CacheLayerMixin):
+    """One layer of several generations of one prompt, decoded together as one batch (issue 25).
+
+    Each row is a ``CompressedLayer`` (any method, the full one as ``CompressedLayer.exact``) copied
+    into ``[B, H_kv, capacity, d]`` buffers: its written slots first, ``-inf`` bias up to the longest
+    row's, then ``spare_slots`` that every row fills at the same slot, one per step. Every row
+    continues at the same position (the uncompressed prompt length), so one forward of ``B`` tokens
+    decodes them all; attention is ``reskv.attention.stacked_shared_softmax_attention`` over the
+    written slots, with each row's rule. ``keep`` drops rows that stopped, so finished rows cost
+    nothing. Eager only: the written count is a host integer, and rows change shape as they leave.
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, layers: list[CompressedLayer], spare_slots: int):
+        super().__init__()
+        if any(not layer.rule.shared_softmax for layer in layers):
+            raise ValueError("a layer without the shared softmax (joint_attention's ablation) decodes alone")
+        lengths = {layer.seq_len for layer in layers}
+        if len(lengths) != 1:
+            raise ValueError(f"stacked layers continue at one position, not at {sorted(lengths)}")
+        (self.seq_len,) = lengths
+        self.written = max(layer.filled for layer in layers)
+        first = layers[0]._keys
+        batch, num_kv_heads, capacity = len(layers), first.shape[1], self.written + spare_slots
+        self._keys, self._values = (
+            first.new_zeros(batch, num_kv_heads, capacity, first.shape[-1]) for _ in range(2)
+        )
+        self._bias = torch.full((batch, num_kv_heads, 1, capacity), float("-inf"), device=first.device)
+        self._entries = torch.zeros(batch, 1, 1, capacity, dtype=torch.bool, device=first.device)
+        for row, layer in enumerate(layers):
+            written = slice(0, layer.filled)
+            self._keys[row, :, written] = layer._keys[0, :, written]
+            self._values[row, :, written] = layer._values[0, :, written]
+            self._bias[row, ..., written] = layer._bias[..., written]
+            self._entries[row, ..., : layer.residual_slots] = True
+        self.gates = RowGates.of(
+            [layer.rule for layer in layers], [layer.residual_slots > 0 for layer in layers], first.device
+        )
+        self.device = first.device
+        self.is_initialized = True
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices into the current batch), in that order: one copy of their buffers."""
+        index = torch.tensor(rows, device=self.device)
+        self._keys, self._values, self._bias, self._entries = (
+            buffer.index_select(0, index) for buffer in (self._keys, self._values, self._bias, self._entries)
+        )
+        self.gates = self.gates.rows(rows)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise RuntimeError("a stacked layer is built from compressed layers, never lazily")
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if key_states.shape[-2] != 1:
+            raise ValueError(f"stacked rows decode one token per step, not {key_states.shape[-2]}")
+        slot = self.written
+        self._keys[:, :, slot] = key_states[:, :, 0]
+        self._values[:, :, slot] = value_states[:, :, 0]
+        self._bias[..., slot] = 0.0
+        self.written += 1
+        self.seq_len += 1
+        return self._keys[:, :, : self.written], self._values[:, :, : self.written]
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        batch, num_heads, _, head_dim = query.shape
+        num_kv_heads, written = self._keys.shape[1], slice(0, self.written)
+        output = stacked_shared_softmax_attention(
+            query.reshape(batch, num_kv_heads, -1, head_dim),
+            self._keys[:, :, written],
+            self._values[:, :, written],
+            self._bias[..., written],
+            self._entries[..., written],
+            self.gates,
+            scaling,
+        )
+        return output.reshape(batch, num_heads, 1, head_dim).transpose(1, 2).to(query.dtype)
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.written + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
 class ResKVCache(Cache):
     """A cache of ``ObservedLayer`` / ``CompressedLayer`` objects, one per model layer."""
 
@@ -382,6 +482,22 @@ class ResKVCache(Cache):
     def fork(self, observation_window: int = 0, accumulate: bool = False) -> ResKVCache:
         """An exact copy to extend (more prompt tokens or decoding) without touching this one."""
         return ResKVCache([layer.fork(observation_window, accumulate) for layer in self.layers])
+
+    @classmethod
+    def stacked(cls, caches: list[ResKVCache], spare_slots: int) -> ResKVCache:
+        """The caches of several generations of one prompt as one batch (``StackedLayer``), with room for
+        ``spare_slots`` decoded tokens; every layer of every cache must be a ``CompressedLayer``."""
+        by_layer = zip(*(cache.layers for cache in caches), strict=True)
+        return cls([StackedLayer(list(layers), spare_slots) for layers in by_layer])
+
+    def written_slots(self) -> int:
+        """Slots written in all layers of a cache of ``CompressedLayer``s (entries, main, appended)."""
+        return sum(layer.filled for layer in self.layers)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` of a stacked cache (``StackedLayer.keep``)."""
+        for layer in self.layers:
+            layer.keep(rows)
 
     def claim(self, tokens: int) -> None:
         """Count on the host the ``tokens`` a compiled step is about to write (``CompressedLayer.claim``)."""
@@ -422,7 +538,6 @@ def reskv_attention(
     cache = kwargs.get(CACHE_KWARG)
     if cache is None:
         return causal_attention(module, query, key, value, scaling), None
-    require_single_sequence(query)
     return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -158,6 +158,23 @@ class _FullReference:
     forced_ids: list[int]  # its greedy continuation, FORCED_STEPS tokens
     forced_logits: Tensor  # [FORCED_STEPS, V]: its next-token logits after each of them
     answer_log_probs: dict[tuple[int, ...], float] = field(default_factory=dict)
+
+
+@dataclass
+class _Prepared:
+    """A request compressed and fed its whole prompt, ready to decode (``Prefill._prepare``)."""
+
+    setting: str
+    cache: ResKVCache | None  # let go of once stacked for a batch
+    stats: dict
+    logits: Tensor  # after the whole prompt
+    timings: dict
+    compressed: ResKVCache | None  # for the quality measures: before the question (query-agnostic)
+    prompted: ResKVCache | None  # ... and after the whole prompt
+
+    @property
+    def cache_rule(self) -> DecodeRule:
+        return self.cache.layers[0].rule
 
 
 class Prefill:
@@ -333,38 +350,143 @@ class Prefill:
         against the full cache (``quality_s`` in its timings). ``decode="compiled"`` runs each decode step
         as one compiled graph (``compiled_step``): the same tokens, no per-op host overhead; the first
         step of each new cache shape pays the compilation."""
-        self._check_positions(max_new_tokens)
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_MODES)}")
+        self._check_request(max_new_tokens, answer_ids)
+        prepared = self._prepare(method, setting, max_new_tokens, answer_ids is not None)
+        step = self._compiled_step if decode == "compiled" else self.next_logits
+        start = time.perf_counter()
+        token_ids = self._decode_alone(prepared, max_new_tokens, min_new_tokens, stop_token_ids, step)
+        prepared.timings |= {"decode_s": time.perf_counter() - start, "decode_tokens": len(token_ids)}
+        return self._finish(prepared, token_ids, answer_ids)
+
+    def generate_grid(
+        self,
+        requests: Sequence[tuple[Method, str]],
+        max_new_tokens: int = 32,
+        stop_token_ids: Sequence[int] = (),
+        min_new_tokens: int = 0,
+        answer_ids: Sequence[int] | None = None,
+        decode_batch: int = 8,
+    ) -> list[Generation]:
+        """``generate`` for several (method, setting) requests, decoded together in batches of at most
+        ``decode_batch`` rows (issue 25); the generations come back in the order of ``requests``.
+
+        Every request is compressed as ``generate`` does; the rows are then sorted by their caches'
+        written slots and cut into batches, so that a batch pads its rows to similar lengths. A batch
+        stacks its caches (``ResKVCache.stacked``) and runs one forward of all its rows per step; a row
+        leaves when it stops. A batch of one decodes as ``generate`` does, bit for bit (``decode_batch=1``
+        is ``generate`` per request); so does a request without the shared softmax, which the stacked
+        attention does not compute. In a batch, ``decode_s`` is the batch's time shared equally by its
+        rows (their sum is the time spent) and ``decode_batch`` its number of rows. Eager only."""
+        if decode_batch < 1:
+            raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer")
+        self._check_request(max_new_tokens, answer_ids)
+        # Room for the answer in each row's own buffers too: the question fed to a query-agnostic cache
+        # attends over all its slots, so its rounding depends on their number (a batch of one is then
+        # ``generate`` bit for bit, quality measures included).
+        prepared = [
+            self._prepare(method, setting, max_new_tokens, answer_ids is not None)
+            for method, setting in requests
+        ]
+        stackable = [row for row, request in enumerate(prepared) if request.cache_rule.shared_softmax]
+        stackable.sort(key=lambda row: prepared[row].cache.written_slots())
+        batches = [
+            stackable[start : start + decode_batch] for start in range(0, len(stackable), decode_batch)
+        ]
+        batches += [[row] for row in range(len(prepared)) if row not in stackable]
+        token_ids: dict[int, list[int]] = {}
+        for batch in batches:
+            start = time.perf_counter()
+            if len(batch) == 1:
+                (row,) = batch
+                answers = [self._decode_alone(prepared[row], max_new_tokens, min_new_tokens, stop_token_ids)]
+            else:
+                answers = self._decode_stacked(
+                    [prepared[row] for row in batch], max_new_tokens, min_new_tokens, stop_token_ids
+                )
+            seconds = (time.perf_counter() - start) / len(batch)
+            for row, answer in zip(batch, answers, strict=True):
+                token_ids[row] = answer
+                prepared[row].timings |= {
+                    "decode_s": seconds,
+                    "decode_tokens": len(answer),
+                    "decode_batch": len(batch),
+                }
+        return [self._finish(request, token_ids[row], answer_ids) for row, request in enumerate(prepared)]
+
+    def _check_request(self, max_new_tokens: int, answer_ids: Sequence[int] | None) -> None:
+        self._check_positions(max_new_tokens)
         if answer_ids is not None:
             self._require_full_cache("the quality measures (answer_ids)")
+
+    def _prepare(self, method: Method, setting: str, spare_slots: int, with_quality: bool) -> _Prepared:
+        """``method``'s compressed cache after the whole prompt, with room for ``spare_slots`` tokens,
+        the logits after the prompt and, ``with_quality``, the forks the quality measures read."""
         timings = {}
         start = time.perf_counter()
         cache, stats = self.compressed(method, setting)
         timings["compress_s"] = time.perf_counter() - start
-        compressed = cache.fork() if answer_ids is not None else None  # before the question
+        compressed = cache.fork() if with_quality else None  # before the question
         logits = self._source(setting).last_logits
         question = self.prompt_ids[self.context_length :]
-        cache.reserve((len(question) if setting == "agnostic" else 0) + max_new_tokens)
+        cache.reserve((len(question) if setting == "agnostic" else 0) + spare_slots)
         if setting == "agnostic" and question:
             start = time.perf_counter()
             logits = self.next_logits(question, cache)
             timings["question_s"] = time.perf_counter() - start
-        prompted = cache.fork() if answer_ids is not None else None  # after the whole prompt
-        start = time.perf_counter()
-        cache = static_cache(cache, max_new_tokens)  # one decode path for every method, the full one included
+        prompted = cache.fork() if with_quality else None  # after the whole prompt
+        # One decode path for every method, the full one included.
+        cache = static_cache(cache, spare_slots)
+        return _Prepared(setting, cache, stats, logits, timings, compressed, prompted)
+
+    def _decode_alone(
+        self,
+        prepared: _Prepared,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        step=None,
+    ) -> list[int]:
         stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
-        step = self._compiled_step if decode == "compiled" else self.next_logits
-        token_ids = self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids, step)
-        timings["decode_s"] = time.perf_counter() - start
-        timings["decode_tokens"] = len(token_ids)
+        return self._decode(prepared.cache, prepared.logits, max_new_tokens, min_new_tokens, stop_ids, step)
+
+    def _decode_stacked(
+        self, rows: list[_Prepared], max_new_tokens: int, min_new_tokens: int, stop_token_ids: Sequence[int]
+    ) -> list[list[int]]:
+        """Greedy answers of ``rows`` decoded as one batch: their caches are stacked (and let go of)."""
+        cache = ResKVCache.stacked([row.cache for row in rows], max_new_tokens)
+        for row in rows:
+            row.cache = None
+        device = self.backbone.device
+
+        @torch.inference_mode()
+        def step(token_ids: list[int]) -> Tensor:
+            output = self.backbone.model(
+                input_ids=torch.tensor(token_ids, device=device)[:, None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
+            )
+            return output.logits[:, -1]
+
+        stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
+        logits = torch.stack([row.logits for row in rows])
+        return greedy(logits, step, cache.keep, max_new_tokens, min_new_tokens, stop_ids)
+
+    def _finish(
+        self, prepared: _Prepared, token_ids: list[int], answer_ids: Sequence[int] | None
+    ) -> Generation:
+        """The generation of ``token_ids``: its text and, with ``answer_ids``, its quality measures."""
         text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
         quality = None
         if answer_ids is not None:
             start = time.perf_counter()
-            quality = self._quality(setting, compressed, prompted, logits, tuple(answer_ids))
-            timings["quality_s"] = time.perf_counter() - start
-        return Generation(token_ids, text, stats, timings, quality)
+            quality = self._quality(
+                prepared.setting, prepared.compressed, prepared.prompted, prepared.logits, tuple(answer_ids)
+            )
+            prepared.timings["quality_s"] = time.perf_counter() - start
+        return Generation(token_ids, text, prepared.stats, prepared.timings, quality)
 
     def _teacher_forced(self, cache: ResKVCache, last_logits: Tensor, token_ids: Sequence[int]) -> Tensor:
         """``[1 + n, V]``: ``last_logits``, then the logits after each of ``token_ids`` fed to ``cache``."""
@@ -453,21 +575,49 @@ class Prefill:
         stop_ids: set[int],
         step=None,
     ) -> list[int]:
-        """Greedy decoding; the stop token itself is not part of the answer. ``step`` computes the next
-        logits of one token (``next_logits`` unless given)."""
+        """Greedy decoding of one cache (``greedy`` with one row). ``step`` computes the next logits of one
+        token (``next_logits`` unless given)."""
         step = step or self.next_logits
-        token_ids: list[int] = []
-        stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
-        while len(token_ids) < max_new_tokens:
-            if len(token_ids) < min_new_tokens:
-                logits = logits.index_fill(0, stop_index, float("-inf"))
-            next_id = int(logits.argmax())
-            if next_id in stop_ids:
-                break
-            token_ids.append(next_id)
-            if len(token_ids) < max_new_tokens:
-                logits = step([next_id], cache)
+        (token_ids,) = greedy(
+            logits[None],
+            lambda token_ids: step(token_ids, cache)[None],
+            None,
+            max_new_tokens,
+            min_new_tokens,
+            stop_ids,
+        )
         return token_ids
+
+
+def greedy(
+    logits: Tensor,
+    step: Callable[[list[int]], Tensor],
+    keep: Callable[[list[int]], None] | None,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    stop_ids: set[int],
+) -> list[list[int]]:
+    """Greedy answers of ``B`` rows from their next-token logits ``[B, V]``; the stop token itself is not
+    part of an answer. Until ``min_new_tokens`` tokens exist, stop tokens cannot be chosen.
+    ``step(token_ids)`` feeds one token per remaining row and returns their next logits; when some rows
+    stop and others go on, ``keep(rows)`` is told which rows (indices among the remaining) go on first."""
+    answers: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    remaining = list(range(logits.shape[0]))  # the answers the rows of ``logits`` belong to
+    stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
+    for produced in range(max_new_tokens):
+        if produced < min_new_tokens:
+            logits = logits.index_fill(-1, stop_index, float("-inf"))
+        next_ids = logits.argmax(dim=-1).tolist()
+        going_on = [row for row, token_id in enumerate(next_ids) if token_id not in stop_ids]
+        for row in going_on:
+            answers[remaining[row]].append(next_ids[row])
+        if not going_on or produced + 1 == max_new_tokens:
+            break
+        if len(going_on) < len(remaining):
+            keep(going_on)
+            remaining = [remaining[row] for row in going_on]
+        logits = step([next_ids[row] for row in going_on])
+    return answers
 
 
 def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
