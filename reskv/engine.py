@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,16 @@ class Method:
         return max(needed)
 
     @property
+    def decode_rule(self) -> DecodeRule:
+        """How its cache is attended: the residual's rule (a ``ResidualConfig`` is one), or the plain one."""
+        return self.residual or DecodeRule()
+
+    @property
+    def retained_fraction(self) -> float:
+        """The share of the prompt its cache holds (1 for the full cache): what orders a grid's rows."""
+        return 1.0 if self.scorer is None else 1.0 - self.ratio
+
+    @property
     def needs_accumulated_attention(self) -> bool:
         return self.scorer is not None and self.scorer.needs_accumulated_attention
 
@@ -97,7 +107,7 @@ class Method:
         """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
         covers the ``seq_len``-token prompt) and its statistics; ``layers`` are left unchanged: a
         ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer`` is forked."""
-        rule = self.residual or DecodeRule()  # a ResidualConfig is its own decode rule
+        rule = self.decode_rule
         cache_layers, per_layer = [], []
         for layer in layers:
             if isinstance(layer, ObservedLayer):
@@ -171,10 +181,6 @@ class _Prepared:
     timings: dict
     compressed: ResKVCache | None  # for the quality measures: before the question (query-agnostic)
     prompted: ResKVCache | None  # ... and after the whole prompt
-
-    @property
-    def cache_rule(self) -> DecodeRule:
-        return self.cache.layers[0].rule
 
 
 class Prefill:
@@ -367,53 +373,58 @@ class Prefill:
         stop_token_ids: Sequence[int] = (),
         min_new_tokens: int = 0,
         answer_ids: Sequence[int] | None = None,
+        decode: str = "eager",
         decode_batch: int = 8,
-    ) -> list[Generation]:
-        """``generate`` for several (method, setting) requests, decoded together in batches of at most
-        ``decode_batch`` rows (issue 25); the generations come back in the order of ``requests``.
+    ) -> Iterator[tuple[int, Generation]]:
+        """``generate`` for several (method, setting) requests decoded together in batches of at most
+        ``decode_batch`` rows (issue 25): yields ``(index into requests, generation)`` as each batch ends.
 
-        Every request is compressed as ``generate`` does; the rows are then sorted by their caches'
-        written slots and cut into batches, so that a batch pads its rows to similar lengths. A batch
-        stacks its caches (``ResKVCache.stacked``) and runs one forward of all its rows per step; a row
-        leaves when it stops. A batch of one decodes as ``generate`` does, bit for bit (``decode_batch=1``
-        is ``generate`` per request); so does a request without the shared softmax, which the stacked
-        attention does not compute. In a batch, ``decode_s`` is the batch's time shared equally by its
-        rows (their sum is the time spent) and ``decode_batch`` its number of rows. Eager only."""
-        if decode_batch < 1:
+        The requests are ordered by the share of the prompt their caches hold and cut into batches, so
+        that a batch pads its rows to similar lengths. A batch's requests are compressed as ``generate``
+        does, their caches stacked (``ResKVCache.stacked``) and decoded with one forward of all rows per
+        step; a row leaves when it stops. Only one batch's caches exist at a time. A batch of one
+        decodes as ``generate`` does, bit for bit, in any ``decode`` mode (``decode_batch=1`` is
+        ``generate`` per request); so does a request without the shared softmax, which the stacked
+        attention does not compute. Larger batches decode eagerly. In a batch, ``decode_s`` is the
+        batch's time shared equally by its rows (their sum is the time spent) and ``decode_batch`` its
+        number of rows."""
+        if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
             raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer")
+        if decode not in DECODE_MODES or (decode != "eager" and decode_batch > 1):
+            raise ValueError(
+                f"decode mode {decode!r} with decode_batch {decode_batch}: batches of several rows decode "
+                f"eagerly; choose decode_batch=1 or decode='eager' (modes: {list(DECODE_MODES)})"
+            )
         self._check_request(max_new_tokens, answer_ids)
-        # Room for the answer in each row's own buffers too: the question fed to a query-agnostic cache
-        # attends over all its slots, so its rounding depends on their number (a batch of one is then
-        # ``generate`` bit for bit, quality measures included).
-        prepared = [
-            self._prepare(method, setting, max_new_tokens, answer_ids is not None)
-            for method, setting in requests
-        ]
-        stackable = [row for row, request in enumerate(prepared) if request.cache_rule.shared_softmax]
-        stackable.sort(key=lambda row: prepared[row].cache.written_slots())
+        order = sorted(range(len(requests)), key=lambda row: requests[row][0].retained_fraction)
+        stackable = [row for row in order if requests[row][0].decode_rule.shared_softmax]
         batches = [
             stackable[start : start + decode_batch] for start in range(0, len(stackable), decode_batch)
         ]
-        batches += [[row] for row in range(len(prepared)) if row not in stackable]
-        token_ids: dict[int, list[int]] = {}
+        batches += [[row] for row in order if row not in stackable]
+        step = self._compiled_step if decode == "compiled" else self.next_logits
         for batch in batches:
+            # Room for the answer in each row's own buffers too: the question fed to a query-agnostic
+            # cache attends over all its slots, so its rounding depends on their number (a batch of one
+            # is then ``generate`` bit for bit, quality measures included).
+            prepared = [
+                self._prepare(*requests[row], max_new_tokens, answer_ids is not None) for row in batch
+            ]
             start = time.perf_counter()
             if len(batch) == 1:
-                (row,) = batch
-                answers = [self._decode_alone(prepared[row], max_new_tokens, min_new_tokens, stop_token_ids)]
+                answers = [
+                    self._decode_alone(prepared[0], max_new_tokens, min_new_tokens, stop_token_ids, step)
+                ]
             else:
-                answers = self._decode_stacked(
-                    [prepared[row] for row in batch], max_new_tokens, min_new_tokens, stop_token_ids
-                )
+                answers = self._decode_stacked(prepared, max_new_tokens, min_new_tokens, stop_token_ids)
             seconds = (time.perf_counter() - start) / len(batch)
-            for row, answer in zip(batch, answers, strict=True):
-                token_ids[row] = answer
-                prepared[row].timings |= {
+            for row, request, answer in zip(batch, prepared, answers, strict=True):
+                request.timings |= {
                     "decode_s": seconds,
                     "decode_tokens": len(answer),
                     "decode_batch": len(batch),
                 }
-        return [self._finish(request, token_ids[row], answer_ids) for row, request in enumerate(prepared)]
+                yield row, self._finish(request, answer, answer_ids)
 
     def _check_request(self, max_new_tokens: int, answer_ids: Sequence[int] | None) -> None:
         self._check_positions(max_new_tokens)

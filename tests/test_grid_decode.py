@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,7 +14,9 @@ from reskv.cache import CACHE_KWARG, ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
 from reskv.engine import Prefill, greedy
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS, cached_tiny_backbone
+from tests.conftest import TINY_RUN, TOKENS, cached_tiny_backbone
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FORCED = [17, 905, 3, 2211, 64, 7]  # tokens fed one at a time, whatever the model would choose
 # Rows of every kind a batch mixes: the full cache (as long as the prompt), bases, ragged AdaKV,
@@ -50,6 +56,12 @@ def requests(names=REQUESTS):
     return [
         (build_method(name, ratio, residual=RULES.get(rule)), setting) for name, ratio, rule, setting in names
     ]
+
+
+def grid(prefill: Prefill, methods, **options) -> list:
+    """``generate_grid``'s generations in the order of the requests."""
+    generations = dict(prefill.generate_grid(methods, **options))
+    return [generations[row] for row in range(len(methods))]
 
 
 def prompted_cache(
@@ -99,7 +111,9 @@ def test_rows_kept_after_others_left_go_on_with_their_own_logits(prefill):
     for method, setting in [methods[row] for row in kept]:
         cache, _ = prompted_cache(prefill, method, setting, len(FORCED))
         alone.append(torch.stack([prefill.next_logits([token], cache) for token in FORCED]))
-    stacked = ResKVCache.stacked([prompted_cache(prefill, m, s, len(FORCED))[0] for m, s in methods], len(FORCED))
+    stacked = ResKVCache.stacked(
+        [prompted_cache(prefill, m, s, len(FORCED))[0] for m, s in methods], len(FORCED)
+    )
     together = []
     for step, token in enumerate(FORCED):
         if step == 2:
@@ -152,21 +166,77 @@ def test_a_batch_of_one_is_generate_bit_for_bit_quality_measures_included(prefil
         prefill.generate(method, setting, max_new_tokens=8, answer_ids=answer) for method, setting in methods
     ]
     for decode_batch in (1, 4):
-        grid = prefill.generate_grid(methods, max_new_tokens=8, answer_ids=answer, decode_batch=decode_batch)
-        for one, batched in zip(alone, grid, strict=True):
+        together = grid(prefill, methods, max_new_tokens=8, answer_ids=answer, decode_batch=decode_batch)
+        for one, batched in zip(alone, together, strict=True):
             assert batched.token_ids == one.token_ids and batched.quality == one.quality
             assert batched.cache_stats == one.cache_stats
-        assert max(generation.timings["decode_batch"] for generation in grid) == decode_batch
+        assert max(generation.timings["decode_batch"] for generation in together) == decode_batch
 
 
 def test_a_row_without_the_shared_softmax_decodes_alone(prefill):
     ablation = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(shared_softmax=False))
     methods = [(ablation, "aware"), *requests(REQUESTS[:3])]
-    grid = prefill.generate_grid(methods, max_new_tokens=4, decode_batch=8)
-    assert [generation.timings["decode_batch"] for generation in grid] == [1, 3, 3, 3]
-    assert grid[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
+    together = grid(prefill, methods, max_new_tokens=4, decode_batch=8)
+    assert [generation.timings["decode_batch"] for generation in together] == [1, 3, 3, 3]
+    assert together[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
 
 
-def test_a_decode_batch_below_one_is_refused_with_its_value(prefill):
+def test_a_bad_decode_batch_or_a_compiled_batch_is_refused_naming_the_values(prefill):
     with pytest.raises(ValueError, match="decode_batch 0 must be a positive integer"):
-        prefill.generate_grid(requests(REQUESTS[:2]), decode_batch=0)
+        grid(prefill, requests(REQUESTS[:2]), decode_batch=0)
+    with pytest.raises(
+        ValueError, match="decode mode 'compiled' with decode_batch 2: .* choose decode_batch=1"
+    ):
+        grid(prefill, requests(REQUESTS[:2]), decode="compiled", decode_batch=2)
+
+
+def test_batches_hold_rows_of_similar_length_and_only_one_batch_is_compressed_at_a_time(prefill, monkeypatch):
+    """Rows are ordered by the share of the prompt they keep (the full cache last), and a batch's
+    requests are compressed only when the previous batch has been handed out."""
+    methods = requests([request for request in REQUESTS if request[2] in (None, "default")])
+    events = []
+    prepare = Prefill._prepare
+
+    def recording_prepare(self, method, setting, *args):
+        events.append(("prepare", method.retained_fraction))
+        return prepare(self, method, setting, *args)
+
+    monkeypatch.setattr(Prefill, "_prepare", recording_prepare)
+    for _, generation in prefill.generate_grid(methods, max_new_tokens=3, decode_batch=4):
+        events.append(("yield", generation.timings["decode_batch"]))
+    kinds = "".join("p" if kind == "prepare" else "y" for kind, _ in events)
+    sizes = [4] * (len(methods) // 4) + ([len(methods) % 4] if len(methods) % 4 else [])
+    assert kinds == "".join("p" * size + "y" * size for size in sizes)
+    fractions = [value for kind, value in events if kind == "prepare"]
+    assert fractions == sorted(fractions) and fractions[-2:] == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_records_it(tmp_path):
+    """``decode_batch=4``: every configuration's record holds the tokens, statistics and quality measures
+    of ``decode_batch=1`` (tiny model: no near ties), its batch's size in its timings, and the plan's
+    batch in its provenance."""
+    records = {}
+    for decode_batch in (1, 4):
+        command = [
+            *TINY_RUN,
+            "max_new_tokens=6",
+            "method=[full,snapkv,snapkv+reskv,adakv+reskv]",
+            "ratio=[0.6,0.9]",
+            "setting=[aware,agnostic]",
+            "backbone.quality=true",
+            f"decode_batch={decode_batch}",
+            f"results_dir={tmp_path / str(decode_batch)}",
+        ]
+        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+        for path in sorted((tmp_path / str(decode_batch) / "runs").rglob("*.json")):
+            result = json.loads(path.read_text())
+            assert result["provenance"]["machine"]["decode_batch"] == decode_batch
+            (sample,) = result["samples"]
+            records.setdefault(decode_batch, []).append(sample)
+    assert len(records[1]) == 13 == len(records[4])  # the full cache once, 12 compressed
+    for alone, batched in zip(records[1], records[4], strict=True):
+        for key in ("prediction_token_ids", "cache_stats", "quality"):
+            assert batched[key] == alone[key], key
+    assert sorted(sample["timings"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
+    assert {sample["timings"]["decode_batch"] for sample in records[1]} == {1}

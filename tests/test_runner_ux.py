@@ -88,10 +88,13 @@ def test_help_lists_what_can_be_run():
         ("backbone=nope", "unknown backbone 'nope'; choose from ['llama3.1-8b-instruct'"),
         ("method=nope", "unknown method 'nope'; choose from ['full'"),
         ("decode=fast", "unknown decode mode 'fast'; choose from ['eager', 'compiled']"),
+        ("decode_batch=0", "decode_batch 0 must be a positive integer (1: each configuration alone)"),
+        ("decode_batch=4 decode=compiled", "decode_batch 4 decodes eagerly"),
+        ("decode_batch=4 share_prefill=false", "use decode_batch=1 with share_prefill=false"),
     ],
 )
 def test_bad_values_fail_cleanly_and_leave_no_log_directory(argument, expected, tmp_path):
-    output, (code, *_) = probe(argument, f"results_dir={tmp_path}")
+    output, (code, *_) = probe(*argument.split(), f"results_dir={tmp_path}")
     assert code == "2"
     assert expected in output and "Traceback" not in output
     assert not (tmp_path / "logs").exists() and not (tmp_path / "runs").exists()

@@ -159,7 +159,7 @@ class GridRun:
     def environment(self) -> dict[str, Any]:
         """Where this run's timings were taken (stored in each new result file's provenance): the
         machine's cores, load average and torch threads (``scripts.measure.machine``), the model's
-        device and dtype, and the decode mode."""
+        device and dtype, the decode mode and the decode batch."""
         from scripts.measure import machine
 
         facts, model = machine(), self.backbone.model
@@ -170,6 +170,7 @@ class GridRun:
             "dtype": str(model.dtype).removeprefix("torch."),
             "torch_threads": facts["torch_threads"],
             "decode": self.plan.decode,
+            "decode_batch": self.plan.decode_batch,
         }
 
     def open(self) -> int:
@@ -276,8 +277,6 @@ class GridRun:
         return None
 
     def _run_sample(self, task: str, index: int, item: Item, pending: list[GridEntry]) -> None:
-        from reskv.engine import Prefill
-
         max_new_tokens = self.plan.answer_length(item)
         runnable = []
         for entry in pending:
@@ -289,32 +288,50 @@ class GridRun:
                 self._file(task, entry, skipped_record(index, item, max_new_tokens, reason))
         shared_by = len(runnable) if self.plan.share_prefill else 1
         answer_ids = item.answer_ids(self.backbone.tokenizer) if self.plan.quality else None
-        prefill = None
-        for entry in runnable:
-            if prefill is None or not self.plan.share_prefill:
-                served = runnable if self.plan.share_prefill else [entry]
-                prefill = Prefill(
-                    self.backbone,
-                    item.prompt_ids,
-                    item.context_length,
-                    [self.methods[other.label, other.ratio] for other in served],
-                )
-                if any(other.setting != "agnostic" for other in served):
-                    # The question's prefill now, shared, rather than inside the first query-aware
-                    # generation's compress_s (where it made the full cache's compress_s non-zero).
-                    prefill.observations("aware")
-            generation = prefill.generate(
-                self.methods[entry.label, entry.ratio],
-                entry.setting or "aware",
-                max_new_tokens=max_new_tokens,
-                stop_token_ids=item.stop_token_ids,
-                min_new_tokens=min(item.min_new_tokens, max_new_tokens),
-                answer_ids=answer_ids,
-                decode=self.plan.decode,
-            )
+        decoding = {
+            "max_new_tokens": max_new_tokens,
+            "stop_token_ids": item.stop_token_ids,
+            "min_new_tokens": min(item.min_new_tokens, max_new_tokens),
+            "answer_ids": answer_ids,
+            "decode": self.plan.decode,
+        }
+        for position, prefill, generation in self._generations(item, runnable, decoding):
+            entry = runnable[position]
             score = benchmarks.score_item(item, generation.text)
             self._file(
                 task,
                 entry,
                 sample_record(index, item, max_new_tokens, generation, score, prefill.timings, shared_by),
             )
+
+    def _generations(self, item: Item, runnable: list[GridEntry], decoding: dict):
+        """``(index into runnable, its prefill, its generation)`` as each is done: one prefill and
+        ``Prefill.generate_grid`` (``decode_batch`` rows at a time), or a prefill per configuration."""
+        requests = [(self.methods[entry.label, entry.ratio], entry.setting or "aware") for entry in runnable]
+        if self.plan.share_prefill and runnable:
+            prefill = self._prefill(item, runnable)
+            for position, generation in prefill.generate_grid(
+                requests, decode_batch=self.plan.decode_batch, **decoding
+            ):
+                yield position, prefill, generation
+            return
+        for position, (entry, (method, setting)) in enumerate(zip(runnable, requests, strict=True)):
+            prefill = self._prefill(item, [entry])
+            yield position, prefill, prefill.generate(method, setting, **decoding)
+
+    def _prefill(self, item: Item, served: list[GridEntry]):
+        """The prompt's prefill for the configurations ``served`` (the question's too, if one is
+        query-aware)."""
+        from reskv.engine import Prefill
+
+        prefill = Prefill(
+            self.backbone,
+            item.prompt_ids,
+            item.context_length,
+            [self.methods[entry.label, entry.ratio] for entry in served],
+        )
+        if any(entry.setting != "agnostic" for entry in served):
+            # The question's prefill now, shared, rather than inside the first query-aware
+            # generation's compress_s (where it made the full cache's compress_s non-zero).
+            prefill.observations("aware")
+        return prefill

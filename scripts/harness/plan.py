@@ -153,6 +153,7 @@ class Plan:
     max_new_tokens: int | None
     results_dir: Path
     decode: str = "eager"  # reskv.config.DECODE_MODES
+    decode_batch: int = 1  # configurations of a sample decoded together (reskv.engine.Prefill.generate_grid)
     grid: tuple[GridEntry, ...] = field(default=())
     quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)
 
@@ -305,6 +306,21 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
             f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
         )
     _choose("decode mode", [config["decode"]], DECODE_MODES)
+    decode_batch = config["decode_batch"]
+    if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
+        raise PlanError(
+            f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone)"
+        )
+    if decode_batch > 1 and config["decode"] != "eager":
+        raise PlanError(
+            f"decode_batch {decode_batch} decodes eagerly: a batch changes shape as rows stop; "
+            f"use decode_batch=1 with decode={config['decode']}"
+        )
+    if decode_batch > 1 and not config["share_prefill"]:
+        raise PlanError(
+            f"decode_batch {decode_batch} batches the configurations of one shared prefill; "
+            "use decode_batch=1 with share_prefill=false"
+        )
     quality = backbone.get("quality", False)
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
@@ -334,6 +350,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         max_new_tokens=max_new_tokens,
         results_dir=Path(config["results_dir"]),
         decode=config["decode"],
+        decode_batch=decode_batch,
         grid=build_grid(methods, ratios, settings, residual, options),
         quality=quality,
     )
