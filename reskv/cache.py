@@ -99,6 +99,13 @@ def require_single_sequence(states: Tensor) -> None:
         )
 
 
+def causal_bias(own_slots: Tensor, slots: int, group_size: int) -> Tensor:
+    """``[G * q, slots]``: 0 on the slots up to each of ``q`` tokens' own (``own_slots``, fed together),
+    ``-inf`` after, for queries in grouped order (a GQA group's ``G`` heads, each with its ``q`` tokens)."""
+    visible = torch.arange(slots, device=own_slots.device)[None, :] <= own_slots[:, None]
+    return additive_mask(visible).repeat(group_size, 1)
+
+
 class ObservedLayer(DynamicLayer):
     """An exact layer; while ``observation_window > 0`` it records queries (and H2O statistics)."""
 
@@ -335,9 +342,8 @@ class CompressedLayer(CacheLayerMixin):
         num_kv_heads = self._keys.shape[1]
         bias = self._bias
         if query_len > 1:
-            last = self.position - query_len + torch.arange(query_len, device=query.device)
-            visible = torch.arange(self.capacity, device=query.device)[None, :] <= last[:, None]
-            bias = bias + additive_mask(visible).repeat(num_heads // num_kv_heads, 1)  # grouped query order
+            own_slots = self.position - query_len + torch.arange(query_len, device=query.device)
+            bias = bias + causal_bias(own_slots, self.capacity, num_heads // num_kv_heads)
         return query[0].reshape(num_kv_heads, -1, head_dim), bias
 
     @staticmethod
@@ -377,8 +383,9 @@ class StackedLayer(CacheLayerMixin):
     row's, then ``spare_slots`` that every row fills at the same slot, one per step. Every row
     continues at the same position (the uncompressed prompt length), so one forward of ``B`` tokens
     decodes them all; attention is ``reskv.attention.stacked_shared_softmax_attention`` over the
-    written slots, with each row's rule. ``keep`` drops rows that stopped, so finished rows cost
-    nothing. Eager only: the written count is a host integer, and rows change shape as they leave.
+    written slots, with each row's rule; several tokens fed together (teacher forcing) see each other
+    causally. ``keep`` drops rows that stopped, so finished rows cost nothing. Eager only: the
+    written count is a host integer, and rows change shape as they leave.
     """
 
     is_sliding = False
@@ -424,29 +431,38 @@ class StackedLayer(CacheLayerMixin):
         raise RuntimeError("a stacked layer is built from compressed layers, never lazily")
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if key_states.shape[-2] != 1:
-            raise ValueError(f"stacked rows decode one token per step, not {key_states.shape[-2]}")
-        slot = self.written
-        self._keys[:, :, slot] = key_states[:, :, 0]
-        self._values[:, :, slot] = value_states[:, :, 0]
-        self._bias[..., slot] = 0.0
-        self.written += 1
-        self.seq_len += 1
+        tokens = key_states.shape[-2]
+        if self.written + tokens > self._keys.shape[2]:
+            raise ValueError(
+                f"{tokens} tokens exceed the stacked layer's {self._keys.shape[2] - self.written} spare slots"
+            )
+        new = slice(self.written, self.written + tokens)
+        self._keys[:, :, new] = key_states
+        self._values[:, :, new] = value_states
+        self._bias[..., new] = 0.0
+        self.written += tokens
+        self.seq_len += tokens
         return self._keys[:, :, : self.written], self._values[:, :, : self.written]
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-        batch, num_heads, _, head_dim = query.shape
+        """Each row's shared-softmax attention over its written slots; ``q`` tokens fed together (the
+        last ``q`` written, as in teacher forcing) see each other causally."""
+        batch, num_heads, query_len, head_dim = query.shape
         num_kv_heads, written = self._keys.shape[1], slice(0, self.written)
+        bias = self._bias[..., written]
+        if query_len > 1:
+            own_slots = torch.arange(self.written - query_len, self.written, device=query.device)
+            bias = bias + causal_bias(own_slots, self.written, num_heads // num_kv_heads)
         output = stacked_shared_softmax_attention(
             query.reshape(batch, num_kv_heads, -1, head_dim),
             self._keys[:, :, written],
             self._values[:, :, written],
-            self._bias[..., written],
+            bias,
             self._entries[..., written],
             self.gates,
             scaling,
         )
-        return output.reshape(batch, num_heads, 1, head_dim).transpose(1, 2).to(query.dtype)
+        return output.reshape(batch, num_heads, query_len, head_dim).transpose(1, 2).to(query.dtype)
 
     def get_seq_length(self) -> int:
         return self.seq_len

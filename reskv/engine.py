@@ -171,6 +171,15 @@ class _FullReference:
 
 
 @dataclass
+class _TeacherForced:
+    """A generation's logits along the reference answer (``[1 + n, V]``: after the prompt, then after
+    each answer token but the last) and along the full cache's forced tokens (``[FORCED_STEPS, V]``)."""
+
+    answered: Tensor
+    forced: Tensor
+
+
+@dataclass
 class _Prepared:
     """A request compressed and fed its whole prompt, ready to decode (``Prefill._prepare``)."""
 
@@ -385,9 +394,11 @@ class Prefill:
         step; a row leaves when it stops. Only one batch's caches exist at a time. A batch of one
         decodes as ``generate`` does, bit for bit, in any ``decode`` mode (``decode_batch=1`` is
         ``generate`` per request); so does a request without the shared softmax, which the stacked
-        attention does not compute. Larger batches decode eagerly. In a batch, ``decode_s`` is the
-        batch's time shared equally by its rows (their sum is the time spent) and ``decode_batch`` its
-        number of rows."""
+        attention does not compute. Larger batches decode eagerly, and with ``answer_ids`` compute the
+        quality measures' teacher-forced logits in one forward too (``_teacher_forced_rows``; the probe
+        of attention error and residual share runs per row). In a batch, ``decode_s`` is the batch's
+        time shared equally by its rows (their sum is the time spent), likewise the batched part of
+        ``quality_s``, and ``decode_batch`` is its number of rows."""
         if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
             raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer")
         if decode not in DECODE_MODES or (decode != "eager" and decode_batch > 1):
@@ -418,13 +429,18 @@ class Prefill:
             else:
                 answers = self._decode_stacked(prepared, max_new_tokens, min_new_tokens, stop_token_ids)
             seconds = (time.perf_counter() - start) / len(batch)
-            for row, request, answer in zip(batch, prepared, answers, strict=True):
+            teacher_forced, quality_s = [None] * len(batch), 0.0
+            if answer_ids is not None and len(batch) > 1:
+                start = time.perf_counter()
+                teacher_forced = self._teacher_forced_rows(prepared, answer_ids)
+                quality_s = (time.perf_counter() - start) / len(batch)
+            for row, request, answer, forced in zip(batch, prepared, answers, teacher_forced, strict=True):
                 request.timings |= {
                     "decode_s": seconds,
                     "decode_tokens": len(answer),
                     "decode_batch": len(batch),
                 }
-                yield row, self._finish(request, answer, answer_ids)
+                yield row, self._finish(request, answer, answer_ids, forced, quality_s)
 
     def _check_request(self, max_new_tokens: int, answer_ids: Sequence[int] | None) -> None:
         self._check_positions(max_new_tokens)
@@ -486,17 +502,29 @@ class Prefill:
         return greedy(logits, step, cache.keep, max_new_tokens, min_new_tokens, stop_ids)
 
     def _finish(
-        self, prepared: _Prepared, token_ids: list[int], answer_ids: Sequence[int] | None
+        self,
+        prepared: _Prepared,
+        token_ids: list[int],
+        answer_ids: Sequence[int] | None,
+        teacher_forced: _TeacherForced | None = None,
+        batch_quality_s: float = 0.0,
     ) -> Generation:
-        """The generation of ``token_ids``: its text and, with ``answer_ids``, its quality measures."""
+        """The generation of ``token_ids``: its text and, with ``answer_ids``, its quality measures
+        (``teacher_forced`` and its share ``batch_quality_s`` of their time, when its batch computed
+        them)."""
         text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
         quality = None
         if answer_ids is not None:
             start = time.perf_counter()
             quality = self._quality(
-                prepared.setting, prepared.compressed, prepared.prompted, prepared.logits, tuple(answer_ids)
+                prepared.setting,
+                prepared.compressed,
+                prepared.prompted,
+                prepared.logits,
+                answer_ids,
+                teacher_forced,
             )
-            prepared.timings["quality_s"] = time.perf_counter() - start
+            prepared.timings["quality_s"] = time.perf_counter() - start + batch_quality_s
         return Generation(token_ids, text, prepared.stats, prepared.timings, quality)
 
     def _teacher_forced(self, cache: ResKVCache, last_logits: Tensor, token_ids: Sequence[int]) -> Tensor:
@@ -519,20 +547,56 @@ class Prefill:
         logits = self._teacher_forced(cache, last_logits, answer_ids[:-1])
         return sequence_log_prob(logits, torch.tensor(answer_ids, device=logits.device))
 
+    def _measured_answer(self, answer_ids: Sequence[int]) -> tuple[int, ...]:
+        """The reference answer the quality measures score: a long one (a LongBench summary) is cut where
+        the backbone's positions end."""
+        return tuple(answer_ids)[: self.max_positions - len(self.prompt_ids)]
+
+    def _teacher_forced_rows(self, rows: list[_Prepared], answer_ids: Sequence[int]) -> list[_TeacherForced]:
+        """The teacher-forced logits of the quality measures for a batch of ``rows`` in one forward: each
+        row's prompted cache twice (``ResKVCache.stacked``), fed the answer and the full cache's forced
+        tokens; the shorter feed is padded at its end, which no earlier position sees."""
+        answer_ids, forced_ids = self._measured_answer(answer_ids), self._reference().forced_ids
+        feeds = [list(answer_ids[:-1]), list(forced_ids)]
+        length = max(len(feed) for feed in feeds)
+        padded = [feed + forced_ids[:1] * (length - len(feed)) for feed in feeds]
+        prompted = [static_cache(row.prompted, 0) for row in rows]
+        cache = ResKVCache.stacked(prompted + prompted, length)
+        ids = torch.tensor([padded[0]] * len(rows) + [padded[1]] * len(rows), device=self.backbone.device)
+        with torch.inference_mode():
+            logits = self.backbone.model(
+                input_ids=ids,
+                use_cache=True,
+                logits_to_keep=0,
+                **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
+            ).logits
+        answered, forced = logits[: len(rows), : len(feeds[0])], logits[len(rows) :, : len(forced_ids)]
+        return [
+            _TeacherForced(torch.cat([row.logits[None], row_answered]), row_forced)
+            for row, row_answered, row_forced in zip(rows, answered, forced, strict=True)
+        ]
+
     def _quality(
         self,
         setting: str,
         compressed: ResKVCache,
         prompted: ResKVCache,
         last_logits: Tensor,
-        answer_ids: tuple[int, ...],
+        answer_ids: Sequence[int],
+        teacher_forced: _TeacherForced | None = None,
     ) -> dict:
         """``reskv.quality``'s measures of one generation: ``compressed`` is the method's cache before
-        the question (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt."""
+        the question (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt;
+        ``teacher_forced`` the logits along the answer and the forced tokens, when a batch computed them
+        (``_teacher_forced_rows``)."""
         reference = self._reference()
         whole = self._prompt_state()
-        # A long reference (a LongBench summary) is cut where the backbone's positions end.
-        answer_ids = answer_ids[: self.max_positions - len(self.prompt_ids)]
+        answer_ids = self._measured_answer(answer_ids)
+        if teacher_forced is None:
+            teacher_forced = _TeacherForced(
+                self._teacher_forced(prompted.fork(), last_logits, answer_ids[:-1]),
+                self._teacher_forced(prompted, last_logits, reference.forced_ids)[1:],
+            )
         quality: dict = {"answer_tokens": len(answer_ids)}
         if answer_ids:
             if answer_ids not in reference.answer_log_probs:
@@ -540,9 +604,10 @@ class Prefill:
                     whole.cache.fork(), whole.last_logits, answer_ids
                 )
             full = reference.answer_log_probs[answer_ids]
-            own = self._answer_log_prob(prompted.fork(), last_logits, answer_ids)
+            answered = teacher_forced.answered
+            own = sequence_log_prob(answered, torch.tensor(answer_ids, device=answered.device))
             quality.update(answer_log_prob=own, answer_log_prob_full=full, answer_log_prob_gap=own - full)
-        forced_logits = self._teacher_forced(prompted, last_logits, reference.forced_ids)[1:]
+        forced_logits = teacher_forced.forced
         quality["kl"] = float(kl_divergence(reference.forced_logits, forced_logits).mean())
         # The probe feeds what the method's cache has not seen yet (the question, query-agnostic)
         # and the forced tokens; only the forced tokens' queries are measured.
