@@ -284,14 +284,21 @@ class Prefill:
     ) -> Tensor:
         """The next-token logits after ``token_ids`` fed to ``cache`` (``[V]``), or after each of them
         (``[n, V]``); ``cache`` (a prefilled one, or one from ``compressed``) is extended in place."""
-        ids = torch.tensor([list(token_ids)], device=self.backbone.device)
-        output = self.backbone.model(
-            input_ids=ids,
+        logits = self._forward(
+            torch.tensor([list(token_ids)], device=self.backbone.device), cache, every_position
+        )
+        return logits[0] if every_position else logits[0, -1]
+
+    @torch.inference_mode()
+    def _forward(self, token_ids: Tensor, cache: ResKVCache, every_position: bool) -> Tensor:
+        """The logits of ``token_ids`` ``[B, n]`` fed to ``cache`` (one sequence, or ``B`` stacked rows),
+        extended in place: ``[B, n, V]``, or ``[B, 1, V]`` for the last position only."""
+        return self.backbone.model(
+            input_ids=token_ids,
             use_cache=True,
             logits_to_keep=0 if every_position else 1,
             **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
-        )
-        return output.logits[0] if every_position else output.logits[0, -1]
+        ).logits
 
     def _prompt_state(self) -> _PrefilledState:
         """The whole prompt, exact: the context cache extended with the question (computed once); with
@@ -371,7 +378,14 @@ class Prefill:
         prepared = self._prepare(method, setting, max_new_tokens, answer_ids is not None)
         step = self._compiled_step if decode == "compiled" else self.next_logits
         start = time.perf_counter()
-        token_ids = self._decode_alone(prepared, max_new_tokens, min_new_tokens, stop_token_ids, step)
+        token_ids = self._decode(
+            prepared.cache,
+            prepared.logits,
+            max_new_tokens,
+            min_new_tokens,
+            self._stop_ids(stop_token_ids),
+            step,
+        )
         prepared.timings |= {"decode_s": time.perf_counter() - start, "decode_tokens": len(token_ids)}
         return self._finish(prepared, token_ids, answer_ids)
 
@@ -423,9 +437,9 @@ class Prefill:
             ]
             start = time.perf_counter()
             if len(batch) == 1:
-                answers = [
-                    self._decode_alone(prepared[0], max_new_tokens, min_new_tokens, stop_token_ids, step)
-                ]
+                stop_ids = self._stop_ids(stop_token_ids)
+                cache, logits = prepared[0].cache, prepared[0].logits
+                answers = [self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids, step)]
             else:
                 answers = self._decode_stacked(prepared, max_new_tokens, min_new_tokens, stop_token_ids)
             seconds = (time.perf_counter() - start) / len(batch)
@@ -467,16 +481,9 @@ class Prefill:
         cache = static_cache(cache, spare_slots)
         return _Prepared(setting, cache, stats, logits, timings, compressed, prompted)
 
-    def _decode_alone(
-        self,
-        prepared: _Prepared,
-        max_new_tokens: int,
-        min_new_tokens: int,
-        stop_token_ids: Sequence[int],
-        step=None,
-    ) -> list[int]:
-        stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
-        return self._decode(prepared.cache, prepared.logits, max_new_tokens, min_new_tokens, stop_ids, step)
+    def _stop_ids(self, stop_token_ids: Sequence[int]) -> set[int]:
+        """The tokens that end an answer: ``stop_token_ids`` and the backbone's."""
+        return set(stop_token_ids) | set(self.backbone.stop_token_ids)
 
     def _decode_stacked(
         self, rows: list[_Prepared], max_new_tokens: int, min_new_tokens: int, stop_token_ids: Sequence[int]
@@ -487,19 +494,13 @@ class Prefill:
             row.cache = None
         device = self.backbone.device
 
-        @torch.inference_mode()
         def step(token_ids: list[int]) -> Tensor:
-            output = self.backbone.model(
-                input_ids=torch.tensor(token_ids, device=device)[:, None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
-            )
-            return output.logits[:, -1]
+            return self._forward(torch.tensor(token_ids, device=device)[:, None], cache, False)[:, -1]
 
-        stop_ids = set(stop_token_ids) | set(self.backbone.stop_token_ids)
         logits = torch.stack([row.logits for row in rows])
-        return greedy(logits, step, cache.keep, max_new_tokens, min_new_tokens, stop_ids)
+        return greedy(
+            logits, step, cache.keep, max_new_tokens, min_new_tokens, self._stop_ids(stop_token_ids)
+        )
 
     def _finish(
         self,
@@ -563,13 +564,7 @@ class Prefill:
         prompted = [static_cache(row.prompted, 0) for row in rows]
         cache = ResKVCache.stacked(prompted + prompted, length)
         ids = torch.tensor([padded[0]] * len(rows) + [padded[1]] * len(rows), device=self.backbone.device)
-        with torch.inference_mode():
-            logits = self.backbone.model(
-                input_ids=ids,
-                use_cache=True,
-                logits_to_keep=0,
-                **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
-            ).logits
+        logits = self._forward(ids, cache, every_position=True)
         answered, forced = logits[: len(rows), : len(feeds[0])], logits[len(rows) :, : len(forced_ids)]
         return [
             _TeacherForced(torch.cat([row.logits[None], row_answered]), row_forced)

@@ -14,7 +14,6 @@ models those launches per Lloyd step at 131K tokens, where counting for real wou
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -27,7 +26,7 @@ from reskv.cache import ObservedLayer, ResKVCache
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import LAYER_BATCH_BYTES
 from reskv.residual import DEVICE_MEMORY_SHARE, DISTANCE_CHUNK_BYTES, residual_size
-from scripts.bench.dispatch_counts import count_dispatch
+from scripts.bench.dispatch_counts import count_arguments, count_dispatch
 
 LLAMA_ATTENTION = dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
 COUNTED_METHODS = ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova", "tova+reskv", "h2o", "h2o+reskv")
@@ -122,13 +121,7 @@ def launches_table(seq_len: int, ratio: float) -> Table:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--ratio", type=float, default=0.9)
-    parser.add_argument("--methods", nargs="+", default=list(COUNTED_METHODS))
-    args = parser.parse_args()
+    args = count_arguments(__doc__, COUNTED_METHODS)
     console = Console(width=200)
     console.print(counts_table(args.lengths, args.ratio, args.methods))
     console.print(launches_table(131072, args.ratio))

@@ -11,8 +11,6 @@ the layers and the attention path, not on the widths. Every method decodes throu
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -22,7 +20,7 @@ from reskv.backbones import random_backbone
 from reskv.cache import CACHE_KWARG
 from reskv.engine import static_cache
 from scripts.bench.construction_counts import LLAMA_ATTENTION, synthetic_prefilled_cache
-from scripts.bench.dispatch_counts import count_dispatch
+from scripts.bench.dispatch_counts import count_arguments, count_dispatch
 
 DECODE_COUNTED_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 
@@ -75,13 +73,7 @@ def decode_counts_table(lengths: list[int], ratio: float, methods: list[str]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--ratio", type=float, default=0.9)
-    parser.add_argument("--methods", nargs="+", default=list(DECODE_COUNTED_METHODS))
-    args = parser.parse_args()
+    args = count_arguments(__doc__, DECODE_COUNTED_METHODS)
     Console(width=200).print(decode_counts_table(args.lengths, args.ratio, args.methods))
 
 

@@ -15,8 +15,10 @@ on CPU with a ``TorchDispatchMode``:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,3 +77,15 @@ def count_dispatch():
             yield counts
     finally:
         torch.Tensor.tolist = original_tolist
+
+
+def count_arguments(description: str, methods: Sequence[str]) -> argparse.Namespace:
+    """The command line of the op-count tables (``construction_counts``, ``decode_counts``): the
+    prompt lengths, the ratio and the methods counted."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--ratio", type=float, default=0.9)
+    parser.add_argument("--methods", nargs="+", default=list(methods))
+    return parser.parse_args()
