@@ -7,9 +7,9 @@ quantity are measured the same way:
 - ``machine``: cores, torch threads, load average, versions and the GPU; ``machine_header`` prints
   it with the matmul rate of the moment, for tables of timings;
 - ``peak_memory``: the process's peak during a block (CUDA's max allocated bytes, or on CPU the
-  peak resident set size, or where the kernel keeps it from being reset the resident size at entry plus
-  the peak allocated), what a request needs to fit; ``peak_allocated``: the most bytes a
-  block itself held allocated at once beyond what it started with, what an algorithm adds;
+  resident size at entry plus the block's peak allocated), what a request needs to fit;
+  ``peak_allocated``: the most bytes a block itself held allocated at once beyond what it started
+  with, what an algorithm adds;
 - ``random_prompt``: token ids drawn uniformly from a vocabulary with a fixed seed.
 """
 
@@ -31,8 +31,6 @@ import torch
 import transformers
 
 PROC_STATUS = Path("/proc/self/status")
-PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-MIB = 2**20
 
 
 def load_average() -> list[float]:
@@ -99,25 +97,14 @@ class MemoryPeak:
 
 
 def peak_memory_kind(device: torch.device | str) -> str:
-    """What ``peak_memory`` measures on ``device`` on this machine, for a report to name."""
-    if torch.device(device).type == "cuda":
-        return "CUDA max allocated"
-    return "peak RSS" if resident_peak_resets() else "RSS at entry + peak allocated"
+    """What ``peak_memory`` measures on ``device``, for a report to name."""
+    return "CUDA max allocated" if torch.device(device).type == "cuda" else "RSS at entry + peak allocated"
 
 
 def proc_status_bytes(field: str) -> int:
-    """A ``/proc/self/status`` memory field (``VmHWM``, ``VmRSS``) in bytes."""
+    """A ``/proc/self/status`` memory field (``VmRSS``) in bytes."""
     line = next(line for line in PROC_STATUS.read_text().splitlines() if line.startswith(f"{field}:"))
     return int(line.split()[1]) * 1024
-
-
-def resident_peak_resets() -> bool:
-    """Reset the peak resident set size to the current one (``clear_refs`` 5, Linux >= 4.0) and say
-    whether the kernel honoured it. Some sandboxes accept the write and keep the old peak (seen in
-    this project's CI: two blocks, one of them allocating 64 MiB, both read the same 1.83 GB peak),
-    so the peak is read back: within 4 MiB of the resident size means it was reset."""
-    PROC_CLEAR_REFS.write_text("5")
-    return proc_status_bytes("VmHWM") - proc_status_bytes("VmRSS") <= 4 * MIB
 
 
 @contextlib.contextmanager
@@ -125,24 +112,19 @@ def peak_memory(device: torch.device | str) -> Iterator[MemoryPeak]:
     """``with peak_memory(device) as peak: ...``: the process's peak memory during the block.
 
     On CUDA the allocator's max allocated bytes (``torch.cuda.max_memory_allocated``, reset at
-    entry); on CPU, which keeps no allocator statistics, the peak resident set size (``VmHWM``,
-    reset at entry), or, where the kernel does not reset it, the resident size at entry plus the
-    block's ``peak_allocated`` (torch's allocations only). All count the model weights and whatever
-    else the process holds.
+    entry); on CPU, which keeps no allocator statistics, the resident set size at entry plus the
+    block's ``peak_allocated`` (torch's allocations). Not the kernel's peak RSS (``VmHWM``): CI's
+    sandbox ignores its reset (two blocks, one allocating 64 MiB, read the same 1.83 GB), and where
+    it is reset a freed heap can serve a block without raising it (a 256 MiB tensor left it unchanged
+    under pytest-xdist). Both count the model weights and whatever else the process holds.
     """
     device = torch.device(device)
+    peak = MemoryPeak(kind=peak_memory_kind(device))
     if device.type == "cuda":
-        peak = MemoryPeak(kind=peak_memory_kind(device))
         torch.cuda.reset_peak_memory_stats(device)
         yield peak
         peak.bytes = torch.cuda.max_memory_allocated(device)
         return
-    if resident_peak_resets():
-        peak = MemoryPeak(kind="peak RSS")
-        yield peak
-        peak.bytes = proc_status_bytes("VmHWM")
-        return
-    peak = MemoryPeak(kind="RSS at entry + peak allocated")
     resident = proc_status_bytes("VmRSS")
     with peak_allocated(device) as allocated:
         yield peak

@@ -22,10 +22,7 @@ def test_peak_memory_rises_by_a_tensor_allocated_in_the_block():
     assert busy.bytes - idle.bytes >= 0.9 * 256 * MIB
 
 
-def test_peak_memory_where_the_kernel_keeps_the_peak_adds_the_peak_allocated_to_the_resident_size(
-    monkeypatch,
-):
-    monkeypatch.setattr(measure, "resident_peak_resets", lambda: False)
+def test_peak_memory_on_cpu_adds_the_peak_allocated_to_the_resident_size_at_entry(monkeypatch):
     monkeypatch.setattr(measure, "proc_status_bytes", {"VmRSS": 1000}.__getitem__)
     with peak_memory("cpu") as peak:
         for _ in range(2):
@@ -55,16 +52,3 @@ def test_machine_names_the_cores_threads_and_load():
     info = machine()
     assert info["torch_threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
     assert len(info["load_average"]) == 3 and info["cpu_count"] >= 1
-
-
-def test_a_resident_peak_left_above_the_resident_size_after_the_reset_means_the_reset_was_ignored(
-    monkeypatch, tmp_path
-):
-    status = tmp_path / "status"
-    monkeypatch.setattr(measure, "PROC_CLEAR_REFS", tmp_path / "clear_refs")
-    monkeypatch.setattr(measure, "PROC_STATUS", status)
-    status.write_text("VmHWM:\t 1783240 kB\nVmRSS:\t  900000 kB\n")
-    assert not measure.resident_peak_resets()
-    status.write_text("VmHWM:\t  900100 kB\nVmRSS:\t  900000 kB\n")
-    assert measure.resident_peak_resets()
-    assert (tmp_path / "clear_refs").read_text() == "5"

@@ -225,21 +225,21 @@ def test_a_finished_configuration_is_reported_before_the_next_sample(tmp_path, r
 
 def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, backbone, monkeypatch):
     passed, question_prefilled = [], []
-    generate = reskv.engine.Prefill.generate
+    generate_grid = reskv.engine.Prefill.generate_grid
 
-    def spy(self, *args, **kwargs):
+    def spy(self, *args, **kwargs):  # one call per sample, for every configuration of it
         passed.append(kwargs["min_new_tokens"])
         question_prefilled.append("question_prefill_s" in self.timings)
-        return generate(self, *args, **kwargs)
+        return generate_grid(self, *args, **kwargs)
 
-    monkeypatch.setattr(reskv.engine.Prefill, "generate", spy)
+    monkeypatch.setattr(reskv.engine.Prefill, "generate_grid", spy)
     plan = plan_for([*TINY_VT, "num_samples=2", "method=[full,snapkv]", "ratio=0.6"], tmp_path, ruler_cache)
     items = load_task_items(plan, backbone.tokenizer)
     items["vt"][1] = dataclasses.replace(items["vt"][1], min_new_tokens=3)
     grid = GridRun(plan, backbone, items)
     grid.open()
     grid.run()
-    assert passed == [0, 0, 3, 3]
+    assert passed == [0, 3]
     # The question's prefill happens before the first generation, so the full cache's compress_s
     # (its first, query-aware, generation) holds no prefill.
     assert all(question_prefilled)
