@@ -15,9 +15,9 @@ Efficiency: randomly initialised models of the paper's backbones' shapes (memory
 depend on the weights), bf16. Per context length one prefill serves every (method, ratio);
 for each it records the prefill's and the compression + decode's peak memory
 (``scripts.measure.peak_memory``: CUDA's max allocated bytes, reset per phase, or on the CPU the
-peak resident set size; the request's peak is the larger of the two, since the prefilled cache
-stays alive while a compressed copy decodes), the compression time, and the decode rate over
-``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
+resident size at entry plus the phase's peak allocated; the request's peak is the larger of the
+two, since the prefilled cache stays alive while a compressed copy decodes), the compression time,
+and the decode rate over ``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
