@@ -50,15 +50,20 @@ def gate_values(main_mass: Tensor, rule: DecodeRule) -> Tensor:
 
 
 def log_gate(p_max: Tensor, rule: DecodeRule) -> Tensor:
-    """``log g(q)`` (``gate_values``) from ``p_max``: ``logsigmoid``, one op where ``log(sigmoid)`` takes
-    two (``rule.gate`` is on)."""
-    log_gate = torch.nn.functional.logsigmoid(gate_logit(p_max, rule))
+    """``log g(q)`` (``gate_values``) from ``p_max`` in two ops (``rule.gate`` is on): the gate's argument
+    as ``alpha * tau - alpha * p_max`` (one ``rsub``; ``gate_logit``'s two ops give it to the last bit,
+    this to fp rounding), then ``logsigmoid``, one op where ``log(sigmoid)`` takes two."""
+    logit = torch.rsub(p_max, rule.alpha * rule.tau, alpha=rule.alpha)
+    log_gate = torch.nn.functional.logsigmoid(logit)
     return log_gate.clamp_(min=math.log(rule.g_min)) if rule.g_min > 0 else log_gate
 
 
 def population_bias(log_counts: Tensor, beta: float) -> Tensor:
     """``beta * log(c_j)`` on used slots, ``-inf`` on unused ones whatever ``beta`` is (reskv.md,
-    invariant 10): validity is read from the slot, never from ``beta * -inf`` (NaN when beta = 0)."""
+    invariant 10): validity is read from the slot, never from ``beta * -inf`` (NaN when beta = 0).
+    ``beta = 1`` (the default) is ``log_counts`` itself, whose unused slots are already ``-inf``: no op."""
+    if beta == 1.0:
+        return log_counts
     used = torch.isfinite(log_counts)
     return torch.where(used, beta * log_counts.masked_fill(~used, 0.0), float("-inf"))
 
@@ -155,28 +160,31 @@ def shared_softmax_attention(
     scaling: float,
     rule: DecodeRule,
 ) -> Tensor:
-    """``joint_attention``'s shared-softmax output ``[H_kv, Q, d]`` as one SDPA call, in the cache's dtype.
+    """``joint_attention``'s shared-softmax output ``[H_kv, Q, d]``, reading keys and values once each
+    in the cache's dtype (no per-step fp32 copy of the cache; issue 24).
 
     The gate multiplies every entry's softmax weight by ``g(q)``: that is ``log g(q)`` added to the
-    entries' logits, so with the entries' bias ``beta * log(c_j) + log g(q)`` one softmax over
-    ``[entries ; main]`` is the shared softmax (reskv.md, Eqs. reskv and gate). ``g`` needs the main
-    part's ``p_max``, its largest softmax probability, first: a pre-pass over the main logits. SDPA then reads
-    keys and values in the cache's dtype with an fp32 softmax (no per-step fp32 copy of the cache), and
-    a layer without entries (a base method) is the same call with the bias as it is (issue 24). Equal
-    to ``joint_attention`` up to fp rounding (tests/test_decode_path.py); ``joint_attention`` stays the
-    reference, used where the residual share is measured and by the no-shared-softmax ablation.
+    entries' logits, so one softmax over ``[entries ; main]`` with the entries' bias ``beta * log(c_j)
+    + log g(q)`` is the shared softmax (reskv.md, Eqs. reskv and gate). ``g`` needs the main part's
+    ``p_max``, its largest softmax probability, first. So with entries and the gate on, the fp32 logits
+    are computed once (``fp32_logits``), ``p_max`` is read from their main part, ``log g`` is added to
+    the entries' logits in place, and one fp32 softmax weighs the values (the weights in the values'
+    dtype). A layer without entries or without the gate (a base method) is one SDPA call with its bias.
+    An SDPA call after a separate pass over the main logits would read the main keys twice: on CPU
+    that pass cost as much as a base step's attention, this form 1.1-1.3x it (scripts.bench.engine,
+    "Decode attention"). Equal to ``joint_attention`` up to fp rounding (tests/test_fast_paths.py);
+    ``joint_attention`` stays the reference, used where the residual share is measured and by the
+    no-shared-softmax ablation.
     """
-    mask = bias
-    if residual_slots and rule.gate:
-        main_logits = fp32_logits(queries, keys[:, residual_slots:], bias[..., residual_slots:], scaling)
-        p_max = main_logits.softmax(dim=-1).amax(dim=-1, keepdim=True)
-        entries = bias[..., :residual_slots] + log_gate(p_max, rule)
-        mask = torch.cat([entries, bias[..., residual_slots:].expand(-1, entries.shape[1], -1)], dim=-1)
-    if mask.dtype != queries.dtype:
-        mask = mask.to(queries.dtype)  # SDPA takes a float mask in the queries' dtype
-    return torch.nn.functional.scaled_dot_product_attention(
-        queries[:, None], keys[:, None], values[:, None], attn_mask=mask[:, None], scale=scaling
-    )[:, 0]
+    if not (residual_slots and rule.gate):
+        mask = bias if bias.dtype == queries.dtype else bias.to(queries.dtype)  # SDPA: the queries' dtype
+        return torch.nn.functional.scaled_dot_product_attention(
+            queries[:, None], keys[:, None], values[:, None], attn_mask=mask[:, None], scale=scaling
+        )[:, 0]
+    logits = fp32_logits(queries, keys, bias, scaling)
+    p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)
+    logits[..., :residual_slots].add_(log_gate(p_max, rule))
+    return torch.bmm(logits.softmax(dim=-1).to(values.dtype), values)
 
 
 @dataclass
@@ -245,7 +253,7 @@ def stacked_shared_softmax_attention(
         main_bias = bias.masked_fill(entries, float("-inf")).flatten(0, 1)
         main_logits = fp32_logits(queries.flatten(0, 1), keys.flatten(0, 1), main_bias, scaling)
         p_max = main_logits.softmax(dim=-1).amax(dim=-1, keepdim=True).unflatten(0, (batch, num_kv_heads))
-        mask = torch.where(entries, bias + gates.log_gate(p_max), bias)
+        mask = torch.addcmul(bias, entries, gates.log_gate(p_max))  # bias + log g on entries, to the bit
     return torch.nn.functional.scaled_dot_product_attention(
         queries, keys, values, attn_mask=mask.to(queries.dtype), scale=scaling
     )
@@ -272,15 +280,16 @@ def joint_buffers(
     spare_slots: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``[entries ; main]`` keys and values (in the main cache's dtype) and their ``joint_bias``:
-    the layout ``joint_attention`` reads, followed by ``spare_slots`` zero-filled slots for
-    tokens appended later (so the cache a decode step extends is built by one copy, not two)."""
+    the layout ``joint_attention`` reads, followed by ``spare_slots`` zero-filled slots with bias
+    ``-inf`` for tokens appended later (so the cache a decode step extends is built by one copy, not
+    two)."""
     spare = main_keys.new_zeros(main_keys.shape[0], spare_slots, main_keys.shape[-1])
     keys = torch.cat([residual_keys.to(main_keys.dtype), main_keys, spare], dim=1)
     values = torch.cat(
         [residual_values.to(main_values.dtype), main_values, spare.to(main_values.dtype)], dim=1
     )
     bias = joint_bias(residual_log_counts, main_bias, main_keys.shape[1], beta)
-    return keys, values, torch.nn.functional.pad(bias, (0, spare_slots))
+    return keys, values, torch.nn.functional.pad(bias, (0, spare_slots), value=float("-inf"))
 
 
 def residual_attention(

@@ -229,9 +229,7 @@ class CompressedLayer(CacheLayerMixin):
             state.main_keys, state.main_values, main_bias, rule.beta, spare_slots,
         )  # fmt: skip
         self.filled = self.residual_slots + state.main_keys.shape[1]  # written slots, host side
-        self._set_buffers(
-            keys[None], values[None], bias.index_fill_(-1, self._spare_slots(bias), float("-inf"))
-        )
+        self._set_buffers(keys[None], values[None], bias)
         self.position = torch.tensor([self.filled], device=keys.device)  # the next slot to write
         self.device = keys.device
         self.evicted_fraction = state.evicted_fraction
@@ -251,9 +249,6 @@ class CompressedLayer(CacheLayerMixin):
             kept=keys.new_ones(keys.shape[:2], dtype=torch.bool),
         )
         return cls(state, layer.get_seq_length(), DecodeRule(), spare_slots)
-
-    def _spare_slots(self, bias: Tensor) -> Tensor:
-        return torch.arange(self.filled, bias.shape[-1], device=bias.device)
 
     def _set_buffers(self, keys: Tensor, values: Tensor, bias: Tensor) -> None:
         self._keys, self._values, self._bias = keys, values, bias

@@ -1,11 +1,14 @@
-"""The op and sync counter (scripts.bench.dispatch_counts) on hand-counted code, and the
-construction's host-device syncs: a fixed number per layer batch, however many layers (issue 22)."""
+"""The op and sync counter (scripts.bench.dispatch_counts) on hand-counted code, the construction's
+host-device syncs: a fixed number per layer batch, however many layers (issue 22), and the ops of a
+decode step's attention as the spec lists them (issue 24)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from reskv.attention import shared_softmax_attention
+from reskv.config import DecodeRule
 from scripts.bench.construction_counts import count_compression, synthetic_prefilled_cache
 from scripts.bench.dispatch_counts import count_dispatch
 
@@ -29,6 +32,40 @@ def test_counter_counts_a_read_under_inference_mode():
     with torch.inference_mode(), count_dispatch() as counts:
         int(torch.ones(1).sum())
     assert counts.syncs == 1
+
+
+def test_counter_counts_a_conversion_under_inference_mode_but_not_a_view():
+    """``inference_mode`` dispatches ``to`` and ``contiguous`` undecomposed, flagged as views: a dtype
+    conversion and the copy of a transposed tensor launch a kernel (2 ops); the same calls where
+    they return their input, a slice and a split launch none."""
+    a = torch.randn(3, 4)
+    with torch.inference_mode(), count_dispatch() as counts:
+        a.to(torch.bfloat16)  # 1 op: a new dtype is a copy
+        a.t().contiguous()  # 1 op: a copy in the new layout
+        a.to(torch.float32)  # a itself
+        a.contiguous()  # a itself
+        a[1:].split(1)  # views
+    assert counts.ops == 2
+    assert dict(counts.by_op) == {"to": 1, "contiguous": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_attention_takes_the_ops_the_spec_lists(dtype):
+    """reskv.md ("How the harness decodes"): a base layer's decode attention is one SDPA call (its bias
+    converted to the queries' dtype); with entries and the gate, the fp32 logits, the main softmax and
+    its max, the gate's two ops, the in-place add, the softmax and the values' matmul (on CPU, half
+    precision adds the two fp32 copies of the logits' operands and the weights' conversion)."""
+    queries, keys, values = (torch.randn(2, n, 16, dtype=dtype) for n in (3, 40, 40))
+    bias = torch.zeros(2, 1, 40)
+    counted = {}
+    for residual_slots in (0, 5):
+        with torch.inference_mode(), count_dispatch() as counts:
+            shared_softmax_attention(queries, keys, values, bias, residual_slots, 0.25, DecodeRule())
+        counted[residual_slots] = dict(counts.by_op)
+    conversions = {"to": 1} if dtype != torch.float32 else {}
+    assert counted[0] == {**conversions, "scaled_dot_product_attention": 1}
+    gated = {"baddbmm": 1, "softmax": 2, "amax": 1, "rsub": 1, "log_sigmoid": 1, "add_": 1, "bmm": 1}
+    assert counted[5] == {**({"to": 3} if conversions else {}), **gated}
 
 
 @pytest.mark.parametrize("layers", [2, 5])

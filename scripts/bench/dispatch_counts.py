@@ -6,7 +6,10 @@ device has caught up. Both are properties of the code, not of the device, so the
 on CPU with a ``TorchDispatchMode``:
 
 - an *op* is one aten call that launches work: view ops (``func.is_view``: slices, reshapes,
-  transposes, ``expand``) and bare allocations (``empty``), which launch no kernel, are left out;
+  transposes, ``expand``) and bare allocations (``empty``), which launch no kernel, are left out.
+  An op that may alias its input but copies (``to`` another dtype, ``contiguous`` of a strided tensor:
+  under ``inference_mode`` these reach the counter undecomposed, flagged as views) is counted when its
+  result does not share its input's storage;
 - a *sync* is a call that makes the host wait for a device's data: ``item``/``int()``/``bool()``
   (``aten.item`` under ``inference_mode``, ``aten._local_scalar_dense`` outside it), ``nonzero``,
   ``unique`` and ``masked_select`` (their output shape is data), and ``Tensor.tolist`` (which on CPU
@@ -54,10 +57,19 @@ class _Counter(TorchDispatchMode):
         if func in SYNC_OPS or func.overloadpacket in SYNC_PACKETS:
             self.counts.syncs += 1
             self.counts.syncs_by_op[func.overloadpacket.__name__] += 1
-        if not func.is_view and func not in NO_KERNEL:
+        result = func(*args, **(kwargs or {}))
+        if func not in NO_KERNEL and not (func.is_view and _aliases(result, args[0])):
             self.counts.ops += 1
             self.counts.by_op[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        return result
+
+
+def _aliases(result, source) -> bool:
+    """Whether a view-flagged op's ``result`` is a view of ``source`` (the tuples of ``split`` and
+    ``unbind`` are), rather than a copy (``to`` another dtype)."""
+    if not isinstance(result, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return True
+    return result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
 
 
 @contextlib.contextmanager
