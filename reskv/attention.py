@@ -244,19 +244,21 @@ def stacked_shared_softmax_attention(
 
     ``keys``/``values`` ``[B, H_kv, n, d]`` hold each row's ``[entries ; main]`` at the start of its
     slots, padded with ``-inf`` bias to the longest row; ``entries`` ``[B, 1, 1, n]`` marks each row's
-    entry slots, since their number differs by row. The rule is the same: the main part's ``p_max``
-    (entries masked) gives ``log g(q)``, added to the entries' bias, then one SDPA call. A row whose
-    gate is closed keeps its bias as it is, as the one-row function does."""
-    mask = bias
-    if any(gates.opened):
-        batch, num_kv_heads = queries.shape[:2]
-        main_bias = bias.masked_fill(entries, float("-inf")).flatten(0, 1)
-        main_logits = fp32_logits(queries.flatten(0, 1), keys.flatten(0, 1), main_bias, scaling)
-        p_max = main_logits.softmax(dim=-1).amax(dim=-1, keepdim=True).unflatten(0, (batch, num_kv_heads))
-        mask = torch.addcmul(bias, entries, gates.log_gate(p_max))  # bias + log g on entries, to the bit
-    return torch.nn.functional.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask.to(queries.dtype), scale=scaling
+    entry slots, since their number differs by row. The rule and its form are the same: with any
+    row's gate open, the fp32 logits once, each row's main ``p_max`` (its entries masked), ``log g(q)``
+    added to its entries' logits in place (0 where its gate is closed), one softmax weighing the
+    values; with none open, one SDPA call with the bias."""
+    if not any(gates.opened):
+        return torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=bias.to(queries.dtype), scale=scaling
+        )
+    rows = queries.shape[:2]
+    logits = fp32_logits(queries.flatten(0, 1), keys.flatten(0, 1), bias.flatten(0, 1), scaling).unflatten(
+        0, rows
     )
+    p_max = logits.masked_fill(entries, float("-inf")).softmax(dim=-1).amax(dim=-1, keepdim=True)
+    logits.addcmul_(entries, gates.log_gate(p_max))  # + log g on the entries (1 * x and 0 * x are exact)
+    return torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)
 
 
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:
