@@ -3,6 +3,11 @@
     python -m scripts.bench.efficiency [--backbone smollm2-135m] [--lengths 1024 2048 4096 8192]
         [--methods full snapkv snapkv+reskv] [--ratio 0.9] [--new-tokens 32] [--results-dir results]
 
+``--backbone llama3.1-8b-attention`` measures a random model with Llama-3.1-8B's attention (32
+layers, 32 query heads, 8 KV heads, head dim 128, bf16) and hidden and MLP widths of 256
+(``scripts.bench.decode_counts.narrow_llama_8b_attention``): the 8B model's KV cache and attention
+transients on a CPU, without its weights (issue 24's memory target, at 8K).
+
 For every (context length, method): prefill a random-token prompt of that length, compress,
 decode exactly ``--new-tokens`` tokens (end-of-sequence tokens do not stop it, so every run
 decodes the same amount), and record the peak memory of the whole request. A compressed method's
@@ -32,8 +37,11 @@ import torch
 from baselines import build_method
 from reskv.backbones import Backbone, load_backbone
 from reskv.engine import Prefill
+from scripts.bench.decode_counts import narrow_llama_8b_attention
 from scripts.bench.engine import decode_seconds_per_token
 from scripts.measure import machine_header, peak_allocated, random_prompt
+
+NARROW_8B = "llama3.1-8b-attention"
 
 
 def random_token_prompt(backbone: Backbone, length: int, seed: int) -> list[int]:
@@ -100,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--results-dir", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
-    backbone = load_backbone(args.backbone)
+    backbone = narrow_llama_8b_attention() if args.backbone == NARROW_8B else load_backbone(args.backbone)
     machine = {"start": machine_header()}
     rows = measure(backbone, args.lengths, args.methods, args.ratio, args.new_tokens)
     out = args.results_dir / "runs" / "_bench" / f"efficiency_{args.backbone.replace('/', '--')}.json"

@@ -8,7 +8,7 @@ matmul rate of the moment), then per prompt length and ratio: the prefill time; 
 entries over all layers and heads) and its share of the prefill (target <= 10%); the same two in
 floating-point operations (``torch.utils.flop_counter``): the share construction would take at the
 prefill's FLOP rate (its smaller matmuls reach less), so kernel tuning alone cannot bring the time
-share much below it; decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.05x) and
+share much below it; decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x, issue 24) and
 the full cache. A second table isolates what the entries cost a decode step: one layer's
 ``shared_softmax_attention`` over the budget's slots, main cache only against ``r = 0.1 b`` of them residual
 entries (random tensors of the model's shapes, hundreds of interleaved calls, so far less noisy
