@@ -161,7 +161,7 @@ def shared_softmax_attention(
     rule: DecodeRule,
 ) -> Tensor:
     """``joint_attention``'s shared-softmax output ``[H_kv, Q, d]``, reading keys and values once each
-    in the cache's dtype (no per-step fp32 copy of the cache; issue 24).
+    in the cache's dtype (issue 24; ``fp32_logits`` copies a half-precision cache on CPU only).
 
     The gate multiplies every entry's softmax weight by ``g(q)``: that is ``log g(q)`` added to the
     entries' logits, so one softmax over ``[entries ; main]`` with the entries' bias ``beta * log(c_j)
@@ -177,9 +177,9 @@ def shared_softmax_attention(
     no-shared-softmax ablation.
     """
     if not (residual_slots and rule.gate):
-        mask = bias if bias.dtype == queries.dtype else bias.to(queries.dtype)  # SDPA: the queries' dtype
+        mask = bias.to(queries.dtype)[:, None]  # SDPA takes a float mask in the queries' dtype
         return torch.nn.functional.scaled_dot_product_attention(
-            queries[:, None], keys[:, None], values[:, None], attn_mask=mask[:, None], scale=scaling
+            queries[:, None], keys[:, None], values[:, None], attn_mask=mask, scale=scaling
         )[:, 0]
     logits = fp32_logits(queries, keys, bias, scaling)
     p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)
