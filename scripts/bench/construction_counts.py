@@ -1,6 +1,6 @@
 """Ops and syncs of one whole-prompt compression at Llama-3.1-8B's attention shape (issue 22).
 
-    python -m scripts.bench.construction_counts --lengths 4096 32768
+    python -m scripts.bench.construction_counts --lengths 4096 32768   # 32K: a host with more than 24 GB
 
 ``Prefill.compressed`` runs ``Method.compress`` over a prefilled cache; here the cache is filled with
 random keys, values and observed queries of the shape the 8B model's prefill leaves (32 layers,

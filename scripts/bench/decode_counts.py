@@ -1,12 +1,14 @@
 """Ops and host-device syncs of one decoded token at Llama-3.1-8B's attention shape (issue 24).
 
-    python -m scripts.bench.decode_counts --lengths 4096 32768
+    python -m scripts.bench.decode_counts --lengths 4096
 
 A 32-layer Llama with the 8B model's attention (32 query heads, 8 KV heads, head dim 128) but tiny
 hidden and MLP widths decodes one token over a cache compressed from random keys and values
 (``scripts.bench.construction_counts.synthetic_prefilled_cache``): the ops a decode step issues depend on
 the layers and the attention path, not on the widths. Every method decodes through the cache
-``Prefill.generate`` decodes (``reskv.engine.static_cache``), eagerly.
+``Prefill.generate`` decodes (``reskv.engine.static_cache``), eagerly. The count does not depend on the
+prompt's length (static shapes, no loop over data), so 4K stands for every length; 32K needs more than
+24 GB of host memory for the synthetic cache and its compressed copies.
 """
 
 from __future__ import annotations
