@@ -72,7 +72,7 @@ def joint_attention(
     queries: Tensor,
     keys: Tensor,
     values: Tensor,
-    bias: Tensor,
+    bias: Tensor | tuple[Tensor, ...],
     residual_slots: int,
     scaling: float,
     rule: DecodeRule,
@@ -85,6 +85,8 @@ def joint_attention(
     the main cache; ``bias`` (broadcastable to ``[H_kv, Q, r + n]``) is additive: ``beta * log(c_j)``
     on the entries (``-inf`` on unused ones, ``population_bias``), 0 or ``-inf`` on main slots
     (padding, causality); every query must see at least one main slot. One matmul gives every logit.
+    A tuple of terms is added term by term, where each logit gets at most one nonzero term (the
+    proxy's per-row and per-query terms, whose broadcast sum would be as large as the logits).
 
     The shared softmax (reskv.md) is computed with one normalisation over both parts: the main
     part's weights ``exp(a - max(a))`` give its mass, from which the gate reads ``p_max = 1 / mass``,
@@ -105,7 +107,9 @@ def joint_attention(
     # bmm and in-place ops: at decode sizes a step's cost is per tensor op and allocation, and
     # matmul's broadcasting wrapper alone costs as much as a small op (issue 8).
     values = values.float()
-    logits = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(scaling).add_(bias)
+    logits = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(scaling)
+    for term in bias if isinstance(bias, tuple) else (bias,):
+        logits.add_(term)
     main_logits, residual_logits = logits[..., residual_slots:], logits[..., :residual_slots]
     main_values, residual_values = values[:, residual_slots:], values[:, :residual_slots]
     main_max = main_logits.amax(dim=-1, keepdim=True)

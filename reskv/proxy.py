@@ -109,12 +109,10 @@ class ValidationProxy:
         validation_positions = positions[validation]  # the last positions of the prompt
         self.boundary = validation_positions[0]  # β
         self.validation_count = len(validation_positions)
-        # Copied once: every candidate gathers rows from S', and a gather from a strided slice
-        # first copies all of it.
-        self.prefix_keys = obs.keys[:, : self.boundary].contiguous()
-        self.prefix_values = obs.values[:, : self.boundary].contiguous()
+        # S' is read in place: candidates gather its rows from the layer's own keys and values
+        # (positions below β), so no copy of the prefix sits beside the losses' buffers (issue 24).
         self.fit_scores = scorer.stacked_score(
-            self.prefix_keys, obs.queries[:, fit], positions[fit], obs.scaling, num_layers
+            obs.keys[:, : self.boundary], obs.queries[:, fit], positions[fit], obs.scaling, num_layers
         )
         self.prefix_window = min(scorer.window, self.boundary)  # |P'|
         # One ranking of S' \ P' serves every candidate (module docstring).
@@ -131,7 +129,8 @@ class ValidationProxy:
     def candidates(self, budgets: list[int], sizes: list[list[int]]) -> CandidateCaches:
         """The caches over ``S'`` of candidates ``sizes`` (``[C][H]`` host ints, 0 = no entries) for
         heads with deployed budgets ``budgets``: ``m' = b - r - |validation|`` main slots each."""
-        device, window, boundary = self.prefix_keys.device, self.prefix_window, self.boundary
+        keys, values, window, boundary = self.obs.keys, self.obs.values, self.prefix_window, self.boundary
+        device = keys.device
         heads = [head for _ in sizes for head in range(len(budgets))]
         residual = [size for row in sizes for size in row]
         main = [
@@ -172,8 +171,8 @@ class ValidationProxy:
             if rows:
                 groups += padded_groups(rows, residual, evicted, tolerance)
         entries = cluster_rows(
-            self.prefix_keys,
-            self.prefix_values,
+            keys,
+            values,
             heads_t,
             order,
             top_t,
@@ -184,8 +183,8 @@ class ValidationProxy:
         )
         return CandidateCaches(
             heads_t,
-            gather_tokens(self.prefix_keys, positions, heads_t),
-            gather_tokens(self.prefix_values, positions, heads_t),
+            gather_tokens(keys, positions, heads_t),
+            gather_tokens(values, positions, heads_t),
             padding_bias(counts, device),
             entries,
             evicted_t / boundary,
@@ -200,24 +199,31 @@ class ValidationProxy:
         (grouped order: query head major), ``ô_r`` the decode rule with its gate over ``M' ∪ {β..t}``."""
         obs, heads, residual = self.obs, caches.heads, caches.residual
         rows, main_slots = heads.shape[0], caches.main_keys.shape[1]
-        num_queries = self.validation_queries.shape[1]
         exact_keys = obs.keys[:, self.boundary :].index_select(0, heads)
         exact_values = obs.values[:, self.boundary :].index_select(0, heads)
-        # One buffer [entries ; M' ; β .. s-1] as a decode step reads it (reskv.attention.joint_attention).
-        keys = torch.cat([residual.keys, caches.main_keys, exact_keys], dim=1)
-        values = torch.cat([residual.values, caches.main_values, exact_values], dim=1)
+        exact = exact_keys.shape[1]
+        # One fp32 buffer [entries ; M' ; β .. s-1] as a decode step reads it (joint_attention), each
+        # part converted as it is copied in: the joined buffer exists once, not also in the cache's dtype.
+        slots = residual.keys.shape[1] + main_slots + exact
+        keys = torch.empty(rows, slots, exact_keys.shape[-1], device=exact_keys.device)
+        values = torch.empty(rows, slots, exact_values.shape[-1], device=exact_values.device)
+        torch.cat([residual.keys, caches.main_keys, exact_keys], dim=1, out=keys)
+        torch.cat([residual.values, caches.main_values, exact_values], dim=1, out=values)
+        # The bias in two terms, per row (the entries' population, M''s padding) and per query (the
+        # exact tokens' causality), never their [rows, G * |validation|, slots] sum (issue 24's memory).
         padding = caches.main_bias
-        if padding is None:
-            padding = torch.zeros(rows, 1, main_slots, device=keys.device)
-        main_bias = torch.cat(
-            [padding.expand(-1, num_queries, -1), self.exact_bias.expand(rows, -1, -1)], dim=-1
+        row_bias = joint_bias(
+            residual.log_counts,
+            None if padding is None else torch.nn.functional.pad(padding, (0, exact)),
+            main_slots + exact,
+            self.config.beta,
         )
-        bias = joint_bias(residual.log_counts, main_bias, main_bias.shape[-1], self.config.beta)
+        query_bias = torch.nn.functional.pad(self.exact_bias, (slots - exact, 0))
         output = joint_attention(
             self.validation_queries.index_select(0, heads),
             keys,
             values,
-            bias,
+            (row_bias, query_bias),
             residual.keys.shape[1],
             obs.scaling,
             self.config,
@@ -238,7 +244,7 @@ class ValidationProxy:
         ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible. ``[H]`` long,
         on the device: nothing is read back."""
         budgets = budgets.tolist() if isinstance(budgets, Tensor) else budgets
-        device = self.prefix_keys.device
+        device = self.obs.keys.device
         none = torch.zeros(len(budgets), dtype=torch.long, device=device)
         grid = candidate_sizes(self.config, budgets, self.prefix_window, self.validation_count)
         admissible = [sizes for sizes in grid if any(sizes)]

@@ -27,14 +27,15 @@ from scripts.bench.dispatch_counts import count_arguments, count_dispatch
 DECODE_COUNTED_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 
 
-def narrow_llama_8b_attention():
-    """The 8B model's attention shape on 32 layers, with hidden and MLP widths of 256 (random weights)."""
+def narrow_llama_8b_attention(num_layers: int = LLAMA_ATTENTION["num_layers"]):
+    """The 8B model's attention shape on 32 layers (or ``num_layers``), with hidden and MLP widths of
+    256 (random weights)."""
     torch.manual_seed(0)
     return random_backbone(
         "llama3.1-8b-instruct",
         torch.bfloat16,
         "cpu",
-        num_hidden_layers=LLAMA_ATTENTION["num_layers"],
+        num_hidden_layers=num_layers,
         num_attention_heads=LLAMA_ATTENTION["num_heads"],
         num_key_value_heads=LLAMA_ATTENTION["num_kv_heads"],
         head_dim=LLAMA_ATTENTION["head_dim"],
