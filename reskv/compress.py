@@ -166,11 +166,16 @@ def compress_layers(
     else:
         entries = [ResidualEntries.empty(num_heads, obs.keys) for obs in observations]
         entry_counts = [[0] * num_heads for _ in observations]
+    # Every layer's padding from one bias over all rows, each layer's a view of it: one op where a
+    # bias per layer took five per layer (issue 22's op count).
+    all_bias = padding_bias(sum(main_counts, []), kept[0].device)
     states = []
     for layer, obs in enumerate(observations):
         counts, layer_kept = main_counts[layer], kept[layer]
         positions = kept_positions(layer_kept, max(counts))
-        main_bias = padding_bias(counts, layer_kept.device)
+        main_bias = None
+        if all_bias is not None and min(counts) < max(counts):
+            main_bias = all_bias[layer * num_heads : (layer + 1) * num_heads, :, : max(counts)]
         main_values = scorer.adjust_values(obs, layer_kept)
         state = CompressedLayerState(
             gather_tokens(obs.keys, positions),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reskv.selection import gather_tokens
+from reskv.selection import gather_rows, token_rows
 
 # Bound on the k-means distance block (fp32 bytes) on CPU, so transient memory does not grow with
 # s * r: one layer's clustering at Llama-3.1-8B's shape and 32K tokens peaks at 142 MiB, mostly
@@ -145,8 +145,9 @@ def nearest_centers(
 def lloyd_assignments(
     points: Tensor, weights: Tensor, centers: Tensor, iterations: int, center_bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Cluster index of every point after ``iterations`` Lloyd steps (assign, then move centres to
-    means), with the last step's per-cluster sums ``[R, r, d]`` and counts ``[R, r]`` (the entries
+    """Cluster of every point after ``iterations`` Lloyd steps (assign, then move centres to means),
+    as a ``flat_cluster_index`` (``r * row + cluster``, what summing other per-point data by cluster
+    takes), with the last step's per-cluster sums ``[R, r, d]`` and counts ``[R, r]`` (the entries
     are their means, so they are not summed twice).
 
     With the init ordered by score, ties in ``nearest_centers`` make the better-scored of two
@@ -166,7 +167,7 @@ def lloyd_assignments(
         )
         if step + 1 < iterations:  # the last step's means are the entries: the caller divides once
             centers = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centers)
-    return assignments, sums, counts
+    return flat_index, sums, counts
 
 
 @dataclass(frozen=True)
@@ -318,13 +319,13 @@ def _cluster(
     if not group.equal_sizes:
         unused = torch.arange(group.max_size, device=keys.device)[None, :] >= sizes[:, None]
         center_bias = torch.zeros(unused.shape, device=keys.device).masked_fill_(unused, float("inf"))
-    point_keys = gather_tokens(keys, positions, heads).float().mul_(weights[..., None])
+    rows = token_rows(heads, positions, keys.shape[1])  # one index for the keys' and the values' gathers
+    point_keys = gather_rows(keys, rows).float().mul_(weights[..., None])
     centers = point_keys[:, : group.max_size]
-    assignments, key_sums, counts = lloyd_assignments(point_keys, weights, centers, iterations, center_bias)
+    flat_index, key_sums, counts = lloyd_assignments(point_keys, weights, centers, iterations, center_bias)
     del point_keys, centers  # values are gathered only now, so both never sit in memory at once
-    point_values = gather_tokens(values, positions, heads).float().mul_(weights[..., None])
-    offsets = row_offsets(assignments.shape[0], group.max_size, keys.device)
-    value_sums = cluster_sums(point_values, flat_cluster_index(assignments, offsets), group.max_size)
+    point_values = gather_rows(values, rows).float().mul_(weights[..., None])
+    value_sums = cluster_sums(point_values, flat_index, group.max_size)
     denominators = counts.clamp(min=1)[..., None]
-    log_counts = torch.where(counts > 0, counts.log(), float("-inf"))
-    return key_sums / denominators, value_sums / denominators, log_counts
+    # log(0) is -inf: an empty cluster's slot gets no softmax mass (reskv.md, Residual entries).
+    return key_sums / denominators, value_sums / denominators, counts.log()

@@ -52,12 +52,20 @@ def gather_tokens(states: Tensor, positions: Tensor, heads: Tensor | None = None
     selections stacked along the head dimension). Row gathers by ``index_select`` copy whole
     head-dim vectors, much faster on CPU than ``gather`` with an expanded index.
     """
-    num_heads, seq_len, head_dim = states.shape
+    num_heads, seq_len, _ = states.shape
     if heads is None:
         heads = torch.arange(positions.shape[0], device=states.device) % num_heads
-    flat = (heads[:, None] * seq_len + positions).reshape(-1)
-    return (
-        states.reshape(num_heads * seq_len, head_dim)
-        .index_select(0, flat)
-        .reshape(*positions.shape, head_dim)
-    )
+    return gather_rows(states, token_rows(heads, positions, seq_len))
+
+
+def token_rows(heads: Tensor, positions: Tensor, seq_len: int) -> Tensor:
+    """``gather_rows``'s index ``[R, n]``: token ``positions[r]`` of head ``heads[r]`` as a row of the
+    ``[H * s, d]`` flattened states. Built once, it serves the keys' and the values' gathers."""
+    return heads[:, None] * seq_len + positions
+
+
+def gather_rows(states: Tensor, rows: Tensor) -> Tensor:
+    """``[R, n, d]``: the rows ``rows`` (``token_rows``) of ``[H, s, d]`` states flattened to
+    ``[H * s, d]``."""
+    head_dim = states.shape[-1]
+    return states.reshape(-1, head_dim).index_select(0, rows.reshape(-1)).reshape(*rows.shape, head_dim)

@@ -319,14 +319,17 @@ def test_observation_probabilities_equal_the_fully_masked_softmax(observation):
 
 
 def test_lloyd_returns_the_last_steps_sums_and_counts(observation):
-    """The sums and counts handed back with the assignments are those of the final assignments,
-    recomputed here point by point."""
+    """The sums and counts handed back with the assignments (a flat index: ``9 * head + cluster``) are
+    those of the final assignments, recomputed here point by point."""
     obs = observation
     points = obs.keys[:, :120].float()
     weights = torch.ones(points.shape[:2])
     weights[1, 100:] = 0  # padded points of head 1
     points = points * weights[..., None]
-    assignments, sums, counts = lloyd_assignments(points, weights, points[:, :9], iterations=3)
+    flat_index, sums, counts = lloyd_assignments(points, weights, points[:, :9], iterations=3)
+    flat_index = flat_index.reshape(points.shape[:2])
+    assert torch.equal(flat_index // 9, torch.arange(points.shape[0])[:, None].expand_as(flat_index))
+    assignments = flat_index % 9
     for head in range(points.shape[0]):
         for cluster in range(9):
             members = [
