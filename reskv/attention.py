@@ -155,6 +155,19 @@ def fp32_logits(queries: Tensor, keys: Tensor, bias: Tensor, scaling: float) -> 
     return torch.baddbmm(bias, queries.float(), keys.float().transpose(1, 2), alpha=scaling)
 
 
+def softmax_values(logits: Tensor, values: Tensor) -> Tensor:
+    """``softmax(logits) @ values`` for fp32 ``logits``: the weights in the values' dtype on CUDA (the
+    cache read as it is, fp32 accumulation), the values in fp32 on CPU, where a half-precision batched
+    matmul took 4.0 ms against 0.42 ms for their fp32 copy and product (8 KV heads, 4 queries, 860
+    slots, head dim 128, one thread): the output is then fp32, and the caller casts it as it does
+    every attention output."""
+    weights = logits.softmax(dim=-1)
+    product = torch.bmm if values.dim() == 3 else torch.matmul  # bmm: no broadcasting wrapper (issue 8)
+    if values.is_cuda:
+        return product(weights.to(values.dtype), values)
+    return product(weights, values.float())
+
+
 def shared_softmax_attention(
     queries: Tensor,
     keys: Tensor,
@@ -165,18 +178,19 @@ def shared_softmax_attention(
     rule: DecodeRule,
 ) -> Tensor:
     """``joint_attention``'s shared-softmax output ``[H_kv, Q, d]``, reading keys and values once each
-    in the cache's dtype (issue 24; ``fp32_logits`` copies a half-precision cache on CPU only).
+    in the cache's dtype (issue 24; ``fp32_logits`` and ``softmax_values`` copy a half-precision cache
+    on CPU only).
 
     The gate multiplies every entry's softmax weight by ``g(q)``: that is ``log g(q)`` added to the
     entries' logits, so one softmax over ``[entries ; main]`` with the entries' bias ``beta * log(c_j)
     + log g(q)`` is the shared softmax (reskv.md, Eqs. reskv and gate). ``g`` needs the main part's
     ``p_max``, its largest softmax probability, first. So with entries and the gate on, the fp32 logits
     are computed once (``fp32_logits``), ``p_max`` is read from their main part, ``log g`` is added to
-    the entries' logits in place, and one fp32 softmax weighs the values (the weights in the values'
-    dtype). A layer without entries or without the gate (a base method) is one SDPA call with its bias.
-    An SDPA call after a separate pass over the main logits would read the main keys twice: on CPU
-    that pass cost as much as a base step's attention, this form 1.1-1.3x it (scripts.bench.engine,
-    "Decode attention"). Equal to ``joint_attention`` up to fp rounding (tests/test_fast_paths.py);
+    the entries' logits in place, and one fp32 softmax weighs the values (``softmax_values``). A layer
+    without entries or without the gate (a base method) is one SDPA call with its bias. An SDPA call
+    after a separate pass over the main logits would read the main keys twice: on CPU that pass cost
+    as much as a base step's attention, this form 1.1-1.3x it (scripts.bench.engine, "Decode
+    attention"). Equal to ``joint_attention`` up to fp rounding (tests/test_fast_paths.py);
     ``joint_attention`` stays the reference, used where the residual share is measured and by the
     no-shared-softmax ablation.
     """
@@ -188,7 +202,7 @@ def shared_softmax_attention(
     logits = fp32_logits(queries, keys, bias, scaling)
     p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)
     logits[..., :residual_slots].add_(log_gate(p_max, rule))
-    return torch.bmm(logits.softmax(dim=-1).to(values.dtype), values)
+    return softmax_values(logits, values)
 
 
 @dataclass
@@ -262,7 +276,7 @@ def stacked_shared_softmax_attention(
     )
     p_max = logits.masked_fill(entries, float("-inf")).softmax(dim=-1).amax(dim=-1, keepdim=True)
     logits.addcmul_(entries, gates.log_gate(p_max))  # + log g on the entries (1 * x and 0 * x are exact)
-    return torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)
+    return softmax_values(logits, values)
 
 
 def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:

@@ -54,7 +54,7 @@ def test_a_decode_steps_attention_takes_the_ops_the_spec_lists(dtype):
     """reskv.md ("How the harness decodes"): a base layer's decode attention is one SDPA call (its bias
     converted to the queries' dtype); with entries and the gate, the fp32 logits, the main softmax and
     its max, the gate's two ops, the in-place add, the softmax and the values' matmul (on CPU, half
-    precision adds the two fp32 copies of the logits' operands and the weights' conversion)."""
+    precision adds the fp32 copies of the logits' operands and of the values)."""
     queries, keys, values = (torch.randn(2, n, 16, dtype=dtype) for n in (3, 40, 40))
     bias = torch.zeros(2, 1, 40)
     counted = {}
