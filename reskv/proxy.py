@@ -27,7 +27,7 @@ from reskv.attention import additive_mask, joint_attention, joint_bias, padding_
 from reskv.config import ResidualConfig
 from reskv.residual import ResidualEntries, cluster_rows, padded_groups, padding_tolerance, residual_size
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
-from reskv.selection import gather_tokens, score_order
+from reskv.selection import gather_rows, score_order, token_rows
 
 
 def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[slice, slice] | None:
@@ -181,10 +181,11 @@ class ValidationProxy:
             groups,
             self.config.kmeans_iterations,
         )
+        main_rows = token_rows(heads_t, positions, keys.shape[1])  # one index for both gathers
         return CandidateCaches(
             heads_t,
-            gather_tokens(keys, positions, heads_t),
-            gather_tokens(values, positions, heads_t),
+            gather_rows(keys, main_rows),
+            gather_rows(values, main_rows),
             padding_bias(counts, device),
             entries,
             evicted_t / boundary,
