@@ -14,7 +14,7 @@ from baselines import build_method, build_scorer
 from reskv.attention import DecodeRule, residual_attention
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.engine import Method, Prefill, attended_slots
-from reskv.residual import build_residual, nearest_centers
+from reskv.residual import build_residual, first_minimum, nearest_centers
 from reskv.scoring import LayerObservation
 from scripts.bench.engine import kmeans_peak_memory
 from scripts.measure import random_prompt
@@ -340,6 +340,26 @@ def test_budget_is_exact_on_the_decimal_ratio():
             assert budget_for(seq_len, ratio) == expected, (seq_len, ratio)
             float_misses += math.floor(seq_len * (1 - ratio)) != expected
     assert float_misses > 0  # the sweep covers lengths where floating point is wrong
+
+
+def plain_first_minimum(row: list[float]) -> int:
+    """The first index holding the row's smallest value."""
+    smallest = min(row)
+    return next(index for index, value in enumerate(row) if value == smallest)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 7, 5), (3, 40, 300)])
+def test_first_minimum_is_the_first_index_of_each_rows_smallest_distance(shape):
+    """Ties go to the lower index (the plain loop's first occurrence) and ``+inf`` centres (a padded
+    row's) never win: small integers times a scale make ties in most rows."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    distances = torch.randint(-3, 4, shape, generator=generator).float() * 0.37
+    if shape[-1] > 2:
+        distances[0, :, -2:] = float("inf")
+    expected = [[plain_first_minimum(row) for row in block] for block in distances.tolist()]
+    assert torch.equal(first_minimum(distances.clone()).long(), torch.tensor(expected))
+    if shape[-1] > 2:
+        assert any(row.count(min(row)) > 1 for block in distances.tolist() for row in block)
 
 
 def test_kmeans_distance_chunks_give_the_unchunked_clustering(observation, monkeypatch):

@@ -6,20 +6,24 @@
 random keys, values and observed queries of the shape the 8B model's prefill leaves (32 layers,
 32 query heads, 8 KV heads, head dim 128, bf16), so no model forward is needed and 32K tokens fit a
 CPU. The counts do not depend on the weights, only on the shapes the data decides (budgets, chosen
-residual sizes). The k-means is laid out as on an 80 GB GPU (``reskv.residual``: its distance
-block, and rows padded into one group per grid level), so the launches counted are a GPU's: the
-CPU's 4 MiB blocks and FLOP-saving groups would add thousands that a GPU never makes. A second table
+residual sizes). The work is laid out as on an 80 GB GPU (``gpu_layout``: the k-means' distance
+block, rows padded into one group per grid level, ``argmin``, layers stacked), so the launches
+counted are a GPU's: the CPU's 4 MiB blocks, FLOP-saving groups, vectorised argmin and one-layer
+batches would add thousands that a GPU never makes. A second table
 models those launches per Lloyd step at 131K tokens, where counting for real would take hours of CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+import reskv.engine
 import reskv.residual
 from baselines import build_method
 from reskv.cache import ObservedLayer, ResKVCache
@@ -58,17 +62,28 @@ def synthetic_prefilled_cache(
     return ResKVCache(layers)
 
 
+@contextlib.contextmanager
+def gpu_layout():
+    """Construction laid out on CPU as on an 80 GB GPU: 10 GiB distance blocks, one padded k-means
+    group per grid level, ``argmin`` for the nearest centre (``reskv.residual``) and every layer of a
+    4 GiB batch stacked (``reskv.engine``)."""
+    with contextlib.ExitStack() as stack:
+        for module, name, value in (
+            (reskv.residual, "DISTANCE_CHUNK_BYTES", H100_BLOCK_BYTES),
+            (reskv.residual, "CPU_PADDING_TOLERANCE", math.inf),
+            (reskv.residual, "CPU_VECTORISED_ARGMIN", False),
+            (reskv.engine, "CPU_LAYER_BATCH_BYTES", LAYER_BATCH_BYTES),
+        ):
+            stack.enter_context(mock.patch.object(module, name, value))
+        yield
+
+
 def count_compression(cache: ResKVCache, name: str, ratio: float, head_dim: int) -> tuple[int, int]:
-    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``, with the k-means laid out as
-    on an 80 GB GPU (``reskv.residual``: 10 GiB distance blocks, one padded group per grid level)."""
+    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``, laid out as on an 80 GB GPU
+    (``gpu_layout``)."""
     method = build_method(name, ratio)
-    cpu_layout = reskv.residual.DISTANCE_CHUNK_BYTES, reskv.residual.CPU_PADDING_TOLERANCE
-    reskv.residual.DISTANCE_CHUNK_BYTES, reskv.residual.CPU_PADDING_TOLERANCE = H100_BLOCK_BYTES, math.inf
-    try:
-        with torch.no_grad(), count_dispatch() as counts:
-            method.compress(cache, head_dim**-0.5)
-    finally:
-        reskv.residual.DISTANCE_CHUNK_BYTES, reskv.residual.CPU_PADDING_TOLERANCE = cpu_layout
+    with gpu_layout(), torch.no_grad(), count_dispatch() as counts:
+        method.compress(cache, head_dim**-0.5)
     return counts.ops, counts.syncs
 
 
