@@ -41,9 +41,10 @@ from reskv.scoring import LayerObservation, TokenScorer
 LAYER_BATCH_BYTES = 4 << 30
 # On CPU a batch is one layer. Stacking saves per-op host time, which a CPU hardly pays (microseconds
 # an op), and its transients fall out of the CPU's caches: the proxy's loss logits are 410 MB for
-# the embedded model's 30 layers at 4K, 14 MB for one. One-layer batches compressed that prompt
-# (snapkv+reskv, 2 threads, medians of 3) in 3.5 s instead of 4.8 at ratio 0.5, and in 2.4 s instead
-# of 3.2 at 0.9. The bits are the same (tests/test_in_prefill.py compares the two).
+# the embedded model's 30 layers at 4K, 14 MB for one. ResKV's construction on that prompt took
+# 3.6 s in one-layer batches and 4.4 s stacked at ratio 0.5, 2.3 s and 2.7 s at 0.9 (snapkv+reskv
+# minus snapkv, 2 threads, medians of 3 interleaved in one run; a loaded machine, so compare ratios).
+# The bits are the same (tests/test_in_prefill.py compares the two).
 CPU_LAYER_BATCH_BYTES = 0
 # Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
 # compressed during the forward and freed ("compressed"; reskv.md, "Where the full cache lives").
