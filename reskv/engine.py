@@ -43,7 +43,8 @@ LAYER_BATCH_BYTES = 4 << 30
 # an op), and its transients fall out of the CPU's caches: the proxy's loss logits are 410 MB for
 # the embedded model's 30 layers at 4K, 14 MB for one. ResKV's construction on that prompt took
 # 3.6 s in one-layer batches and 4.4 s stacked at ratio 0.5, 2.3 s and 2.7 s at 0.9 (snapkv+reskv
-# minus snapkv, 2 threads, medians of 3 interleaved in one run; a loaded machine, so compare ratios).
+# minus snapkv, 2 threads, medians of 3 interleaved in one run; this host's speed drifted by 15%
+# from run to run, so compare the two, not the seconds).
 # The bits are the same (tests/test_in_prefill.py compares the two).
 CPU_LAYER_BATCH_BYTES = 0
 # Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
