@@ -39,14 +39,15 @@ from reskv.scoring import LayerObservation, TokenScorer
 # ~23 us per op whatever its size; issue 22). 4 GiB holds all 32 layers of an 8B-shaped model up to
 # 32K tokens in bf16 (8 layers at 131K), a transient well within a GPU's memory.
 LAYER_BATCH_BYTES = 4 << 30
-# On CPU a batch is one layer. Stacking saves per-op host time, which a CPU hardly pays (microseconds
-# an op), and its transients fall out of the CPU's caches: the proxy's loss logits are 410 MB for
-# the embedded model's 30 layers at 4K, 14 MB for one. ResKV's construction on that prompt took
-# 3.6 s in one-layer batches and 4.4 s stacked at ratio 0.5, 2.3 s and 2.7 s at 0.9 (snapkv+reskv
-# minus snapkv, 2 threads, medians of 3 interleaved in one run; this host's speed drifted by 15%
-# from run to run, so compare the two, not the seconds).
-# The bits are the same (tests/test_in_prefill.py compares the two).
-CPU_LAYER_BATCH_BYTES = 0
+# On CPU a batch holds at most 8 MiB of keys and values: one layer of the embedded model at 4K (6 MB).
+# Stacking saves per-op time, which matters on CPU only for small layers (the tests' tiny models
+# compress 30% faster stacked), while a large stack's transients fall out of the CPU's caches: the
+# proxy's loss logits are 410 MB for the embedded model's 30 layers at 4K, 14 MB for one. ResKV's
+# construction on that prompt took 3.6 s in one-layer batches and 4.4 s stacked at ratio 0.5, 2.3 s
+# and 2.7 s at 0.9 (snapkv+reskv minus snapkv, 2 threads, medians of 3 interleaved in one run; this
+# host's speed drifted by 15% from run to run, so compare the two, not the seconds). The bits are the
+# same (tests/test_in_prefill.py compares the two).
+CPU_LAYER_BATCH_BYTES = 8 << 20
 # Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
 # compressed during the forward and freed ("compressed"; reskv.md, "Where the full cache lives").
 RETAIN = ("full", "compressed")

@@ -115,10 +115,9 @@ def test_query_agnostic_equals_compress_after_bit_for_bit(after, during, methods
 
 @pytest.mark.parametrize("name", NAMES)
 def test_layers_compressed_one_by_one_equal_the_stacked_batch_bit_for_bit(after, methods, name):
-    """A CPU compresses each layer as its own batch (``CPU_LAYER_BATCH_BYTES``), a GPU stacks a batch of
-    layers along the heads (``LAYER_BATCH_BYTES``): the same construction, bit for bit."""
+    """A CPU compresses a long prompt's layers one by one (``CPU_LAYER_BATCH_BYTES``), a GPU stacks a batch
+    of layers along the heads (``LAYER_BATCH_BYTES``): the same construction, bit for bit."""
     observations = after.observations("agnostic")
-    assert [len(batch) for batch in layer_batches(observations)] == [1] * len(observations)
     method = methods[name]
     stacked = method.compress_batch(observations, len(observations))
     alone = [state for obs in observations for state in method.compress_batch([obs], len(observations))]
