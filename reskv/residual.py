@@ -350,6 +350,8 @@ def _cluster(
     del point_keys, centers  # values are gathered only now, so both never sit in memory at once
     point_values = gather_rows(values, rows).float().mul_(weights[..., None])
     value_sums = cluster_sums(point_values, flat_index, group.max_size)
+    # Clamped, unlike the centre update's where: an empty slot's key and value must stay 0, since a
+    # decode step multiplies every slot's key (0 * NaN would poison its logits).
     denominators = counts.clamp(min=1)[..., None]
     # log(0) is -inf: an empty cluster's slot gets no softmax mass (reskv.md, Residual entries).
     return key_sums / denominators, value_sums / denominators, counts.log()
