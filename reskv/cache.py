@@ -189,6 +189,15 @@ class CompressingLayer(ObservedLayer):
         return output
 
 
+def static_address(buffer: Tensor) -> Tensor:
+    """``buffer``, marked as written in place at a fixed address by a compiled step: CUDA graphs
+    (``reskv.engine.compiled_step``) skip a graph that mutates any other input, and with
+    ``guard=False`` a new cache re-records the graph instead of recompiling it (transformers'
+    ``StaticLayer`` marks its buffers the same way)."""
+    torch._dynamo.mark_static_address(buffer, guard=False)
+    return buffer
+
+
 class CompressedLayer(CacheLayerMixin):
     """Residual entries + main cache after compression, in static-capacity buffers; new tokens are
     appended to main, exact.
@@ -230,7 +239,7 @@ class CompressedLayer(CacheLayerMixin):
         )  # fmt: skip
         self.filled = self.residual_slots + state.main_keys.shape[1]  # written slots, host side
         self._set_buffers(keys[None], values[None], bias)
-        self.position = torch.tensor([self.filled], device=keys.device)  # the next slot to write
+        self.position = static_address(torch.tensor([self.filled], device=keys.device))  # next slot
         self.device = keys.device
         self.evicted_fraction = state.evicted_fraction
         self.rule = rule
@@ -251,7 +260,7 @@ class CompressedLayer(CacheLayerMixin):
         return cls(state, layer.get_seq_length(), DecodeRule(), spare_slots)
 
     def _set_buffers(self, keys: Tensor, values: Tensor, bias: Tensor) -> None:
-        self._keys, self._values, self._bias = keys, values, bias
+        self._keys, self._values, self._bias = (static_address(buffer) for buffer in (keys, values, bias))
         self.capacity = keys.shape[2]
         after_entries = slice(self.residual_slots, None)
         self.keys, self.values = keys[:, :, after_entries], values[:, :, after_entries]
@@ -314,7 +323,7 @@ class CompressedLayer(CacheLayerMixin):
             *(buffer[..., : self.filled, :] for buffer in (self._keys, self._values)),
             self._bias[..., : self.filled],
         )
-        twin.position = self.position.clone()
+        twin.position = static_address(self.position.clone())
         return twin
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:

@@ -10,6 +10,7 @@ quantity are measured the same way:
   resident size at entry plus the block's peak allocated), what a request needs to fit;
   ``peak_allocated``: the most bytes a block itself held allocated at once beyond what it started
   with, what an algorithm adds;
+- ``counted_gflop``: the matmul and attention FLOPs a call performs, the floor its time is judged by;
 - ``random_prompt``: token ids drawn uniformly from a vocabulary with a fixed seed.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import transformers
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 PROC_STATUS = Path("/proc/self/status")
 
@@ -61,17 +63,22 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
-    """This machine's fp32 matmul rate right now: the median of ``repeats`` products of two
-    ``size``-square matrices. On a shared host it drifts by tens of percent within minutes without
-    the load average showing it (2048-square products on the 2-core machine of issue 8: 83-126
-    GFLOP/s over one minute, 160 a few minutes later, load average below 2 throughout), so a header
-    printed at the start and at the end of a run tells whether its rows were timed alike."""
-    left, right = torch.randn(size, size), torch.randn(size, size)
+def matmul_gflops(size: int = 1024, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """The fp32 matmul rate of ``device`` right now: the median of ``repeats`` products of two
+    ``size``-square matrices (the first, which may select kernels, not counted). On a shared host it
+    drifts by tens of percent within minutes without the load average showing it (2048-square
+    products on the 2-core machine of issue 8: 83-126 GFLOP/s over one minute, 160 a few minutes
+    later, load average below 2 throughout), so a header printed at the start and at the end of a
+    run tells whether its rows were timed alike."""
+    left, right = (torch.randn(size, size, device=device) for _ in range(2))
+    synchronize = torch.cuda.synchronize if left.is_cuda else lambda: None
+    torch.mm(left, right)
     seconds = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         torch.mm(left, right)
+        synchronize()
         seconds.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(seconds) / 1e9
 
@@ -155,6 +162,21 @@ def peak_allocated(device: torch.device | str) -> Iterator[MemoryPeak]:
         if event.name() == "[memory]"
     )
     peak.bytes = max(itertools.accumulate(nbytes for _, nbytes in allocations), default=0)
+
+
+def causal_sdpa_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:
+    """FLOPs of PyTorch's CPU flash attention (not in torch's FLOP registry): torch's SDPA formula,
+    halved for a causal prompt, whose masked upper triangle the kernel skips."""
+    flops = sdpa_flop_count(query, key, value)
+    return flops // 2 if is_causal else flops
+
+
+def counted_gflop(fn, *args) -> float:
+    """GFLOP of the matmuls and attention ``fn(*args)`` performs (elementwise work is not counted)."""
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: causal_sdpa_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        fn(*args)
+    return counter.get_total_flops() / 1e9
 
 
 def random_prompt(vocabulary: Sequence[int], length: int, seed: int) -> list[int]:

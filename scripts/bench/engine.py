@@ -31,7 +31,6 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from baselines import build_method
 from reskv.attention import shared_softmax_attention
@@ -41,7 +40,7 @@ from reskv.engine import Method, Prefill, static_cache
 from reskv.residual import build_residual, residual_size
 from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
 from scripts.bench.decode_counts import DECODE_COUNTED_METHODS, decode_counts_table
-from scripts.measure import machine_header, peak_allocated
+from scripts.measure import counted_gflop, machine_header, peak_allocated
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -59,21 +58,6 @@ def haystack_prompt(tokenizer, tokens: int) -> tuple[list[int], int]:
         tokenizer(question + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     )
     return ids, len(ids) - question_tokens
-
-
-def causal_sdpa_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:
-    """FLOPs of PyTorch's CPU flash attention (not in torch's FLOP registry): torch's SDPA formula,
-    halved for a causal prompt, whose masked upper triangle the kernel skips."""
-    flops = sdpa_flop_count(query, key, value)
-    return flops // 2 if is_causal else flops
-
-
-def counted_gflop(fn, *args) -> float:
-    """GFLOP of the matmuls and attention ``fn(*args)`` performs (elementwise work is not counted)."""
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: causal_sdpa_flops}
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        fn(*args)
-    return counter.get_total_flops() / 1e9
 
 
 def prefilled(backbone, prompt_ids: list[int], context_length: int, methods: list) -> Prefill:

@@ -37,13 +37,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from baselines import METHODS, build_method
 from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
 from reskv.compress import compress_layer
-from reskv.config import SETTINGS, DecodeRule
-from reskv.engine import Prefill
-from scripts.measure import machine, peak_memory, peak_memory_kind, random_prompt
+from reskv.config import DECODE_MODES, SETTINGS, DecodeRule
+from reskv.engine import Method, Prefill
+from scripts.measure import (
+    MemoryPeak,
+    counted_gflop,
+    machine,
+    matmul_gflops,
+    peak_memory,
+    peak_memory_kind,
+    random_prompt,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (shape, query heads, KV heads) by name: both architectures, GQA group sizes 1 and 4.
@@ -66,6 +75,10 @@ OUTPUT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.03}
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)
+# A short request run once per backbone before the rows, not recorded: the first call's kernel
+# selection, allocator growth and the compiled step's compilation stay out of the timings.
+WARM_UP_LENGTH = {"cuda": 1024, "cpu": 128}
+FLOOR_MATMUL_SIZE = {"cuda": 8192, "cpu": 1024}
 # A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
 CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
 
@@ -238,85 +251,116 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def efficiency_rows(
-    backbone: Backbone, lengths: Sequence[int], ratios: Sequence[float], new_tokens: int
-) -> list[dict]:
-    """One row per (length, method, ratio); a failed prefill marks every method at that length OOM.
+def timed(device: torch.device, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and its wall seconds, the device's queued work included."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    synchronize(device)
+    return result, time.perf_counter() - started
 
-    The full method's request is the shared prefill (which keeps the full cache) plus its decode;
-    each compressed method's request is its own ``Prefill(..., retain="compressed")``, which compresses
-    every layer inside the forward and frees it (the paper's memory behaviour), plus its decode."""
+
+def compiled_decode(source: Prefill, method: Method, new_tokens: int, eager_ids: list[int]) -> dict:
+    """``method``'s decode with ``decode="compiled"``, run twice: the first run compiles (or re-records
+    the CUDA graphs of) the step for this cache's shapes, the second is timed. Records the rate, the
+    first run's seconds, whether the tokens equal the eager decode's, and the compiler's counters:
+    the graphs compiled so far in this process and the CUDA graphs skipped (which would leave the
+    step launch-bound)."""
+    first = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
+    second = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
+    return {
+        "compiled_tokens_per_s": second.timings["decode_tokens"] / second.timings["decode_s"],
+        "compiled_first_run_s": first.timings["decode_s"],
+        "compiled_same_tokens": first.token_ids == second.token_ids == eager_ids,
+        "compiled_graphs": counters["stats"]["unique_graphs"],
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
+
+
+def efficiency_rows(
+    backbone: Backbone,
+    lengths: Sequence[int],
+    ratios: Sequence[float],
+    new_tokens: int,
+    decode_modes: Sequence[str] = ("eager",),
+) -> list[dict]:
+    """One row per (length, method, ratio), each a request as the paper's efficiency figure measures it.
+
+    Per length, first one ``Prefill`` that keeps the full cache: the full method's request (that
+    prefill and its decode), and every compressed method's construction after it
+    (``Prefill.compressed``: ``construct_s`` and its matmul ``construct_gflop``, issue 22). Once it is
+    freed, each compressed method's own request: a ``Prefill(..., retain="compressed")``, which
+    compresses every layer inside the forward and frees it (the paper's memory behaviour, issue 24),
+    then its decode. With "compiled" in ``decode_modes`` each request also decodes with the compiled
+    step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
+    ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
     item_bytes = torch.finfo(backbone.model.dtype).bits // 8
-    configurations = [("full", None)] + [
-        (name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"
-    ]
-    methods = {(name, ratio): build_method(name, ratio) for name, ratio in configurations}
+    compressing = [(name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"]
+    methods = {(name, ratio): build_method(name, ratio) for name, ratio in [("full", None), *compressing]}
     rows = []
+
+    def measured(row: dict, source: Prefill, method: Method, peak: MemoryPeak, generation) -> dict:
+        slots = sum(sum(layer) for layer in generation.cache_stats["slots"])
+        row |= {
+            "status": "ok",
+            "decode_tokens_per_s": generation.timings["decode_tokens"] / generation.timings["decode_s"],
+            "cache_bytes_after_decode": 2 * slots * config.head_dim * item_bytes,
+            "request_peak_bytes": peak.bytes,
+            "residual_heads": sum(
+                sum(size > 0 for size in layer) for layer in generation.cache_stats.get("residual_slots", [])
+            ),
+        }
+        if "compiled" in decode_modes:
+            row |= compiled_decode(source, method, new_tokens, generation.token_ids)
+        return row
+
     for length in lengths:
         # The longest setting is the backbone's whole window: prompt plus answer fill its positions.
         length = min(length, config.max_position_embeddings - new_tokens)
-        base = {"shape": backbone.name, "length": length}
         prompt = random_prompt(range(1, config.vocab_size), length, seed=42)
+        full_row = {"shape": backbone.name, "length": length, "method": "full", "ratio": None}
+        constructions = {}
         release_memory(device)
         try:
-            with peak_memory(device) as prefill_peak:
+            with peak_memory(device) as peak:
+                prefill, prefill_s = timed(device, Prefill, unstoppable, prompt, length)
+                generation = prefill.generate(methods["full", None], "aware", max_new_tokens=new_tokens)
                 synchronize(device)
-                started = time.perf_counter()
-                prefill = Prefill(unstoppable, prompt, length, list(methods.values()))
-                synchronize(device)
-                prefill_s = time.perf_counter() - started
         except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
-            rows += [{**base, "method": n, "ratio": r, "status": "OOM"} for n, r in configurations]
-            continue
-        # Kernel selection and allocator warm-up happen on a first call: keep them out of the rows.
-        prefill.generate(build_method("snapkv", ratios[0]), "aware", max_new_tokens=2)
-        for name, ratio in configurations:
-            row = {**base, "method": name, "ratio": ratio, "prefill_s": prefill_s}
+            rows.append({**full_row, "status": "OOM"})
+            prefill = None
+        if prefill is not None:
+            full_row["prefill_s"] = prefill_s
+            rows.append(measured(full_row, prefill, methods["full", None], peak, generation))
+            for name, ratio in compressing:
+                # Counting FLOPs runs the construction once more: kernels are chosen before it is timed.
+                gflop = counted_gflop(prefill.compressed, methods[name, ratio], "aware")
+                _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
+                constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
+            del prefill, generation
+        for name, ratio in compressing:
+            row = {"shape": backbone.name, "length": length, "method": name, "ratio": ratio}
+            row |= constructions.get((name, ratio), {})
             release_memory(device)
             try:
-                with peak_memory(device) as decode_peak:
-                    source = prefill
-                    if name != "full":  # its forward runs inside generate, and is timed there
-                        source = Prefill(
-                            unstoppable, prompt, length, [methods[name, ratio]], retain="compressed"
-                        )
+                with peak_memory(device) as peak:
+                    source = Prefill(unstoppable, prompt, length, [methods[name, ratio]], retain="compressed")
                     generation = source.generate(methods[name, ratio], "aware", max_new_tokens=new_tokens)
                     synchronize(device)
-                    if name != "full":
-                        row["prefill_s"] = source.timings["prompt_prefill_s"]
-                    del source
             except RuntimeError as error:
                 if not is_out_of_memory(error):
                     raise
                 rows.append({**row, "status": "OOM"})
                 continue
-            slots = sum(sum(layer) for layer in generation.cache_stats["slots"])
-            rows.append(
-                {
-                    **row,
-                    "status": "ok",
-                    "compress_s": generation.timings["compress_s"],
-                    "decode_tokens_per_s": generation.timings["decode_tokens"]
-                    / generation.timings["decode_s"],
-                    "cache_bytes_after_decode": 2 * slots * config.head_dim * item_bytes,
-                    "prefill_peak_bytes": prefill_peak.bytes if name == "full" else None,
-                    "decode_peak_bytes": decode_peak.bytes,
-                    # A compressed request's own prefill is inside decode_peak (retain="compressed").
-                    "request_peak_bytes": max(prefill_peak.bytes, decode_peak.bytes)
-                    if name == "full"
-                    else decode_peak.bytes,
-                    "residual_heads": sum(
-                        sum(size > 0 for size in layer)
-                        for layer in generation.cache_stats.get("residual_slots", [])
-                    ),
-                }
-            )
-        del prefill
+            # Its prefill compresses every layer as it runs: the forward's time includes compression.
+            row["prefill_s"] = source.timings["prompt_prefill_s"]
+            rows.append(measured(row, source, methods[name, ratio], peak, generation))
+            del source, generation
     return rows
 
 
@@ -328,6 +372,8 @@ def check_machine(device: str) -> dict:
         **machine(),
         "flash_attn_importable": importlib.util.find_spec("flash_attn") is not None,
         "memory_kind": peak_memory_kind(device),
+        # The rate a construction's fp32 matmul FLOPs are judged by (``summary``).
+        "fp32_matmul_gflops": matmul_gflops(FLOOR_MATMUL_SIZE[device], device=device),
     }
     # Exact layers of half-precision CUDA runs use FlashAttention-2 when it imports (reskv.cache).
     info["attention_path"] = (
@@ -341,7 +387,8 @@ def check_machine(device: str) -> dict:
 PANELS = (
     ("request_peak_bytes", 2**-30, "peak memory (GiB)", "Peak memory per request (prefill included)"),
     ("cache_bytes_after_decode", 2**-30, "KV slots x 2 x head dim (GiB)", "KV cache after decoding"),
-    ("decode_tokens_per_s", 1, "decode tokens / s", "Decode throughput"),
+    ("decode_tokens_per_s", 1, "decode tokens / s", "Decode throughput (eager)"),
+    ("compiled_tokens_per_s", 1, "decode tokens / s", "Decode throughput (compiled step)"),
 )
 
 
@@ -356,7 +403,7 @@ def plot(report: dict, out: Path) -> list[Path]:
     rows = [row for row in report["efficiency"] if "method" in row]
     if not rows:
         return []
-    figure, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.5))
+    figure, axes = plt.subplots(1, len(PANELS), figsize=(20, 4.5))
     shapes = sorted({row["shape"] for row in rows})
     variants = sorted({(row["method"], row["ratio"]) for row in rows}, key=str)
     markers, styles = "osD^vP*X", ("-", "--", ":")
@@ -401,6 +448,43 @@ def plot(report: dict, out: Path) -> list[Path]:
     return paths
 
 
+def summary(report: dict) -> list[str]:
+    """The issues' targets as printed lines, per (shape, length, ratio) and base method X:
+    ResKV's construction (``construct_s`` of X+reskv minus X's) over the full prefill's time, and over
+    its fp32 matmul FLOPs' time at the machine's fp32 matmul rate (the floor, issue 22); each
+    request's peak over the full cache's, +ResKV's over X's; +ResKV's decode rate over X's, eager and
+    compiled, and the compiled rates (issue 24)."""
+    rows = {
+        (row["shape"], row["length"], row["method"], row["ratio"]): row
+        for row in report["efficiency"]
+        if row.get("status") == "ok"
+    }
+    gflops = report["machine"]["fp32_matmul_gflops"]
+    lines = [f"fp32 matmul {gflops:.0f} GFLOP/s; ratios of +ResKV to its base X unless named"]
+    for shape, length, name, ratio in rows:
+        reskv = rows.get((shape, length, f"{name}+reskv", ratio))
+        full = rows.get((shape, length, "full", None))
+        if reskv is None or "+" in name:
+            continue
+        base = rows[shape, length, name, ratio]
+        line = f"{shape} {length} {name} {ratio:g}:"
+        if "construct_s" in reskv and full is not None:
+            seconds = reskv["construct_s"] - base["construct_s"]
+            floor = (reskv["construct_gflop"] - base["construct_gflop"]) / gflops
+            line += f" construction {seconds:.3f}s = {seconds / full['prefill_s']:.3f} x prefill"
+            line += f", {seconds / floor:.1f} x fp32 FLOP floor {floor:.3f}s;"
+        if full is not None:
+            line += f" peak / full {base['request_peak_bytes'] / full['request_peak_bytes']:.3f}"
+            line += f" (X) {reskv['request_peak_bytes'] / full['request_peak_bytes']:.3f} (+ResKV);"
+        line += f" peak {reskv['request_peak_bytes'] / base['request_peak_bytes']:.3f};"
+        line += f" eager decode {reskv['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}"
+        if "compiled_tokens_per_s" in reskv:
+            line += f"; compiled decode {reskv['compiled_tokens_per_s'] / base['compiled_tokens_per_s']:.3f}"
+            line += f" ({base['compiled_tokens_per_s']:.0f} / {reskv['compiled_tokens_per_s']:.0f} tok/s)"
+        lines.append(line)
+    return lines
+
+
 def merged(reports: Sequence[dict]) -> dict:
     """One report from several runs on one machine: the first run's machine block (the others'
     dates listed), all correctness rows, the efficiency rows with a later run's row replacing an
@@ -431,6 +515,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--models", nargs="+", default=list(TINY_MODELS), choices=list(TINY_MODELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        default=None,
+        choices=DECODE_MODES,
+        help="decode modes each request is timed in (default: both with CUDA, eager without)",
+    )
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
@@ -475,20 +566,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_efficiency:
         lengths = args.lengths or (GPU_LENGTHS if cuda else CPU_LENGTHS)
         new_tokens = args.new_tokens or (128 if cuda else 8)
+        decode_modes = args.decode or (DECODE_MODES if cuda else ("eager",))
         for shape in args.shapes:
             torch.manual_seed(0)
             if cuda:
                 backbone = random_backbone(shape, torch.bfloat16, device)
             else:
                 backbone = random_backbone(shape, torch.float32, device, **CPU_SHRINK)
+            started = time.perf_counter()
+            efficiency_rows(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1], new_tokens, decode_modes)
+            print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
             for length in lengths:
                 started = time.perf_counter()
-                report["efficiency"] += efficiency_rows(backbone, [length], args.ratios, new_tokens)
+                rows = efficiency_rows(backbone, [length], args.ratios, new_tokens, decode_modes)
+                report["efficiency"] += rows
                 print(f"efficiency {shape} {length}: {time.perf_counter() - started:.1f}s", flush=True)
                 save()
             del backbone
             release_memory(torch.device(device))
     save()
+    for line in summary(report):
+        print(line)
     for figure in plot(report, args.out):
         print("wrote", figure)
     print("wrote", path)
