@@ -116,3 +116,26 @@ def test_cpu_run_in_every_dtype_passes(tmp_path):
     # 3 dtypes x 2 methods x 2 ratios x 2 settings, against the CPU fp32 reference.
     assert len(correctness) == 3 * 2 * 2 * 2 and report["correctness_passed"]
     assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)
+
+
+def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
+    torch.manual_seed(0)
+    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=("snapkv+reskv",))
+    assert [(row["method"], row["ratio"], row["status"]) for row in rows] == [
+        ("full", None, "ok"),
+        ("snapkv+reskv", 0.9, "ok"),
+    ]
+    # The construction was timed on the full prefill; the request itself compressed inside its own.
+    assert rows[1]["construct_s"] > 0 and rows[1]["construct_gflop"] > 0 and rows[1]["prefill_s"] > 0
+
+
+def test_the_figure_draws_only_the_panels_some_row_measured():
+    eager = {"request_peak_bytes": 1, "cache_bytes_after_decode": 1, "decode_tokens_per_s": 1.0}
+    assert [panel[0] for panel in gpu_check.drawn_panels([eager, {"status": "OOM"}])] == [
+        "request_peak_bytes",
+        "cache_bytes_after_decode",
+        "decode_tokens_per_s",
+    ]
+    compiled = {**eager, "compiled_tokens_per_s": 2.0}
+    assert gpu_check.drawn_panels([eager, compiled]) == list(gpu_check.PANELS)

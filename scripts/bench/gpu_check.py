@@ -3,6 +3,7 @@
     python -m scripts.bench.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
         [--models llama3.1-8b-instruct-h8-kv2 ...] [--dtypes fp32 bf16 fp16] [--methods ...]
+        [--efficiency-methods full snapkv ...] [--decode eager compiled] [--skip-correctness]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
 0.6 and 0.9 in both settings, once on the CPU in fp32 (the reference) and on the device in
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -283,6 +285,7 @@ def efficiency_rows(
     ratios: Sequence[float],
     new_tokens: int,
     decode_modes: Sequence[str] = ("eager",),
+    method_names: Sequence[str] = EFFICIENCY_METHODS,
 ) -> list[dict]:
     """One row per (length, method, ratio), each a request as the paper's efficiency figure measures it.
 
@@ -298,7 +301,7 @@ def efficiency_rows(
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
     item_bytes = torch.finfo(backbone.model.dtype).bits // 8
-    compressing = [(name, ratio) for ratio in ratios for name in EFFICIENCY_METHODS if name != "full"]
+    compressing = [(name, ratio) for ratio in ratios for name in method_names if name != "full"]
     methods = {(name, ratio): build_method(name, ratio) for name, ratio in [("full", None), *compressing]}
     rows = []
 
@@ -392,9 +395,15 @@ PANELS = (
 )
 
 
+def drawn_panels(rows: Sequence[dict]) -> list[tuple]:
+    """The ``PANELS`` some row measured: an eager-only run has no compiled decode rate to draw."""
+    return [panel for panel in PANELS if any(row.get(panel[0]) is not None for row in rows)]
+
+
 def plot(report: dict, out: Path) -> list[Path]:
     """Peak memory, cache size and decode rate versus context length, one line per (shape, method,
-    ratio); colour by method and ratio, line style by shape; out-of-memory marked on each panel."""
+    ratio); colour by method and ratio, line style by shape; out-of-memory marked on each panel
+    (``drawn_panels``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,7 +412,9 @@ def plot(report: dict, out: Path) -> list[Path]:
     rows = [row for row in report["efficiency"] if "method" in row]
     if not rows:
         return []
-    figure, axes = plt.subplots(1, len(PANELS), figsize=(20, 4.5))
+    panels = drawn_panels(rows)
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+    axes = axes[0]
     shapes = sorted({row["shape"] for row in rows})
     variants = sorted({(row["method"], row["ratio"]) for row in rows}, key=str)
     markers, styles = "osD^vP*X", ("-", "--", ":")
@@ -418,7 +429,7 @@ def plot(report: dict, out: Path) -> list[Path]:
             ok = [p for p in points if p["status"] == "ok"]
             label = f"{shape} {method}" + ("" if ratio is None else f" {ratio:g}")
             marker = markers[variants.index((method, ratio)) % len(markers)]
-            for axis, (field, scale, _, _) in zip(axes, PANELS, strict=True):
+            for axis, (field, scale, _, _) in zip(axes, panels, strict=True):
                 measured = [p for p in ok if p.get(field) is not None]
                 axis.plot(
                     [p["length"] for p in measured],
@@ -435,7 +446,7 @@ def plot(report: dict, out: Path) -> list[Path]:
                         axis.annotate(
                             "OOM", (p["length"], 0.95), xycoords=("data", "axes fraction"), fontsize=7
                         )
-    for axis, (_, _, ylabel, title) in zip(axes, PANELS, strict=True):
+    for axis, (_, _, ylabel, title) in zip(axes, panels, strict=True):
         axis.set(xscale="log", xlabel="context length (tokens)", ylabel=ylabel, title=title)
     where = report["machine"].get("gpu", "CPU (tiny shapes)")
     figure.suptitle(f"{where}, {report['machine']['date'][:10]}, random weights", fontsize=9)
@@ -513,6 +524,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.9, 0.6])
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--efficiency-methods",
+        nargs="+",
+        default=list(EFFICIENCY_METHODS),
+        choices=list(METHODS),
+        help="methods of the efficiency rows (the full cache's row is always measured)",
+    )
     parser.add_argument("--models", nargs="+", default=list(TINY_MODELS), choices=list(TINY_MODELS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument(
@@ -574,11 +592,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 backbone = random_backbone(shape, torch.float32, device, **CPU_SHRINK)
             started = time.perf_counter()
-            efficiency_rows(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1], new_tokens, decode_modes)
+            measure = functools.partial(
+                efficiency_rows,
+                new_tokens=new_tokens,
+                decode_modes=decode_modes,
+                method_names=args.efficiency_methods,
+            )
+            measure(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1])
             print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
             for length in lengths:
                 started = time.perf_counter()
-                rows = efficiency_rows(backbone, [length], args.ratios, new_tokens, decode_modes)
+                rows = measure(backbone, [length], args.ratios)
                 report["efficiency"] += rows
                 print(f"efficiency {shape} {length}: {time.perf_counter() - started:.1f}s", flush=True)
                 save()
