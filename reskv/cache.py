@@ -35,13 +35,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from reskv.attention import (
     RowGates,
     additive_mask,
+    counted_entries_attention,
     joint_attention,
     joint_buffers,
     shared_softmax_attention,
     stacked_shared_softmax_attention,
 )
 from reskv.compress import CompressedLayerState
-from reskv.config import DecodeRule
+from reskv.config import DecodeRule, plain_rule
 from reskv.residual import ResidualEntries
 from reskv.scoring import LayerObservation, accumulated_attention
 
@@ -189,12 +190,16 @@ class CompressingLayer(ObservedLayer):
         return output
 
 
-def static_address(buffer: Tensor) -> Tensor:
+def static_address(buffer: Tensor, slots_dim: int | None = None) -> Tensor:
     """``buffer``, marked as written in place at a fixed address by a compiled step: CUDA graphs
     (``reskv.engine.compiled_step``) skip a graph that mutates any other input, and with
     ``guard=False`` a new cache re-records the graph instead of recompiling it (transformers'
-    ``StaticLayer`` marks its buffers the same way)."""
+    ``StaticLayer`` marks its buffers the same way). Its ``slots_dim`` is marked dynamic: every
+    layer's capacity differs between caches, and left to torch._dynamo's automatic dynamic shapes,
+    each layer's would turn dynamic in a recompile of its own."""
     torch._dynamo.mark_static_address(buffer, guard=False)
+    if slots_dim is not None:
+        torch._dynamo.maybe_mark_dynamic(buffer, slots_dim)
     return buffer
 
 
@@ -241,8 +246,10 @@ class CompressedLayer(CacheLayerMixin):
         self._set_buffers(keys[None], values[None], bias)
         self.position = static_address(torch.tensor([self.filled], device=keys.device))  # next slot
         self.device = keys.device
+        # Read by a compiled step instead of the host count (``counted_entries_attention``).
+        self.entry_count = static_address(torch.tensor(self.residual_slots, device=keys.device))
         self.evicted_fraction = state.evicted_fraction
-        self.rule = rule
+        self.rule = plain_rule(rule)
         self.seq_len = seq_len
         self.is_initialized = True
 
@@ -260,7 +267,7 @@ class CompressedLayer(CacheLayerMixin):
         return cls(state, layer.get_seq_length(), DecodeRule(), spare_slots)
 
     def _set_buffers(self, keys: Tensor, values: Tensor, bias: Tensor) -> None:
-        self._keys, self._values, self._bias = (static_address(buffer) for buffer in (keys, values, bias))
+        self._keys, self._values, self._bias = (static_address(buffer, 2) for buffer in (keys, values, bias))
         self.capacity = keys.shape[2]
         after_entries = slice(self.residual_slots, None)
         self.keys, self.values = keys[:, :, after_entries], values[:, :, after_entries]
@@ -334,9 +341,18 @@ class CompressedLayer(CacheLayerMixin):
         if not self.rule.shared_softmax:
             return self.attend_parts(query, scaling, with_residual_share=False)[0]
         queries, bias = self._grouped(query)
-        output = shared_softmax_attention(
-            queries, self._keys[0], self._values[0], bias, self.residual_slots, scaling, self.rule
-        )
+        keys, values = self._keys[0], self._values[0]
+        if torch.compiler.is_compiling():
+            # One graph whichever layers hold entries (a layer whose heads all chose r = 0 holds none):
+            # a graph per pattern of such layers passed torch._dynamo's recompile limit (8), which
+            # fullgraph=True makes an error (tests/test_decode_path.py).
+            output = counted_entries_attention(
+                queries, keys, values, bias, self.entry_count, scaling, self.rule
+            )
+        else:
+            output = shared_softmax_attention(
+                queries, keys, values, bias, self.residual_slots, scaling, self.rule
+            )
         return self._ungrouped(output, query)
 
     def _grouped(self, query: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,8 @@ The runner validates a configuration and answers ``--help`` from these before it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 from fractions import Fraction
 
 SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (reskv.md)
@@ -25,6 +26,18 @@ class DecodeRule:
     beta: float = 1.0  # weight of log(count) in the residual logits
     gate: bool = True  # False: "w/o dynamic gate", g = 1
     shared_softmax: bool = True  # False: "w/o shared softmax" (this project's reading, reskv.md)
+
+
+def plain_rule(rule: DecodeRule) -> DecodeRule:
+    """The ``DecodeRule`` with ``rule``'s fields (a ``ResidualConfig``'s decode part), one object per
+    value. A compiled decode step guards on its layers' rule objects, their type and which are the
+    same object, so a base method's rule and +ResKV's equal one would otherwise compile apart."""
+    return _rule_of(tuple(getattr(rule, field.name) for field in fields(DecodeRule)))
+
+
+@functools.cache
+def _rule_of(values: tuple) -> DecodeRule:
+    return DecodeRule(*values)
 
 
 FINAL_SELECTIONS = ("base", "fit")

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from baselines import build_method
-from reskv.cache import CompressedLayer
+from reskv.backbones import tiny_backbone
+from reskv.cache import CompressedLayer, ResKVCache
+from reskv.config import DecodeRule, plain_rule
 from reskv.engine import Prefill, static_cache
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
@@ -67,6 +72,60 @@ def test_the_compiled_step_gives_the_eager_logits(prefill, name):
         for mode in ("eager", "compiled")
     }
     assert generated["compiled"].token_ids == generated["eager"].token_ids
+
+
+@pytest.mark.slow
+def test_one_compiled_graph_serves_every_pattern_of_layers_with_and_without_entries():
+    """Which layers hold residual entries varies with the prompt and the ratio (a layer whose heads all
+    chose ``r = 0`` holds none), and a base method's layers carry another rule object than +ResKV's.
+    The compiled step must specialise on neither: the 16 caches of 4 layers, each layer SnapKV's or
+    SnapKV+ResKV's, compile at most 2 graphs (static shapes first, then dynamic ones), each giving the
+    eager step's logits. A graph per pattern would pass torch._dynamo's recompile limit (8), which
+    ``fullgraph=True`` turns into an error in the middle of a run."""
+    backbone = tiny_backbone("tiny-llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    methods = [build_method(name, 0.6) for name in ("snapkv", "snapkv+reskv")]
+    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, methods)
+    base, reskv = (prefill.compressed(method, "aware")[0] for method in methods)
+    assert all(layer.residual_slots > 0 for layer in reskv.layers)
+    assert all(layer.residual_slots == 0 for layer in base.layers)
+
+    def cache_of(pattern: tuple[bool, ...]) -> ResKVCache:
+        layers = [(reskv if entries else base).layers[i].fork() for i, entries in enumerate(pattern)]
+        cache = ResKVCache(layers)
+        cache.reserve(1)
+        return static_cache(cache, 1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    for pattern in itertools.product((False, True), repeat=len(reskv.layers)):
+        eager = prefill.next_logits([FORCED[0]], cache_of(pattern))
+        compiled = prefill._compiled_step([FORCED[0]], cache_of(pattern))
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.slow
+def test_the_compiled_step_follows_a_rule_whose_gate_parameters_change():
+    """Rules that differ in ``tau`` and ``alpha`` recompile the step once with the two as symbolic floats;
+    its gate must then still be the eager one (torch 2.13's inductor drops ``rsub``'s symbolic
+    ``alpha``, which gave ``log g`` off by 0.09)."""
+    backbone = tiny_backbone("tiny-llama", num_attention_heads=4, num_key_value_heads=2)
+    method = build_method("snapkv+reskv", 0.6)
+    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
+    cache, _ = prefill.compressed(method, "aware")
+    assert all(layer.residual_slots > 0 for layer in cache.layers)
+    torch._dynamo.reset()
+    for tau, alpha in ((0.25, 12.0), (0.3, 8.0), (0.2, 16.0)):
+        rule = plain_rule(dataclasses.replace(DecodeRule(), tau=tau, alpha=alpha))
+        logits = {}
+        for step in (prefill.next_logits, prefill._compiled_step):
+            layers = [layer.fork() for layer in cache.layers]
+            for layer in layers:
+                layer.rule = rule
+            decoded = static_cache(ResKVCache(layers), 1)
+            decoded.reserve(1)
+            logits[step] = step([FORCED[0]], decoded)
+        torch.testing.assert_close(*logits.values(), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
