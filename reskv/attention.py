@@ -53,11 +53,7 @@ def log_gate(p_max: Tensor, rule: DecodeRule) -> Tensor:
     """``log g(q)`` (``gate_values``) from ``p_max`` in two ops (``rule.gate`` is on): the gate's argument
     as ``alpha * tau - alpha * p_max`` (one ``rsub``; ``gate_logit``'s two ops give it to the last bit,
     this to fp rounding), then ``logsigmoid``, one op where ``log(sigmoid)`` takes two."""
-    return log_sigmoid_gate(torch.rsub(p_max, rule.alpha * rule.tau, alpha=rule.alpha), rule)
-
-
-def log_sigmoid_gate(logit: Tensor, rule: DecodeRule) -> Tensor:
-    """``log g`` from the gate's argument ``logit``: ``logsigmoid``, clamped at ``log g_min``."""
+    logit = torch.rsub(p_max, rule.alpha * rule.tau, alpha=rule.alpha)
     log_gate = torch.nn.functional.logsigmoid(logit)
     return log_gate.clamp_(min=math.log(rule.g_min)) if rule.g_min > 0 else log_gate
 
@@ -206,31 +202,6 @@ def shared_softmax_attention(
     logits = fp32_logits(queries, keys, bias, scaling)
     p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)
     logits[..., :residual_slots].add_(log_gate(p_max, rule))
-    return softmax_values(logits, values)
-
-
-def counted_entries_attention(
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    bias: Tensor,
-    entry_count: Tensor,
-    scaling: float,
-    rule: DecodeRule,
-) -> Tensor:
-    """``shared_softmax_attention`` for a compiled decode step: the entries are the slots below
-    ``entry_count``, a device tensor, instead of a host count, and every layer takes the gated path,
-    so one graph serves every layer whether it holds entries or not. Without entries ``log g`` is
-    added nowhere and ``p_max`` goes unused: the base method's attention, to fp rounding (the
-    gate's two reductions are the price of not specialising on the count). The gate's argument is
-    ``gate_logit``'s, not ``log_gate``'s ``rsub``: once a rule's ``alpha`` differs between calls the
-    compiled graph takes it as a symbolic float, and torch 2.13's inductor then drops ``rsub``'s
-    ``alpha`` (log g off by 0.09 at ``alpha = 12``; tests/test_decode_path.py)."""
-    logits = fp32_logits(queries, keys, bias, scaling)
-    if rule.gate:
-        entries = torch.arange(logits.shape[-1], device=logits.device) < entry_count
-        p_max = logits.masked_fill(entries, float("-inf")).softmax(dim=-1).amax(dim=-1, keepdim=True)
-        logits.add_(torch.where(entries, log_sigmoid_gate(gate_logit(p_max, rule), rule), 0.0))
     return softmax_values(logits, values)
 
 

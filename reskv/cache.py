@@ -35,7 +35,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from reskv.attention import (
     RowGates,
     additive_mask,
-    counted_entries_attention,
     joint_attention,
     joint_buffers,
     shared_softmax_attention,
@@ -246,7 +245,7 @@ class CompressedLayer(CacheLayerMixin):
         self._set_buffers(keys[None], values[None], bias)
         self.position = static_address(torch.tensor([self.filled], device=keys.device))  # next slot
         self.device = keys.device
-        # Read by a compiled step instead of the host count (``counted_entries_attention``).
+        # Read by a compiled step instead of the host count (``attend``).
         self.entry_count = static_address(torch.tensor(self.residual_slots, device=keys.device))
         self.evicted_fraction = state.evicted_fraction
         self.rule = plain_rule(rule)
@@ -341,17 +340,20 @@ class CompressedLayer(CacheLayerMixin):
         if not self.rule.shared_softmax:
             return self.attend_parts(query, scaling, with_residual_share=False)[0]
         queries, bias = self._grouped(query)
-        keys, values = self._keys[0], self._values[0]
         if torch.compiler.is_compiling():
             # One graph whichever layers hold entries (a layer whose heads all chose r = 0 holds none):
             # a graph per pattern of such layers passed torch._dynamo's recompile limit (8), which
-            # fullgraph=True makes an error (tests/test_decode_path.py).
-            output = counted_entries_attention(
-                queries, keys, values, bias, self.entry_count, scaling, self.rule
-            )
+            # fullgraph=True makes an error (tests/test_decode_path.py). So the layer is the stacked
+            # form's one row, its entries marked by a device count and its gate open whenever its
+            # rule has one (without entries log g is added nowhere).
+            entries = torch.arange(self._keys.shape[2], device=query.device) < self.entry_count
+            gates = RowGates.of([self.rule], [True], query.device)
+            output = stacked_shared_softmax_attention(
+                queries[None], self._keys, self._values, bias[None], entries, gates, scaling
+            )[0]
         else:
             output = shared_softmax_attention(
-                queries, keys, values, bias, self.residual_slots, scaling, self.rule
+                queries, self._keys[0], self._values[0], bias, self.residual_slots, scaling, self.rule
             )
         return self._ungrouped(output, query)
 
