@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from baselines import build_method
 from baselines.registry import METHODS
+from reskv.engine import Prefill
 from scripts.bench import gpu_check
+from scripts.bench.dispatch_counts import count_dispatch
+from scripts.measure import random_prompt
 
 
 def layer(
@@ -139,3 +143,20 @@ def test_the_figure_draws_only_the_panels_some_row_measured():
     ]
     compiled = {**eager, "compiled_tokens_per_s": 2.0}
     assert gpu_check.drawn_panels([eager, compiled]) == list(gpu_check.PANELS)
+
+
+def test_a_construction_profile_counts_the_calls_the_dispatch_counter_counts():
+    torch.manual_seed(0)
+    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    method = build_method("snapkv+reskv", 0.9)
+    prefill = Prefill(backbone, random_prompt(range(1, 512), 96, seed=42), 96, [method])
+    profile = gpu_check.construction_profile(torch.device("cpu"), prefill, method, top=1000)
+    with count_dispatch() as counts:
+        prefill.compressed(method, "aware")
+    calls = {op["op"]: op["calls"] for op in profile["top"]}
+    # Leaf ops (no composite above them): the profiler's calls are the dispatch counter's ops.
+    for name in ("bmm", "sort"):
+        assert calls[f"aten::{name}"] == counts.by_op[name] > 0
+    assert profile["device_launches"] == 0 and profile["device_busy_s"] == 0.0  # no CUDA on this machine
+    hosts = [op["self_host_s"] for op in profile["top"]]
+    assert hosts == sorted(hosts, reverse=True)

@@ -3,7 +3,8 @@
     python -m scripts.bench.gpu_check [--out results/gpu] [--shapes llama3.1-8b-instruct ...]
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
         [--models llama3.1-8b-instruct-h8-kv2 ...] [--dtypes fp32 bf16 fp16] [--methods ...]
-        [--efficiency-methods full snapkv ...] [--decode eager compiled] [--skip-correctness]
+        [--efficiency-methods full snapkv ...] [--decode eager compiled] [--profile-lengths 4096 ...]
+        [--skip-correctness]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
 0.6 and 0.9 in both settings, once on the CPU in fp32 (the reference) and on the device in
@@ -262,6 +263,40 @@ def timed(device: torch.device, fn, *args, **kwargs):
     return result, time.perf_counter() - started
 
 
+def construction_profile(device: torch.device, prefill: Prefill, method: Method, top: int = 12) -> dict:
+    """Where a construction's wall time goes (issue 22): ``prefill.compressed(method)`` once under
+    ``torch.profiler``. Records the profiled wall seconds, the device's busy seconds (its kernels' and
+    copies' durations summed: one stream, so they do not overlap), the number of device launches,
+    the host's aten calls, and the ``top`` operators by self device time (by self host time without
+    CUDA). A busy time far below the wall time says the host, not the GPU, sets the pace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as profiler:
+        _, seconds = timed(device, prefill.compressed, method, "aware")
+    launches = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    operators = [entry for entry in profiler.key_averages() if entry.key.startswith("aten::")]
+    rank = "self_device_time_total" if cuda else "self_cpu_time_total"
+    operators.sort(key=lambda entry: getattr(entry, rank), reverse=True)
+    return {
+        "profiled_s": seconds,
+        "device_busy_s": sum(event.time_range.elapsed_us() for event in launches) * 1e-6,
+        "device_launches": len(launches),
+        "aten_calls": sum(entry.count for entry in operators),
+        "top": [
+            {
+                "op": entry.key,
+                "calls": entry.count,
+                "self_device_s": entry.self_device_time_total * 1e-6,
+                "self_host_s": entry.self_cpu_time_total * 1e-6,
+            }
+            for entry in operators[:top]
+        ],
+    }
+
+
 def compiled_decode(source: Prefill, method: Method, new_tokens: int, eager_ids: list[int]) -> dict:
     """``method``'s decode with ``decode="compiled"``, run twice: the first run compiles (or re-records
     the CUDA graphs of) the step for this cache's shapes, the second is timed. Records the rate, the
@@ -286,6 +321,7 @@ def efficiency_rows(
     new_tokens: int,
     decode_modes: Sequence[str] = ("eager",),
     method_names: Sequence[str] = EFFICIENCY_METHODS,
+    profile_lengths: Sequence[int] = (),
 ) -> list[dict]:
     """One row per (length, method, ratio), each a request as the paper's efficiency figure measures it.
 
@@ -296,7 +332,8 @@ def efficiency_rows(
     compresses every layer inside the forward and frees it (the paper's memory behaviour, issue 24),
     then its decode. With "compiled" in ``decode_modes`` each request also decodes with the compiled
     step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
-    ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run."""
+    ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
+    ``profile_lengths`` each construction is also profiled (``construction_profile``)."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -345,6 +382,10 @@ def efficiency_rows(
                 gflop = counted_gflop(prefill.compressed, methods[name, ratio], "aware")
                 _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                 constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
+                if length in profile_lengths:
+                    constructions[name, ratio]["construct_profile"] = construction_profile(
+                        device, prefill, methods[name, ratio]
+                    )
             del prefill, generation
         for name, ratio in compressing:
             row = {"shape": backbone.name, "length": length, "method": name, "ratio": ratio}
@@ -493,6 +534,17 @@ def summary(report: dict) -> list[str]:
             line += f"; compiled decode {reskv['compiled_tokens_per_s'] / base['compiled_tokens_per_s']:.3f}"
             line += f" ({base['compiled_tokens_per_s']:.0f} / {reskv['compiled_tokens_per_s']:.0f} tok/s)"
         lines.append(line)
+    for row in report["efficiency"]:
+        if "construct_profile" in row:
+            profile = row["construct_profile"]
+            line = f"profile {row['shape']} {row['length']} {row['method']} {row['ratio']:g}:"
+            line += f" {profile['profiled_s']:.3f}s profiled, device busy {profile['device_busy_s']:.3f}s"
+            line += f" in {profile['device_launches']} launches, {profile['aten_calls']} aten calls;"
+            line += " top (device/host ms): " + "; ".join(
+                f"{op['op']} x{op['calls']} {op['self_device_s'] * 1e3:.1f}/{op['self_host_s'] * 1e3:.1f}"
+                for op in profile["top"][:6]
+            )
+            lines.append(line)
     return lines
 
 
@@ -540,6 +592,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=DECODE_MODES,
         help="decode modes each request is timed in (default: both with CUDA, eager without)",
     )
+    parser.add_argument(
+        "--profile-lengths",
+        nargs="+",
+        type=int,
+        default=None,
+        help="lengths whose constructions are profiled too (default: the first with CUDA, none without)",
+    )
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
@@ -585,6 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths = args.lengths or (GPU_LENGTHS if cuda else CPU_LENGTHS)
         new_tokens = args.new_tokens or (128 if cuda else 8)
         decode_modes = args.decode or (DECODE_MODES if cuda else ("eager",))
+        profile_lengths = args.profile_lengths or (lengths[:1] if cuda else ())
         for shape in args.shapes:
             torch.manual_seed(0)
             if cuda:
@@ -598,11 +658,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 decode_modes=decode_modes,
                 method_names=args.efficiency_methods,
             )
+            run_lengths = functools.partial(measure, profile_lengths=profile_lengths)
             measure(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1])
             print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
             for length in lengths:
                 started = time.perf_counter()
-                rows = measure(backbone, [length], args.ratios)
+                rows = run_lengths(backbone, [length], args.ratios)
                 report["efficiency"] += rows
                 print(f"efficiency {shape} {length}: {time.perf_counter() - started:.1f}s", flush=True)
                 save()
