@@ -29,9 +29,13 @@ DISTANCE_CHUNK_BYTES = 4 << 20
 # points and 2.5 s in 90-row blocks of 28 points (2 cores, loaded machine: ratios, not rates).
 # On CUDA a block is one GEMM launch and one argmin, ~23 us of host time each whatever their size
 # (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per layer at 131K tokens. There the
-# block is an eighth of the device's memory (10 GiB on an 80 GB H100): one launch per Lloyd step up
-# to 131K tokens at the 8B shape (``scripts.bench.construction_counts`` prints the model).
-DEVICE_MEMORY_SHARE = 8
+# block is a 32nd of the device's memory (2.5 GiB on an 80 GB H100): at 131K tokens and the 8B
+# shape 108 launches per Lloyd step and layer batch, the grid's groups together (19 with an eighth;
+# ``scripts.bench.construction_counts`` prints the model), ~0.1 s more host time over the 14 s
+# stacked construction. An eighth (17.6 GB on the H200) let one layer's distances (9.4 GiB for
+# r = 2621) outgrow the forward's own activations inside a compressing prefill: +ResKV's request
+# peaked 1.16 GiB above SnapKV's there (results/gpu/README.md).
+DEVICE_MEMORY_SHARE = 32
 
 
 # Rows of different sizes clustered in one call are padded to the largest size and point count. On
@@ -51,8 +55,8 @@ def padding_tolerance(device: torch.device) -> float:
 
 
 def distance_block_bytes(device: torch.device) -> int:
-    """The k-means distance block for ``device``: ``DISTANCE_CHUNK_BYTES`` on CPU, an eighth of the
-    device's memory on CUDA."""
+    """The k-means distance block for ``device``: ``DISTANCE_CHUNK_BYTES`` on CPU, a
+    ``DEVICE_MEMORY_SHARE`` of the device's memory on CUDA."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // DEVICE_MEMORY_SHARE
     return DISTANCE_CHUNK_BYTES

@@ -64,7 +64,7 @@ def synthetic_prefilled_cache(
 
 @contextlib.contextmanager
 def gpu_layout():
-    """Construction laid out on CPU as on an 80 GB GPU: 10 GiB distance blocks, one padded k-means
+    """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks, one padded k-means
     group per grid level, ``argmin`` for the nearest centre (``reskv.residual``) and every layer of a
     4 GiB batch stacked (``reskv.engine``)."""
     with contextlib.ExitStack() as stack:
@@ -126,7 +126,8 @@ def counts_table(lengths: list[int], ratio: float, methods: list[str]) -> Table:
 def launches_table(seq_len: int, ratio: float) -> Table:
     title = f"Model: k-means distance launches per Lloyd step and layer batch, {seq_len} tokens"
     table = Table(title=f"{title}, ratio {ratio}")
-    for column in ("group", "distances GiB", "launches, 4 MiB (CPU)", "launches, 10 GiB (80 GB GPU)"):
+    gpu_column = f"launches, {H100_BLOCK_BYTES / 2**30:g} GiB (80 GB GPU)"
+    for column in ("group", "distances GiB", "launches, 4 MiB (CPU)", gpu_column):
         table.add_column(column, justify="right")
     cpu = distance_launches(seq_len, ratio, DISTANCE_CHUNK_BYTES)
     gpu = distance_launches(seq_len, ratio, H100_BLOCK_BYTES)
