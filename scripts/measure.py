@@ -187,3 +187,14 @@ def random_prompt(vocabulary: Sequence[int], length: int, seed: int) -> list[int
     ids = torch.tensor(list(vocabulary))
     generator = torch.Generator().manual_seed(seed)
     return ids[torch.randint(len(ids), (length,), generator=generator)].tolist()
+
+
+def top2_gap_at(prefill, method, setting: str, token_ids: list[int], step: int) -> float:
+    """The top-2 logit gap of ``method``'s eager decode of ``prefill`` at ``step`` (after
+    ``token_ids[:step]``): how near a tie a choice was that another decode (batched, compiled) made
+    differently."""
+    cache, _ = prefill.compressed(method, setting)
+    fed = list(prefill.prompt_ids[prefill.context_length :]) if setting == "agnostic" else []
+    logits = prefill.next_logits(fed + token_ids[:step], cache, every_position=True)[-1]
+    top2 = logits.topk(2).values
+    return float(top2[0] - top2[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,3 +161,35 @@ def test_a_construction_profile_counts_the_calls_the_dispatch_counter_counts():
     assert profile["device_launches"] == 0 and profile["device_busy_s"] == 0.0  # no CUDA on this machine
     hosts = [op["self_host_s"] for op in profile["top"]]
     assert hosts == sorted(hosts, reverse=True)
+
+
+class CannedSource:
+    """A ``Prefill`` stand-in whose compiled decodes return fixed tokens and whose eager logits after
+    ``n`` fed tokens are ``logits[n]``."""
+
+    prompt_ids, context_length = [7, 8], 2
+
+    def __init__(self, first: list[int], second: list[int], logits: list[list[float]]):
+        self.runs, self.logits = [first, second], logits
+
+    def generate(self, method, setting, max_new_tokens, decode):
+        assert decode == "compiled"
+        return SimpleNamespace(token_ids=self.runs.pop(0), timings={"decode_tokens": 3, "decode_s": 0.5})
+
+    def compressed(self, method, setting):
+        return None, {}
+
+    def next_logits(self, token_ids, cache, every_position):
+        return torch.tensor([self.logits[len(token_ids)]])
+
+
+def test_compiled_decode_reports_its_first_difference_from_eager_and_the_eager_gap_there():
+    logits = [[0.0, 1.0, 3.0], [2.0, 1.75, 0.0], [0.0, 0.0, 1.0]]
+    row = gpu_check.compiled_decode(CannedSource([2, 1, 2], [2, 1, 2], logits), None, 3, [2, 0, 2])
+    assert row["compiled_tokens_per_s"] == 6.0 and row["compiled_repeats_itself"]
+    # Step 1 differs (1 against eager's 0): eager's logits after one token, top two 2.0 and 1.75.
+    assert not row["compiled_same_tokens"] and row["compiled_first_difference"] == 1
+    assert row["eager_top2_gap_there"] == 0.25
+    row = gpu_check.compiled_decode(CannedSource([2, 0, 2], [2, 0, 1], logits), None, 3, [2, 0, 2])
+    assert row["compiled_same_tokens"] and not row["compiled_repeats_itself"]
+    assert row["compiled_first_difference"] is None and row["eager_top2_gap_there"] is None

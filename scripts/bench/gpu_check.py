@@ -55,6 +55,7 @@ from scripts.measure import (
     peak_memory,
     peak_memory_kind,
     random_prompt,
+    top2_gap_at,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -300,15 +301,24 @@ def construction_profile(device: torch.device, prefill: Prefill, method: Method,
 def compiled_decode(source: Prefill, method: Method, new_tokens: int, eager_ids: list[int]) -> dict:
     """``method``'s decode with ``decode="compiled"``, run twice: the first run compiles (or re-records
     the CUDA graphs of) the step for this cache's shapes, the second is timed. Records the rate, the
-    first run's seconds, whether the tokens equal the eager decode's, and the compiler's counters:
-    the graphs compiled so far in this process and the CUDA graphs skipped (which would leave the
-    step launch-bound)."""
+    first run's seconds, whether the second run repeats the first's tokens (a replayed graph reads
+    what the recorded one did) and whether they equal the eager decode's; where they do not, the
+    first step that differs and the eager logits' top-2 gap there (``top2_gap_at``: a near tie that
+    half-precision kernels order differently, or a wrong step); and the compiler's counters: the
+    graphs compiled so far in this process and the CUDA graphs skipped (which would leave the step
+    launch-bound)."""
     first = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
     second = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
+    differing = [step for step, (a, b) in enumerate(zip(first.token_ids, eager_ids, strict=True)) if a != b]
     return {
         "compiled_tokens_per_s": second.timings["decode_tokens"] / second.timings["decode_s"],
         "compiled_first_run_s": first.timings["decode_s"],
-        "compiled_same_tokens": first.token_ids == second.token_ids == eager_ids,
+        "compiled_repeats_itself": first.token_ids == second.token_ids,
+        "compiled_same_tokens": first.token_ids == eager_ids,
+        "compiled_first_difference": differing[0] if differing else None,
+        "eager_top2_gap_there": (
+            top2_gap_at(source, method, "aware", eager_ids, differing[0]) if differing else None
+        ),
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }

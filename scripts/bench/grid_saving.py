@@ -36,7 +36,7 @@ from reskv.engine import Prefill
 from scripts.harness.grid import GridRun, load_task_items
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results
-from scripts.measure import load_average, machine, machine_header
+from scripts.measure import load_average, machine, machine_header, top2_gap_at
 
 WARM_UP_CONTEXT = 300  # tokens: longer than every observation window, so every method compresses
 DEFAULT_OVERRIDES = (
@@ -95,16 +95,6 @@ def timed_run(plan, backbone, items, label: str) -> float:
         start = time.perf_counter()
         grid.run()
     return round(time.perf_counter() - start, 3)
-
-
-def top2_gap_at(prefill: Prefill, method, setting: str, token_ids: list[int], step: int) -> float:
-    """The top-2 logit gap of ``method``'s decode alone at ``step`` (after ``token_ids[:step]``): how
-    near a tie the choice that a batched decode made differently was."""
-    cache, _ = prefill.compressed(method, setting)
-    fed = list(prefill.prompt_ids[prefill.context_length :]) if setting == "agnostic" else []
-    logits = prefill.next_logits(fed + token_ids[:step], cache, every_position=True)[-1]
-    top2 = logits.topk(2).values
-    return float(top2[0] - top2[1])
 
 
 def batched_differences(plan, backbone, items, alone: dict, batched: dict) -> list[dict]:
