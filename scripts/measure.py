@@ -9,7 +9,7 @@ quantity are measured the same way:
 - ``peak_memory``: the process's peak during a block (CUDA's max allocated bytes, or on CPU the
   resident size at entry plus the block's peak allocated), what a request needs to fit;
   ``peak_allocated``: the most bytes a block itself held allocated at once beyond what it started
-  with, what an algorithm adds;
+  with, what an algorithm adds; ``peak_site``: that peak on CPU and the module and op running then;
 - ``counted_gflop``: the matmul and attention FLOPs a call performs, the floor its time is judged by;
 - ``random_prompt``: token ids drawn uniformly from a vocabulary with a fixed seed.
 """
@@ -24,12 +24,13 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from torch.autograd.profiler import record_function
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 PROC_STATUS = Path("/proc/self/status")
@@ -156,12 +157,69 @@ def peak_allocated(device: torch.device | str) -> Iterator[MemoryPeak]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
         yield peak
-    allocations = sorted(
-        (event.start_ns(), event.nbytes())
-        for event in profile.profiler.kineto_results.events()
-        if event.name() == "[memory]"
+    peak.bytes = allocation_peak(profile.profiler.kineto_results.events())[1]
+
+
+def allocation_peak(events) -> tuple[int, int]:
+    """The time (ns) and bytes of the most a CPU profile's allocation and free events (``[memory]``,
+    in time order) held at once beyond its start: ``(0, 0)`` where nothing was allocated."""
+    allocations = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    held = list(itertools.accumulate(nbytes for _, nbytes in allocations))
+    if not held or max(held) <= 0:
+        return 0, 0
+    top = max(range(len(held)), key=held.__getitem__)
+    return allocations[top][0], held[top]
+
+
+@dataclass
+class PeakSite:
+    """Where a block's peak allocation happened (``peak_site``): its bytes beyond the block's start,
+    the modules running then (outermost first) and the innermost aten op."""
+
+    bytes: int = 0
+    modules: list[str] = field(default_factory=list)
+    op: str = ""
+
+
+@contextlib.contextmanager
+def peak_site(model: torch.nn.Module) -> Iterator[PeakSite]:
+    """``with peak_site(model) as site: ...``: on CPU, ``peak_allocated``'s peak and what ran at
+    that moment: every submodule of ``model`` is marked in the profile while its forward runs (hooks
+    removed at exit), and the marks and aten ops whose span holds the peak's allocation are read back."""
+    site = PeakSite()
+    open_marks: dict[int, list[record_function]] = {}
+
+    def enter(name: str):
+        def hook(module, args):
+            mark = record_function(f"module:{name}")
+            mark.__enter__()
+            open_marks.setdefault(id(module), []).append(mark)
+
+        return hook
+
+    def leave(module, args, output):
+        open_marks[id(module)].pop().__exit__(None, None, None)
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(name or "model")))
+        handles.append(module.register_forward_hook(leave))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    try:
+        with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+            yield site
+    finally:
+        for handle in handles:
+            handle.remove()
+    events = list(profile.profiler.kineto_results.events())
+    moment, site.bytes = allocation_peak(events)
+    running = sorted(
+        (event.start_ns(), event.name())
+        for event in events
+        if event.name() != "[memory]" and event.start_ns() <= moment <= event.start_ns() + event.duration_ns()
     )
-    peak.bytes = max(itertools.accumulate(nbytes for _, nbytes in allocations), default=0)
+    site.modules = [name.removeprefix("module:") for _, name in running if name.startswith("module:")]
+    site.op = next((name for _, name in reversed(running) if name.startswith("aten::")), "")
 
 
 def causal_sdpa_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:

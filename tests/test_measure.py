@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from reskv.backbones import random_backbone
 from scripts import measure
-from scripts.measure import machine, peak_allocated, peak_memory, random_prompt
+from scripts.measure import machine, peak_allocated, peak_memory, peak_site, random_prompt
 
 MIB = 2**20
 
@@ -52,3 +53,29 @@ def test_machine_names_the_cores_threads_and_load():
     info = machine()
     assert info["torch_threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
     assert len(info["load_average"]) == 3 and info["cpu_count"] >= 1
+
+
+def test_peak_site_finds_a_wide_mlp_product_of_the_last_layer():
+    # With the MLP 16 times wider than the residual stream, a forward's peak is the product
+    # act(gate(x)) * up(x) of its last layer (transformers' LlamaMLP): three [s, I] tensors alive.
+    torch.manual_seed(0)
+    intermediate, tokens = 1024, 256
+    backbone = random_backbone(
+        "llama3.1-8b-instruct",
+        torch.float32,
+        "cpu",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    )
+    ids = torch.randint(1, 512, (1, tokens))
+    with torch.inference_mode(), peak_site(backbone.model) as site:
+        backbone.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    assert site.modules[-2:] == ["model.layers.1", "model.layers.1.mlp"] and site.op == "aten::mul"
+    assert site.bytes >= 3 * intermediate * tokens * 4
+    # The hooks that marked the modules are removed at exit.
+    assert all(not module._forward_pre_hooks for module in backbone.model.modules())
