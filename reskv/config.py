@@ -14,6 +14,13 @@ SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (
 # How a generation decodes: one eager forward per token, or one compiled graph per token
 # (``reskv.engine.compiled_step``).
 DECODE_MODES = ("eager", "compiled")
+# The compiled step is one graph only through the shared softmax's masked form (reskv.md, the compiled
+# step); the ablation without it slices its entries by a host count, a graph per pattern of layers,
+# which passes torch._dynamo's recompile limit part-way through a grid.
+COMPILED_WITHOUT_SHARED_SOFTMAX = (
+    "decode=compiled runs the shared softmax's one graph; the no_shared_softmax ablation "
+    "(reskv.shared_softmax=false) decodes with decode=eager"
+)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import Tensor
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ObservedLayer, ResKVCache
 from reskv.compress import CompressedLayerState, compress_layers
-from reskv.config import DECODE_MODES, SETTINGS, DecodeRule, ResidualConfig
+from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, SETTINGS, DecodeRule, ResidualConfig
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
 from reskv.scoring import LayerObservation, TokenScorer
@@ -385,6 +385,8 @@ class Prefill:
         step of each new cache shape pays the compilation."""
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_MODES)}")
+        if decode == "compiled" and not method.decode_rule.shared_softmax:
+            raise ValueError(COMPILED_WITHOUT_SHARED_SOFTMAX)
         self._check_request(max_new_tokens, answer_ids)
         prepared = self._prepare(method, setting, max_new_tokens, answer_ids is not None)
         step = self._compiled_step if decode == "compiled" else self.next_logits

@@ -91,6 +91,10 @@ def test_help_lists_what_can_be_run():
         ("decode_batch=0", "decode_batch 0 must be a positive integer (1: each configuration alone)"),
         ("decode_batch=4 decode=compiled", "decode_batch 4 decodes eagerly"),
         ("decode_batch=4 share_prefill=false", "use decode_batch=1 with share_prefill=false"),
+        (
+            "decode=compiled ablation=no_shared_softmax",
+            "the no_shared_softmax ablation (reskv.shared_softmax=false)",
+        ),
     ],
 )
 def test_bad_values_fail_cleanly_and_leave_no_log_directory(argument, expected, tmp_path):

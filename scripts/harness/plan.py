@@ -32,7 +32,7 @@ from baselines.registry import (
     check_option,
 )
 from benchmarks.item import Item
-from reskv.config import DECODE_MODES, SETTINGS, ResidualConfig
+from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, SETTINGS, ResidualConfig
 from scripts.harness.records import MethodLabel
 from scripts.harness.store import ResultKey
 
@@ -325,6 +325,8 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
     residual = residual_config(config["reskv"])
+    if config["decode"] == "compiled" and not residual.shared_softmax:
+        raise PlanError(COMPILED_WITHOUT_SHARED_SOFTMAX)
     try:  # each registered base-method option is a top-level config key (option_defaults)
         options = {name: option.check(config[name]) for name, option in OPTIONS.items()}
     except ValueError as error:
