@@ -63,6 +63,7 @@ bench: assets
 # and vs the full cache at ~4K and ~8K tokens (a few minutes on CPU).
 bench-engine: assets
 	$(PY) -m scripts.bench.engine
+	$(PY) -m scripts.bench.prefill_peak
 
 # The GPU path in one command (scripts/bench/gpu_check.py): CUDA correctness against the CPU on
 # tiny random models, then memory and speed at the paper backbones' shapes (random weights, no

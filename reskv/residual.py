@@ -32,7 +32,7 @@ DISTANCE_CHUNK_BYTES = 4 << 20
 # block is a 32nd of the device's memory (2.5 GiB on an 80 GB H100): at 131K tokens and the 8B
 # shape 108 launches per Lloyd step and layer batch, the grid's groups together (19 with an eighth;
 # ``scripts.bench.construction_counts`` prints the model), ~0.1 s more host time over the 14 s
-# stacked construction. An eighth (17.6 GB on the H200) let one layer's distances (9.4 GiB for
+# stacked construction. An eighth (17.6 GiB on the H200) let one layer's distances (9.4 GiB for
 # r = 2621) outgrow the forward's own activations inside a compressing prefill: +ResKV's request
 # peaked 1.16 GiB above SnapKV's there (results/gpu/README.md).
 DEVICE_MEMORY_SHARE = 32
