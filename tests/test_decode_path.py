@@ -128,7 +128,6 @@ def test_the_compiled_step_follows_a_rule_whose_gate_parameters_change():
         torch.testing.assert_close(*logits.values(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_the_compiled_step_refuses_the_no_shared_softmax_ablation_before_decoding(prefill):
     method = build_method("snapkv+reskv", 0.7)
     ablation = dataclasses.replace(
@@ -139,6 +138,7 @@ def test_the_compiled_step_refuses_the_no_shared_softmax_ablation_before_decodin
     assert prefill.generate(ablation, "aware", max_new_tokens=2).token_ids  # eager decodes it
 
 
+@pytest.mark.slow
 def test_the_runner_decodes_compiled_when_asked_and_records_it(tmp_path):
     """``decode=compiled`` reaches every generation: the same answers as ``decode=eager`` and the mode
     in each result file's provenance."""
