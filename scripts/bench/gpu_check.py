@@ -668,12 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 decode_modes=decode_modes,
                 method_names=args.efficiency_methods,
             )
-            run_lengths = functools.partial(measure, profile_lengths=profile_lengths)
             measure(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1])
             print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
             for length in lengths:
                 started = time.perf_counter()
-                rows = run_lengths(backbone, [length], args.ratios)
+                rows = measure(backbone, [length], args.ratios, profile_lengths=profile_lengths)
                 report["efficiency"] += rows
                 print(f"efficiency {shape} {length}: {time.perf_counter() - started:.1f}s", flush=True)
                 save()

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     floor = compressed_peak_floor(args.at)
     gib = {key: value / 2**30 for key, value in floor.items() if key != "bound"}
     print(
-        f"at {args.at} tokens, 32 layers, bf16: weights {gib['weights']:.2f} GiB + MLP product >= "
+        f"at {args.at} tokens, the whole model, bf16: weights {gib['weights']:.2f} GiB + MLP product >= "
         f"{gib['activations']:.2f} GiB; cache SnapKV {gib['compressed_cache']:.2f} GiB, full "
         f"{gib['full_cache']:.2f} GiB: a compressed request's peak >= {floor['bound']:.3f} x the full cache's"
     )
