@@ -11,6 +11,8 @@ quantity are measured the same way:
   ``peak_allocated``: the most bytes a block itself held allocated at once beyond what it started
   with, what an algorithm adds; ``peak_site``: that peak on CPU and the module and op running then;
 - ``counted_gflop``: the matmul and attention FLOPs a call performs, the floor its time is judged by;
+  ``replayed_matmul_seconds``: the time its matmuls take alone at their own shapes, the floor on
+  this machine;
 - ``random_prompt``: token ids drawn uniformly from a vocabulary with a fixed seed.
 """
 
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import transformers
 from torch.autograd.profiler import record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 PROC_STATUS = Path("/proc/self/status")
@@ -235,6 +238,74 @@ def counted_gflop(fn, *args) -> float:
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         fn(*args)
     return counter.get_total_flops() / 1e9
+
+
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+
+
+@dataclass(frozen=True)
+class MatmulCall:
+    """One matmul as dispatched: the op and, per positional argument, a tensor's ``(sizes, strides,
+    dtype)`` or the scalar itself; keyword arguments as they were."""
+
+    op: Any
+    arguments: tuple
+    keywords: dict
+
+    def operands(self) -> list:
+        """Fresh random tensors laid out as the recorded ones (an expanded bias keeps its zero
+        strides), the scalars as recorded."""
+        return [
+            _strided_random(*argument) if isinstance(argument, tuple) else argument
+            for argument in self.arguments
+        ]
+
+
+def _strided_random(sizes: torch.Size, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    extent = (
+        1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True)) if all(sizes) else 0
+    )
+    return torch.randn(extent, dtype=dtype).as_strided(sizes, strides)
+
+
+class _MatmulRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[MatmulCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMUL_OPS:
+            arguments = tuple(
+                (arg.shape, arg.stride(), arg.dtype) if isinstance(arg, torch.Tensor) else arg for arg in args
+            )
+            self.calls.append(MatmulCall(func, arguments, dict(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+def recorded_matmuls(fn, *args) -> list[MatmulCall]:
+    """The matmuls (``mm``, ``bmm``, ``baddbmm``) ``fn(*args)`` dispatches, in order."""
+    recorder = _MatmulRecorder()
+    with recorder:
+        fn(*args)
+    return recorder.calls
+
+
+def replayed_matmul_seconds(fn, *args) -> float:
+    """Seconds the matmuls of ``fn(*args)`` take replayed alone (CPU), one after another on fresh
+    operands of their sizes, strides and dtypes, each timed on its second run into the first's
+    output (no allocation, no page faults): a floor for ``fn`` that, unlike ``counted_gflop``
+    at another computation's rate, holds each product to the rate this machine reaches at its own
+    shape (here a K=64 product of a few hundred rows by thousands of columns ran at half the rate
+    of the prefill's projections; scripts/bench/engine.py prints both)."""
+    seconds = 0.0
+    for call in recorded_matmuls(fn, *args):
+        operands = call.operands()
+        result = call.op(*operands, **call.keywords)  # warms up, and is the output written below
+        into = call.op.overloadpacket.out
+        start = time.perf_counter()
+        into(*operands, **call.keywords, out=result)
+        seconds += time.perf_counter() - start
+    return seconds
 
 
 def random_prompt(vocabulary: Sequence[int], length: int, seed: int) -> list[int]:

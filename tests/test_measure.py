@@ -6,6 +6,7 @@ import torch
 
 from reskv.backbones import random_backbone
 from scripts import measure
+from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import machine, peak_allocated, peak_memory, peak_site, random_prompt
 
 MIB = 2**20
@@ -79,3 +80,38 @@ def test_peak_site_finds_a_wide_mlp_product_of_the_last_layer():
     assert site.bytes >= 3 * intermediate * tokens * 4
     # The hooks that marked the modules are removed at exit.
     assert all(not module._forward_pre_hooks for module in backbone.model.modules())
+
+
+def test_recorded_matmuls_keep_each_products_layout_and_replay_it(monkeypatch):
+    """An expanded bias keeps its zero strides and a transposed operand its swapped ones (the
+    layouts the BLAS call sees); elementwise ops are not recorded; each product is replayed once
+    more, timed, into its warm-up's output."""
+    centres, points, norms = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 5)
+    queries, keys = torch.randn(3, 4), torch.randn(6, 4)
+
+    def work():
+        torch.baddbmm(norms[:, None, :].expand(2, 7, 5), points, centres.transpose(1, 2), alpha=-2).amin(-1)
+        return (queries @ keys.T).softmax(-1)
+
+    calls = measure.recorded_matmuls(work)
+    assert [call.op for call in calls] == [torch.ops.aten.baddbmm.default, torch.ops.aten.mm.default]
+    assert calls[0].arguments[:3] == (
+        ((2, 7, 5), (5, 0, 1), torch.float32),
+        ((2, 7, 4), (28, 4, 1), torch.float32),
+        ((2, 4, 5), (20, 1, 4), torch.float32),
+    )
+    assert calls[0].keywords == {"alpha": -2}
+    assert calls[1].arguments == (((3, 4), (4, 1), torch.float32), ((4, 6), (1, 4), torch.float32))
+    for call in calls:
+        operands = [operand for operand in call.operands() if isinstance(operand, torch.Tensor)]
+        recorded = [argument for argument in call.arguments if isinstance(argument, tuple)]
+        assert [(tuple(o.shape), o.stride(), o.dtype) for o in operands] == [
+            (tuple(size), stride, dtype) for size, stride, dtype in recorded
+        ]
+    ticks = iter(range(100))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(ticks))
+    with count_dispatch() as counts:
+        assert measure.replayed_matmul_seconds(work) == 2  # two products, one tick between each one's reads
+    assert next(ticks) == 4
+    # The block once, then each product twice: its warm-up and its timed run.
+    assert (counts.by_op["baddbmm"], counts.by_op["mm"]) == (3, 3)

@@ -8,17 +8,20 @@ matmul rate of the moment), then per prompt length and ratio: the prefill time; 
 entries over all layers and heads) and its share of the prefill (target <= 10%); the same two in
 floating-point operations (``torch.utils.flop_counter``): the share construction would take at the
 prefill's FLOP rate (its smaller matmuls reach less), so kernel tuning alone cannot bring the time
-share much below it; decode seconds per token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x, issue 24) and
-the full cache. A second table isolates what the entries cost a decode step: one layer's
-``shared_softmax_attention`` over the budget's slots, main cache only against ``r = 0.1 b`` of them residual
-entries (random tensors of the model's shapes, hundreds of interleaved calls, so far less noisy
-than whole decode steps). Last, ``kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K
-tokens (peak transient MiB and seconds on this machine). Decode steps alternate between methods
-one token at a time (A B C A B C ...) so machine noise hits all alike; a step's time is the median
-over ``--decode-tokens`` steps. Then the op and host-device sync counts of a whole-prompt
-compression at Llama-3.1-8B's attention shape (``scripts.bench.construction_counts``: what a GPU's
-host pays, issue 22), the model of its k-means distance launches at 131K tokens, and the same
-counts for one decoded token (``scripts.bench.decode_counts``, issue 24).
+share much below it; the seconds the construction's own matmuls take replayed alone at their shapes
+(``scripts.measure.replayed_matmul_seconds``) as a share of the prefill: the floor at this machine's
+rate for each shape, the rest of a target being what everything else may take; decode seconds per
+token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x, issue 24) and the full cache. A second table
+isolates what the entries cost a decode step: one layer's ``shared_softmax_attention`` over the
+budget's slots, main cache only against ``r = 0.1 b`` of them residual entries (random tensors of
+the model's shapes, hundreds of interleaved calls, so far less noisy than whole decode steps). Last,
+``kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient MiB and seconds
+on this machine). Decode steps alternate between methods one token at a time (A B C A B C ...) so
+machine noise hits all alike; a step's time is the median over ``--decode-tokens`` steps. Then the
+op and host-device sync counts of a whole-prompt compression at Llama-3.1-8B's attention shape
+(``scripts.bench.construction_counts``: what a GPU's host pays, issue 22), the model of its k-means
+distance launches at 131K tokens, and the same counts for one decoded token
+(``scripts.bench.decode_counts``, issue 24).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from reskv.engine import Method, Prefill, static_cache
 from reskv.residual import build_residual, residual_size
 from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
 from scripts.bench.decode_counts import DECODE_COUNTED_METHODS, decode_counts_table
-from scripts.measure import counted_gflop, machine_header, peak_allocated
+from scripts.measure import counted_gflop, machine_header, peak_allocated, replayed_matmul_seconds
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -199,6 +202,7 @@ def main() -> None:
         "construction / prefill",
         "construction GFLOP",
         "construction / prefill GFLOP",
+        "its matmuls alone / prefill",
         "decode s/tok snapkv",
         "decode s/tok +reskv",
         "+reskv / snapkv",
@@ -225,6 +229,9 @@ def main() -> None:
             construction_gflop = counted_gflop(
                 prefill.generate, build_method("snapkv+reskv", ratio), "aware", 1
             ) - counted_gflop(prefill.generate, build_method("snapkv", ratio), "aware", 1)
+            construction_matmul_seconds = replayed_matmul_seconds(
+                prefill.compressed, build_method("snapkv+reskv", ratio), "aware"
+            ) - replayed_matmul_seconds(prefill.compressed, build_method("snapkv", ratio), "aware")
             decoded = {name: build_method(name, ratio) for name in ("snapkv", "snapkv+reskv", "full")}
             decode = decode_seconds_per_token(prefill, decoded, args.decode_tokens)
             table.add_row(
@@ -237,6 +244,7 @@ def main() -> None:
                 f"{construction / prefill_seconds:.3f}",
                 f"{construction_gflop:.1f}",
                 f"{construction_gflop / prefill_gflop:.3f}",
+                f"{construction_matmul_seconds / prefill_seconds:.3f}",
                 f"{decode['snapkv']:.4f}",
                 f"{decode['snapkv+reskv']:.4f}",
                 f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}",
