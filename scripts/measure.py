@@ -290,21 +290,25 @@ def recorded_matmuls(fn, *args) -> list[MatmulCall]:
     return recorder.calls
 
 
-def replayed_matmul_seconds(fn, *args) -> float:
+def replayed_matmul_seconds(fn, *args, repeats: int = 3) -> float:
     """Seconds the matmuls of ``fn(*args)`` take replayed alone (CPU), one after another on fresh
-    operands of their sizes, strides and dtypes, each timed on its second run into the first's
-    output (no allocation, no page faults): a floor for ``fn`` that, unlike ``counted_gflop``
-    at another computation's rate, holds each product to the rate this machine reaches at its own
-    shape (here a K=64 product of a few hundred rows by thousands of columns ran at half the rate
-    of the prefill's projections; scripts/bench/engine.py prints both)."""
+    operands of their sizes, strides and dtypes, each the fastest of ``repeats`` runs into its
+    warm-up's output (no allocation, no page faults; the fastest, since a floor is what the machine
+    can do and this one's matmul rate moved between 87 and 148 GFLOP/s within one bench): the time
+    ``fn`` cannot go below while it issues these products as it does, at this machine's rate for each
+    of their shapes, where ``counted_gflop`` holds them to another computation's rate (here a K=64
+    product of a few hundred rows by thousands of columns ran at a third of the prefill's
+    projections' rate; scripts/bench/engine.py prints both)."""
     seconds = 0.0
     for call in recorded_matmuls(fn, *args):
         operands = call.operands()
         result = call.op(*operands, **call.keywords)  # warms up, and is the output written below
-        into = call.op.overloadpacket.out
-        start = time.perf_counter()
-        into(*operands, **call.keywords, out=result)
-        seconds += time.perf_counter() - start
+        into, runs = call.op.overloadpacket.out, []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            into(*operands, **call.keywords, out=result)
+            runs.append(time.perf_counter() - start)
+        seconds += min(runs)
     return seconds
 
 
