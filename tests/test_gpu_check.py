@@ -151,7 +151,7 @@ def test_a_construction_profile_counts_the_calls_the_dispatch_counter_counts():
     backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
     method = build_method("snapkv+reskv", 0.9)
     prefill = Prefill(backbone, random_prompt(range(1, 512), 96, seed=42), 96, [method])
-    profile = gpu_check.construction_profile(torch.device("cpu"), prefill, method, top=1000)
+    profile = gpu_check.device_profile(torch.device("cpu"), prefill.compressed, method, "aware", top=1000)
     with count_dispatch() as counts:
         prefill.compressed(method, "aware")
     calls = {op["op"]: op["calls"] for op in profile["top"]}
@@ -159,8 +159,26 @@ def test_a_construction_profile_counts_the_calls_the_dispatch_counter_counts():
     for name in ("bmm", "sort"):
         assert calls[f"aten::{name}"] == counts.by_op[name] > 0
     assert profile["device_launches"] == 0 and profile["device_busy_s"] == 0.0  # no CUDA on this machine
+    assert profile["top_kernels"] == []
     hosts = [op["self_host_s"] for op in profile["top"]]
     assert hosts == sorted(hosts, reverse=True)
+
+
+def test_kernel_totals_sum_each_kernels_launches_and_durations_largest_first():
+    def launch(name: str, microseconds: int):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(elapsed_us=lambda: microseconds))
+
+    events = [
+        launch("gemm", 30),
+        launch("softmax", 5),
+        launch("gemm", 50),
+        launch("copy", 60),
+        launch("softmax", 4),
+    ]
+    assert gpu_check.kernel_totals(events, top=2) == [
+        {"kernel": "gemm", "launches": 2, "device_s": pytest.approx(80e-6)},
+        {"kernel": "copy", "launches": 1, "device_s": pytest.approx(60e-6)},
+    ]
 
 
 class CannedSource:
@@ -169,8 +187,8 @@ class CannedSource:
 
     prompt_ids, context_length = [7, 8], 2
 
-    def __init__(self, first: list[int], second: list[int], logits: list[list[float]]):
-        self.runs, self.logits = [first, second], logits
+    def __init__(self, first: list[int], second: list[int], logits: list[list[float]], third=()):
+        self.runs, self.logits = [first, second, *third], logits
 
     def generate(self, method, setting, max_new_tokens, decode):
         assert decode == "compiled"
@@ -193,3 +211,50 @@ def test_compiled_decode_reports_its_first_difference_from_eager_and_the_eager_g
     row = gpu_check.compiled_decode(CannedSource([2, 0, 2], [2, 0, 1], logits), None, 3, [2, 0, 2])
     assert row["compiled_same_tokens"] and not row["compiled_repeats_itself"]
     assert row["compiled_first_difference"] is None and row["eager_top2_gap_there"] is None
+    assert "compiled_profile" not in row
+
+
+def test_a_profiled_compiled_decode_profiles_a_third_run_after_the_timed_one():
+    source = CannedSource([2, 1, 2], [2, 1, 2], [[0.0, 1.0, 3.0]], third=[[2, 2, 2]])
+    row = gpu_check.compiled_decode(source, None, 3, [2, 1, 2], profile_on=torch.device("cpu"))
+    assert source.runs == []  # all three runs taken
+    assert row["compiled_repeats_itself"] and row["compiled_same_tokens"]  # from the first two alone
+    assert row["compiled_profile"]["profiled_s"] > 0 and row["compiled_profile"]["top_kernels"] == []
+
+
+def test_the_summary_prints_a_line_per_profile_with_its_top_kernels():
+    profile = {
+        "profiled_s": 0.5,
+        "device_busy_s": 0.25,
+        "device_launches": 7,
+        "aten_calls": 9,
+        "top": [{"op": "aten::bmm", "calls": 2, "self_device_s": 0.002, "self_host_s": 0.001}],
+        "top_kernels": [{"kernel": "gemm_kernel", "launches": 2, "device_s": 0.0015}],
+    }
+    rows = [
+        {
+            "shape": "s",
+            "length": 4,
+            "method": "full",
+            "ratio": None,
+            "status": "ok",
+            "compiled_profile": profile,
+        },
+        {
+            "shape": "s",
+            "length": 4,
+            "method": "snapkv",
+            "ratio": 0.9,
+            "status": "OOM",
+            "construct_profile": profile,
+        },
+    ]
+    lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
+    shared = (
+        " 0.500s profiled, device busy 0.250s in 7 launches, 9 aten calls; top (device/host ms):"
+        " aten::bmm x2 2.0/1.0; top kernels (ms): gemm_kernel x2 1.5"
+    )
+    assert lines[1:] == [
+        "profile of the compiled decode, s 4 full:" + shared,
+        "profile of the construction, s 4 snapkv 0.9:" + shared,
+    ]

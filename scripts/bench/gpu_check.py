@@ -264,19 +264,35 @@ def timed(device: torch.device, fn, *args, **kwargs):
     return result, time.perf_counter() - started
 
 
-def construction_profile(device: torch.device, prefill: Prefill, method: Method, top: int = 12) -> dict:
-    """Where a construction's wall time goes (issue 22): ``prefill.compressed(method)`` once under
-    ``torch.profiler``. Records the profiled wall seconds, the device's busy seconds (its kernels' and
-    copies' durations summed: one stream, so they do not overlap), the number of device launches,
-    the host's aten calls, and the ``top`` operators by self device time (by self host time without
-    CUDA). A busy time far below the wall time says the host, not the GPU, sets the pace."""
+def kernel_totals(events, top: int) -> list[dict]:
+    """The ``top`` device kernels of profiler ``events`` by summed duration: name, launches, seconds.
+    A replayed CUDA graph runs kernels without the aten calls that issued them when it was recorded,
+    so a compiled step is read from its kernels, not its operators."""
+    totals: dict[str, list] = {}
+    for event in events:
+        total = totals.setdefault(event.name, [0, 0.0])
+        total[0] += 1
+        total[1] += event.time_range.elapsed_us() * 1e-6
+    ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    return [
+        {"kernel": name, "launches": launches, "device_s": seconds} for name, (launches, seconds) in ranked
+    ]
+
+
+def device_profile(device: torch.device, fn, *args, top: int = 12, **kwargs) -> dict:
+    """Where the wall time of ``fn(*args, **kwargs)`` goes, run once under ``torch.profiler``: a
+    construction (issue 22) or a compiled decode (issue 24). Records the profiled wall seconds, the
+    device's busy seconds (its kernels' and copies' durations summed: one stream, so they do not
+    overlap), the number of device launches, the host's aten calls, the ``top`` operators by self
+    device time (by self host time without CUDA) and the ``top`` kernels (``kernel_totals``; none
+    without CUDA). A busy time far below the wall time says the host, not the GPU, sets the pace."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as profiler:
-        _, seconds = timed(device, prefill.compressed, method, "aware")
+        _, seconds = timed(device, fn, *args, **kwargs)
     launches = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
     operators = [entry for entry in profiler.key_averages() if entry.key.startswith("aten::")]
     rank = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -295,10 +311,17 @@ def construction_profile(device: torch.device, prefill: Prefill, method: Method,
             }
             for entry in operators[:top]
         ],
+        "top_kernels": kernel_totals(launches, top),
     }
 
 
-def compiled_decode(source: Prefill, method: Method, new_tokens: int, eager_ids: list[int]) -> dict:
+def compiled_decode(
+    source: Prefill,
+    method: Method,
+    new_tokens: int,
+    eager_ids: list[int],
+    profile_on: torch.device | None = None,
+) -> dict:
     """``method``'s decode with ``decode="compiled"``, run twice: the first run compiles (or re-records
     the CUDA graphs of) the step for this cache's shapes, the second is timed. Records the rate, the
     first run's seconds, whether the second run repeats the first's tokens (a replayed graph reads
@@ -306,11 +329,17 @@ def compiled_decode(source: Prefill, method: Method, new_tokens: int, eager_ids:
     first step that differs and the eager logits' top-2 gap there (``top2_gap_at``: a near tie that
     half-precision kernels order differently, or a wrong step); and the compiler's counters: the
     graphs compiled so far in this process and the CUDA graphs skipped (which would leave the step
-    launch-bound)."""
+    launch-bound). With ``profile_on`` (the device) a third run is profiled (``device_profile``): its
+    kernels say where a compiled step's time goes (+ResKV's 32K rate, results/gpu/README.md)."""
     first = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
     second = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
     differing = [step for step, (a, b) in enumerate(zip(first.token_ids, eager_ids, strict=True)) if a != b]
-    return {
+    profiled = {}
+    if profile_on is not None:
+        profiled["compiled_profile"] = device_profile(
+            profile_on, source.generate, method, "aware", max_new_tokens=new_tokens, decode="compiled"
+        )
+    return profiled | {
         "compiled_tokens_per_s": second.timings["decode_tokens"] / second.timings["decode_s"],
         "compiled_first_run_s": first.timings["decode_s"],
         "compiled_repeats_itself": first.token_ids == second.token_ids,
@@ -343,7 +372,8 @@ def efficiency_rows(
     then its decode. With "compiled" in ``decode_modes`` each request also decodes with the compiled
     step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
-    ``profile_lengths`` each construction is also profiled (``construction_profile``)."""
+    ``profile_lengths`` each construction, and each compiled decode, is also profiled
+    (``device_profile``)."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -364,7 +394,8 @@ def efficiency_rows(
             ),
         }
         if "compiled" in decode_modes:
-            row |= compiled_decode(source, method, new_tokens, generation.token_ids)
+            profile_on = device if row["length"] in profile_lengths else None
+            row |= compiled_decode(source, method, new_tokens, generation.token_ids, profile_on)
         return row
 
     for length in lengths:
@@ -393,8 +424,8 @@ def efficiency_rows(
                 _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                 constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
                 if length in profile_lengths:
-                    constructions[name, ratio]["construct_profile"] = construction_profile(
-                        device, prefill, methods[name, ratio]
+                    constructions[name, ratio]["construct_profile"] = device_profile(
+                        device, prefill.compressed, methods[name, ratio], "aware"
                     )
             del prefill, generation
         for name, ratio in compressing:
@@ -545,15 +576,23 @@ def summary(report: dict) -> list[str]:
             line += f" ({base['compiled_tokens_per_s']:.0f} / {reskv['compiled_tokens_per_s']:.0f} tok/s)"
         lines.append(line)
     for row in report["efficiency"]:
-        if "construct_profile" in row:
-            profile = row["construct_profile"]
-            line = f"profile {row['shape']} {row['length']} {row['method']} {row['ratio']:g}:"
+        for key, what in (("construct_profile", "construction"), ("compiled_profile", "compiled decode")):
+            if key not in row:
+                continue
+            profile = row[key]
+            ratio = "" if row["ratio"] is None else f" {row['ratio']:g}"
+            line = f"profile of the {what}, {row['shape']} {row['length']} {row['method']}{ratio}:"
             line += f" {profile['profiled_s']:.3f}s profiled, device busy {profile['device_busy_s']:.3f}s"
             line += f" in {profile['device_launches']} launches, {profile['aten_calls']} aten calls;"
             line += " top (device/host ms): " + "; ".join(
                 f"{op['op']} x{op['calls']} {op['self_device_s'] * 1e3:.1f}/{op['self_host_s'] * 1e3:.1f}"
                 for op in profile["top"][:6]
             )
+            if profile.get("top_kernels"):
+                line += "; top kernels (ms): " + "; ".join(
+                    f"{kernel['kernel'][:60]} x{kernel['launches']} {kernel['device_s'] * 1e3:.1f}"
+                    for kernel in profile["top_kernels"][:6]
+                )
             lines.append(line)
     return lines
 
@@ -607,7 +646,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         nargs="+",
         type=int,
         default=None,
-        help="lengths whose constructions are profiled too (default: the first with CUDA, none without)",
+        help="lengths whose constructions (and compiled decodes) are profiled too (default: the first "
+        "with CUDA, none without)",
     )
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
