@@ -8,7 +8,8 @@ TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev,slurm
 # worksteal: a worker that runs out of tests takes half of the other's queue, so the few minute-long
 # tests do not end the suite on one worker (clean clone, cold compile cache: 14:44 against 14:57
-# with the default scheduling and a warm cache).
+# with the default scheduling and a warm cache; 7:02 once tests/conftest.py shared the cores out
+# among the workers' torch threads).
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results reproduce-ruler4k
