@@ -334,12 +334,7 @@ def compiled_decode(
     first = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
     second = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
     differing = [step for step, (a, b) in enumerate(zip(first.token_ids, eager_ids, strict=True)) if a != b]
-    profiled = {}
-    if profile_on is not None:
-        profiled["compiled_profile"] = device_profile(
-            profile_on, source.generate, method, "aware", max_new_tokens=new_tokens, decode="compiled"
-        )
-    return profiled | {
+    row = {
         "compiled_tokens_per_s": second.timings["decode_tokens"] / second.timings["decode_s"],
         "compiled_first_run_s": first.timings["decode_s"],
         "compiled_repeats_itself": first.token_ids == second.token_ids,
@@ -351,6 +346,11 @@ def compiled_decode(
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }
+    if profile_on is not None:
+        row["compiled_profile"] = device_profile(
+            profile_on, source.generate, method, "aware", max_new_tokens=new_tokens, decode="compiled"
+        )
+    return row
 
 
 def efficiency_rows(
