@@ -22,7 +22,6 @@ from reskv.residual import (
     RowGroup,
     build_residual,
     padded_groups,
-    padding_tolerance,
     residual_size,
 )
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
@@ -80,7 +79,11 @@ def fixed_sizes(config: ResidualConfig, budgets: list[int], window: int) -> list
 
 
 def level_groups(
-    sizes: list[int], point_counts: list[int], budgets: list[int], grid: tuple[float, ...], tolerance: float
+    sizes: list[int],
+    point_counts: list[int],
+    budgets: list[int],
+    grid: tuple[float, ...],
+    device: torch.device,
 ) -> list[RowGroup]:
     """The final cache's k-means groups: the rows with entries by grid level (a head's ``r`` is
     ``floor(ratio * b_h + 0.5)`` of one level, so sizes within a level are close), each level split
@@ -91,9 +94,7 @@ def level_groups(
         if size:
             level = next((i for i, ratio in enumerate(grid) if residual_size(ratio, budget) == size), -1)
             levels.setdefault(level, []).append(row)
-    return [
-        group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, tolerance)
-    ]
+    return [group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, device)]
 
 
 def compress_layer(
@@ -211,8 +212,7 @@ def final_entries(
     num_heads, seq_len = len(sizes[0]), stacked.seq_len
     flat_sizes = sum(sizes, [])
     point_counts = [seq_len - count for count in sum(main_counts, [])]
-    tolerance = padding_tolerance(stacked.keys.device)
-    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, tolerance)
+    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, stacked.keys.device)
     entries = build_residual(
         stacked.keys,
         stacked.values,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from reskv.attention import additive_mask, joint_attention, joint_bias, padding_bias
 from reskv.config import ResidualConfig
-from reskv.residual import ResidualEntries, cluster_rows, padded_groups, padding_tolerance, residual_size
+from reskv.residual import ResidualEntries, cluster_rows, padded_groups, residual_size
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_rows, score_order, token_rows
 
@@ -161,7 +161,7 @@ class ValidationProxy:
             dim=1,
         )
         positions = columns.sort(dim=1).values[:, :longest].clamp_(max=boundary - 1)
-        groups, tolerance = [], padding_tolerance(device)
+        groups = []
         for candidate in range(len(sizes)):
             rows = [
                 row
@@ -169,7 +169,7 @@ class ValidationProxy:
                 if residual[row]
             ]
             if rows:
-                groups += padded_groups(rows, residual, evicted, tolerance)
+                groups += padded_groups(rows, residual, evicted, device)
         entries = cluster_rows(
             keys,
             values,

@@ -47,6 +47,12 @@ CPU_PADDING_TOLERANCE = 1.25
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
 CPU_VECTORISED_ARGMIN = True
+# MKL computes a product narrower than 12 columns in blocks of 4 columns whose sums round by the
+# width (7 centres padded to 8 or to 16 round differently from 7 alone; from 12 on a padded width
+# keeps every bit: checked for widths 12-139, 1-32 rows of 40-7300 points, head dims 64 and 128). So
+# on CPU a row of fewer centres is never padded into a group of wider rows (``padded_groups``): two
+# tied centres were picked differently (tests/test_construction_plan.py).
+CPU_NARROWEST_PADDED_WIDTH = 12
 
 
 def padding_tolerance(device: torch.device) -> float:
@@ -231,7 +237,7 @@ def build_residual(
 
     ``row_groups`` says which rows are clustered together; the engine's plan passes them from host
     integers, so nothing here waits for the device. Without them, sizes and point counts are read
-    back (one sync) and grouped by ``padded_groups`` at the device's ``padding_tolerance``.
+    back (one sync) and grouped by ``padded_groups``.
     """
     rows = evicted.shape[0]
     evicted_counts = evicted.sum(dim=-1)
@@ -239,7 +245,7 @@ def build_residual(
     if row_groups is None:
         host_sizes, host_counts = torch.stack([sizes, evicted_counts]).tolist()
         with_entries = [row for row, size in enumerate(host_sizes) if size]
-        row_groups = padded_groups(with_entries, host_sizes, host_counts, padding_tolerance(keys.device))
+        row_groups = padded_groups(with_entries, host_sizes, host_counts, keys.device)
     # Evicted tokens first, best score first (stable: ties toward the lower position); each row's
     # first ``sizes[i]`` of them are its initial centres.
     ranked = torch.where(evicted, scores.float(), float("-inf"))
@@ -249,16 +255,21 @@ def build_residual(
 
 
 def padded_groups(
-    rows: list[int], sizes: list[int], point_counts: list[int], tolerance: float
+    rows: list[int], sizes: list[int], point_counts: list[int], device: torch.device
 ) -> list[RowGroup]:
     """``rows`` (host ints, each with entries: ``0 < sizes[i] <= point_counts[i]``) as few k-means
     groups as keep each group's padded distances (rows x largest size x most points) within
-    ``tolerance`` times its rows' own; rows are taken largest size first."""
+    ``padding_tolerance(device)`` times its rows' own; rows are taken largest size first. On CPU a row
+    of fewer than ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
+    tolerance = padding_tolerance(device)
+    narrow = 0 if device.type == "cuda" else CPU_NARROWEST_PADDED_WIDTH
     groups, current = [], []
     for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
         grown = [*current, row]
         padded = len(grown) * sizes[grown[0]] * max(point_counts[member] for member in grown)
-        if current and padded > tolerance * sum(sizes[member] * point_counts[member] for member in grown):
+        own = sum(sizes[member] * point_counts[member] for member in grown)
+        narrow_beside_wider = sizes[row] < narrow and sizes[row] != sizes[grown[0]]
+        if current and (narrow_beside_wider or padded > tolerance * own):
             groups.append(current)
             grown = [row]
         current = grown

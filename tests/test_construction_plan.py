@@ -180,3 +180,45 @@ def test_more_entries_than_evicted_tokens_and_empty_clusters_equal_the_plain_loo
         assert torch.equal(entries.keys[head, used], expected_keys)
         assert torch.equal(entries.values[head, used], expected_values)
         assert torch.equal(entries.log_counts[head, used], log_counts)
+
+
+@pytest.mark.parametrize(("sizes", "seed"), [((7, 8), 3), ((6, 8), 3), ((7, 9), 4)])
+def test_rows_of_a_few_centres_beside_wider_ones_equal_the_plain_loop(sizes, seed):
+    """On CPU MKL computes a product of fewer than ``CPU_NARROWEST_PADDED_WIDTH`` columns in column
+    blocks whose sums round differently at another width, so a row of 7 centres padded to its
+    group's 8 could give a point another of two tied centres than its own k-means gives. Every
+    point here ties: each head's keys come in identical pairs, so most centres have a twin. (These
+    seeds and sizes picked two tied centres differently when rows were padded together.)"""
+    generator = torch.Generator().manual_seed(seed)
+    twins = torch.randn(2, 40, 64, generator=generator) * 3
+    keys = torch.cat([twins, twins], dim=1)  # key p and key p + 40 are one key
+    values = torch.randn(2, 80, 64, generator=generator)
+    scores = torch.rand(2, 80, generator=generator)
+    evicted = torch.ones(2, 80, dtype=torch.bool)
+    entries = build_residual(keys, values, evicted, scores, torch.tensor(sizes), iterations=4)
+    for head in range(2):
+        points = plain_order(scores[head].tolist(), list(range(80)))
+        expected_keys, expected_values, log_counts = plain_entries(
+            keys[head], values[head], points, sizes[head]
+        )
+        used = torch.isfinite(entries.log_counts[head])
+        assert torch.equal(entries.keys[head, used], expected_keys)
+        assert torch.equal(entries.values[head, used], expected_values)
+        assert torch.equal(entries.log_counts[head, used], log_counts)
+
+
+def test_padded_groups_keep_rows_of_a_few_centres_with_their_own_size_on_cpu():
+    """Sizes 20 and 18 pad together (2 x 20 x 100 slots for 3,800 distances: within 1.25); 11, 10 and 9
+    are below ``CPU_NARROWEST_PADDED_WIDTH``, so each size is a group of its own on CPU. On CUDA a
+    level is one group whatever its sizes."""
+    sizes, points = [10, 20, 9, 11, 18, 10], [100] * 6
+    cpu = reskv.residual.padded_groups(list(range(6)), sizes, points, torch.device("cpu"))
+    assert [group.rows for group in cpu] == [[1, 4], [3], [0, 5], [2]]
+    assert [(group.max_size, group.equal_sizes) for group in cpu] == [
+        (20, False),
+        (11, True),
+        (10, True),
+        (9, True),
+    ]
+    cuda = reskv.residual.padded_groups(list(range(6)), sizes, points, torch.device("cuda"))
+    assert [group.rows for group in cuda] == [[1, 4, 3, 0, 5, 2]]
