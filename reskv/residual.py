@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from reskv.selection import gather_rows, token_rows
@@ -47,11 +48,16 @@ CPU_PADDING_TOLERANCE = 1.25
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
 CPU_VECTORISED_ARGMIN = True
-# MKL computes a product narrower than 12 columns in blocks of 4 columns whose sums round by the
-# width (7 centres padded to 8 or to 16 round differently from 7 alone; from 12 on a padded width
-# keeps every bit: checked for widths 12-139, 1-32 rows of 40-7300 points, head dims 64 and 128). So
-# on CPU a row of fewer centres is never padded into a group of wider rows (``padded_groups``): two
-# tied centres were picked differently (tests/test_construction_plan.py).
+# On CPU the distances of a k-means step are computed over a whole number of 8-centre widths: MKL's
+# product and ``amin`` both slow down on a ragged width, so [3, 3600, 64] points against 79 centres
+# took 3.4 ms for the product and first minimum where 80 centres took 2.3 (59: 2.9 against 64: 1.7;
+# 395: 22 against 400: 13; 2 threads, torch 2.13, one run). Padding centres have norm +inf, so they
+# never win, and the real centres' distances keep every bit: checked for widths 12-139, 1-32 rows of
+# 40-7300 points, head dims 64 and 128. Narrower products MKL computes in blocks of 4 columns whose
+# sums round by the width (7 centres padded to 8 or to 16 round differently from 7 alone), so on CPU
+# a row of fewer centres is never padded: not here, and not into a group of wider rows
+# (``padded_groups``; two tied centres were picked differently, tests/test_construction_plan.py).
+CPU_DISTANCE_WIDTH_MULTIPLE = 8
 CPU_NARROWEST_PADDED_WIDTH = 12
 
 
@@ -66,6 +72,14 @@ def distance_block_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // DEVICE_MEMORY_SHARE
     return DISTANCE_CHUNK_BYTES
+
+
+def distance_width(num_centers: int, device: torch.device) -> int:
+    """Centres per row the k-means distances are computed over on ``device``: on CPU from
+    ``CPU_NARROWEST_PADDED_WIDTH`` on, ``num_centers`` rounded up to ``CPU_DISTANCE_WIDTH_MULTIPLE``."""
+    if device.type == "cuda" or num_centers < CPU_NARROWEST_PADDED_WIDTH:
+        return num_centers
+    return -(-num_centers // CPU_DISTANCE_WIDTH_MULTIPLE) * CPU_DISTANCE_WIDTH_MULTIPLE
 
 
 def residual_size(ratio: float, budget: int) -> int:
@@ -130,18 +144,23 @@ def nearest_centers(
 
     ``||c||² - 2<p, c>`` (the point's own norm does not change the argmin); ties go to the lower
     centre index. ``center_bias`` ``[R, r]`` (0, or ``+inf`` on a row's padding centres, which then
-    never win) lets rows with fewer centres share one call. The ``[R, E, r]`` distances are computed
-    in blocks holding at most ``chunk_bytes`` of fp32, so transient memory stays bounded whatever
-    ``s`` and ``r``: whole rows while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
+    never win) lets rows with fewer centres share one call; on CPU padding centres also round the
+    width up (``distance_width``). The ``[R, E, r]`` distances are computed in blocks holding at most
+    ``chunk_bytes`` of fp32, so transient memory stays bounded whatever ``s`` and ``r``: whole rows
+    while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
     """
     num_rows, num_points, _ = points.shape
-    num_centers = max(centers.shape[1], 1)
-    row_bytes = 4 * num_points * num_centers
-    rows_per_block = max(1, chunk_bytes // row_bytes)
-    chunk = num_points if rows_per_block > 1 else max(1, chunk_bytes // (4 * num_centers))
+    width = distance_width(centers.shape[1], points.device)
     center_norms = (centers * centers).sum(-1)
     if center_bias is not None:
         center_norms.add_(center_bias)
+    if width > centers.shape[1]:  # padding centres at the origin with norm +inf (distance_width)
+        padding = width - centers.shape[1]
+        centers = F.pad(centers, (0, 0, 0, padding))
+        center_norms = F.pad(center_norms, (0, padding), value=math.inf)
+    row_bytes = 4 * num_points * max(width, 1)
+    rows_per_block = max(1, chunk_bytes // row_bytes)
+    chunk = num_points if rows_per_block > 1 else max(1, chunk_bytes // (4 * max(width, 1)))
     center_norms, centers_t = center_norms[:, None, :], centers.transpose(1, 2)
     if rows_per_block >= num_rows and chunk >= num_points:
         return first_minimum(torch.baddbmm(center_norms, points, centers_t, alpha=-2)).long()

@@ -362,6 +362,43 @@ def test_first_minimum_is_the_first_index_of_each_rows_smallest_distance(shape):
         assert any(row.count(min(row)) > 1 for block in distances.tolist() for row in block)
 
 
+def test_distance_width_rounds_cpu_widths_from_twelve_up_to_eights():
+    assert [reskv.residual.distance_width(r, torch.device("cpu")) for r in (1, 11, 12, 16, 17, 79, 395)] == [
+        1,
+        11,
+        16,
+        16,
+        24,
+        80,
+        400,
+    ]
+    assert reskv.residual.distance_width(79, torch.device("cuda")) == 79
+
+
+@pytest.mark.parametrize(
+    ("num_centers", "second_row_centers"), [(11, 11), (12, 12), (16, 12), (59, 56), (79, 76)]
+)
+def test_nearest_centers_over_a_padded_width_are_the_plain_first_minimum(num_centers, second_row_centers):
+    """Padding centres never win and leave the real centres' distances as computed at their own width
+    (from 12 centres on: narrower rows are never padded, ``padded_groups``): each point gets the first
+    of its nearest centres by the plain per-row product (as the spec's plain loop computes it) and a
+    first-index scan. Every centre appears twice, so each point's minimum is a tie the lower index
+    must win; the second row's last centres are its group's padding (bias ``+inf``)."""
+    generator = torch.Generator().manual_seed(num_centers)
+    points = torch.randn(2, 300, 64, generator=generator) * 3
+    half = torch.randn(2, (num_centers + 1) // 2, 64, generator=generator) * 3
+    centers = torch.cat([half, half], dim=1)[:, :num_centers]
+    bias = torch.zeros(2, num_centers)
+    bias[1, second_row_centers:] = float("inf")
+    expected = []
+    for row, real in enumerate((num_centers, second_row_centers)):
+        own = centers[row, :real]
+        norms = (own * own).sum(-1)
+        distances = torch.baddbmm(norms[None, None], points[row][None], own.T[None], alpha=-2)[0]
+        expected.append([plain_first_minimum(point) for point in distances.tolist()])
+    assert torch.equal(nearest_centers(points, centers, 1 << 30, bias), torch.tensor(expected))
+
+
 def test_kmeans_distance_chunks_give_the_unchunked_clustering(observation, monkeypatch):
     """Bit for bit: each chunk's distances are the same dot products, and argmin is per point."""
     obs = observation

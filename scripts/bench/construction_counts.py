@@ -65,13 +65,14 @@ def synthetic_prefilled_cache(
 @contextlib.contextmanager
 def gpu_layout():
     """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks, one padded k-means
-    group per grid level whatever its sizes, ``argmin`` for the nearest centre (``reskv.residual``)
-    and every layer of a 4 GiB batch stacked (``reskv.engine``)."""
+    group per grid level, distances at the centres' own width, ``argmin`` for the nearest centre
+    (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.engine``)."""
     with contextlib.ExitStack() as stack:
         for module, name, value in (
             (reskv.residual, "DISTANCE_CHUNK_BYTES", H100_BLOCK_BYTES),
             (reskv.residual, "CPU_PADDING_TOLERANCE", math.inf),
             (reskv.residual, "CPU_NARROWEST_PADDED_WIDTH", 0),
+            (reskv.residual, "CPU_DISTANCE_WIDTH_MULTIPLE", 1),
             (reskv.residual, "CPU_VECTORISED_ARGMIN", False),
             (reskv.engine, "CPU_LAYER_BATCH_BYTES", LAYER_BATCH_BYTES),
         ):
