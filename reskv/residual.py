@@ -158,9 +158,9 @@ def nearest_centers(
         padding = width - centers.shape[1]
         centers = F.pad(centers, (0, 0, 0, padding))
         center_norms = F.pad(center_norms, (0, padding), value=math.inf)
-    row_bytes = 4 * num_points * max(width, 1)
-    rows_per_block = max(1, chunk_bytes // row_bytes)
-    chunk = num_points if rows_per_block > 1 else max(1, chunk_bytes // (4 * max(width, 1)))
+    point_bytes = 4 * max(width, 1)  # one point's distances
+    rows_per_block = max(1, chunk_bytes // (num_points * point_bytes))
+    chunk = num_points if rows_per_block > 1 else max(1, chunk_bytes // point_bytes)
     center_norms, centers_t = center_norms[:, None, :], centers.transpose(1, 2)
     if rows_per_block >= num_rows and chunk >= num_points:
         return first_minimum(torch.baddbmm(center_norms, points, centers_t, alpha=-2)).long()
