@@ -5,7 +5,9 @@ PY          := $(VENV)/bin/python
 # The CPU build this project is developed and tested with; on a GPU machine pass e.g.
 # TORCH_SPEC="torch==2.6.0" (any version pyproject.toml admits).
 TORCH_SPEC  ?= torch==2.13.0
-EXTRAS      ?= dev,slurm
+# kernels: Triton, for the fused kernels' tests under its interpreter; on a GPU machine whose CUDA
+# torch pins an older Triton, pass EXTRAS=dev,slurm (the kernel runs on that Triton).
+EXTRAS      ?= dev,slurm,kernels
 # worksteal: a worker that runs out of tests takes half of the other's queue, so the few minute-long
 # tests do not end the suite on one worker (clean clone, cold compile cache: 14:44 against 14:57
 # with the default scheduling and a warm cache; 7:02 once tests/conftest.py shared the cores out

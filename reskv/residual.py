@@ -48,6 +48,10 @@ CPU_PADDING_TOLERANCE = 1.25
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
 CPU_VECTORISED_ARGMIN = True
+# On CUDA with Triton installed, find the nearest centres by ``reskv.nearest_kernel`` (the distances
+# never written: no distance blocks, one launch per Lloyd step); off, by the torch path below.
+# ``scripts.bench.gpu_check --compare-nearest`` times the construction both ways.
+CUDA_FUSED_NEAREST = True
 # On CPU the distances of a k-means step are computed over a whole number of 8-centre widths: MKL's
 # product and ``amin`` both slow down on a ragged width, so [3, 3600, 64] points against 79 centres
 # took 3.4 ms for the product and first minimum where 80 centres took 2.3 (59: 2.9 against 64: 1.7;
@@ -145,8 +149,9 @@ def nearest_centers(
     ``||c||² - 2<p, c>`` (the point's own norm does not change the argmin); ties go to the lower
     centre index. ``center_bias`` ``[R, r]`` (0, or ``+inf`` on a row's padding centres, which then
     never win) lets rows with fewer centres share one call; on CPU padding centres also round the
-    width up (``distance_width``). The ``[R, E, r]`` distances are computed in blocks holding at most
-    ``chunk_bytes`` of fp32, so transient memory stays bounded whatever ``s`` and ``r``: whole rows
+    width up (``distance_width``). On CUDA with Triton, ``reskv.nearest_kernel`` finds them in one
+    pass (``CUDA_FUSED_NEAREST``). Otherwise the ``[R, E, r]`` distances are computed in blocks holding
+    at most ``chunk_bytes`` of fp32, so transient memory stays bounded whatever ``s`` and ``r``: whole rows
     while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
     """
     num_rows, num_points, _ = points.shape
@@ -154,6 +159,11 @@ def nearest_centers(
     center_norms = (centers * centers).sum(-1)
     if center_bias is not None:
         center_norms.add_(center_bias)
+    if points.is_cuda and CUDA_FUSED_NEAREST:
+        from reskv import nearest_kernel  # imports Triton (~0.5 s), which the CPU never runs
+
+        if nearest_kernel.available():
+            return nearest_kernel.nearest(points, centers, center_norms)
     if width > centers.shape[1]:  # padding centres at the origin with norm +inf (distance_width)
         padding = width - centers.shape[1]
         centers = F.pad(centers, (0, 0, 0, padding))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -397,6 +400,65 @@ def test_nearest_centers_over_a_padded_width_are_the_plain_first_minimum(num_cen
         distances = torch.baddbmm(norms[None, None], points[row][None], own.T[None], alpha=-2)[0]
         expected.append([plain_first_minimum(point) for point in distances.tolist()])
     assert torch.equal(nearest_centers(points, centers, 1 << 30, bias), torch.tensor(expected))
+
+
+# Triton reads TRITON_INTERPRET when it is imported, so the kernel runs in a child process: it reads
+# the cases the test wrote and writes the kernel's indices back.
+INTERPRETED_NEAREST = """
+import sys, torch
+from reskv import nearest_kernel
+cases = torch.load(sys.argv[1])
+torch.save([nearest_kernel.nearest(*case) for case in cases], sys.argv[2])
+"""
+
+
+def integer_case(rows: int, num_points: int, num_centers: int, dim: int, seed: int) -> tuple:
+    """Points and centres of small integers, so every distance is exact in fp32 whatever order the
+    products sum in (the kernel's and the BLAS's alike) and equal distances are ties, not rounding:
+    most points tie between several centres. Centre 3 is repeated as the last centre (another tile
+    when ``num_centers > 64``); the last row's centres past three quarters are padding (``+inf``)."""
+    generator = torch.Generator().manual_seed(seed)
+    points = torch.randint(-3, 4, (rows, num_points, dim), generator=generator).float()
+    centers = torch.randint(-3, 4, (rows, num_centers, dim), generator=generator).float()
+    centers[:, -1] = centers[:, 3]
+    bias = torch.zeros(rows, num_centers)
+    bias[-1, num_centers * 3 // 4 :] = float("inf")
+    return points, centers, bias
+
+
+def test_fused_nearest_kernel_gives_the_plain_loops_first_nearest_centre(tmp_path):
+    """``reskv/nearest_kernel.py`` under Triton's interpreter on CPU: each point's index is the first
+    of its nearest centres by exact integer distances (the spec's rule, ties to the lower index), and
+    ``nearest_centers``' torch path's. Ragged tiles (300 points, 70 centres: 64 + 6), a centre repeated
+    in a later tile, padding centres, a head dim that is no power of two, fewer points and centres
+    than a tile."""
+    pytest.importorskip("triton")
+    cases = [integer_case(3, 300, 70, 64, 0), integer_case(2, 90, 17, 80, 1), integer_case(1, 10, 5, 16, 2)]
+    inputs = []
+    expected = []
+    for points, centers, bias in cases:
+        norms = (centers * centers).sum(-1) + bias
+        inputs.append((points, centers, norms))
+        integer_points, integer_centers = points.long(), centers.long()
+        indices = []
+        for row in range(points.shape[0]):
+            distances = (integer_centers[row] ** 2).sum(-1) - 2 * integer_points[row] @ integer_centers[row].T
+            distances = distances.double() + bias[row].double()
+            indices.append([plain_first_minimum(point) for point in distances.tolist()])
+        expected.append(torch.tensor(indices))
+        assert torch.equal(nearest_centers(points, centers, 1 << 30, bias), expected[-1])
+    torch.save(inputs, tmp_path / "cases.pt")
+    subprocess.run(
+        [sys.executable, "-c", INTERPRETED_NEAREST, str(tmp_path / "cases.pt"), str(tmp_path / "nearest.pt")],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        check=True,
+    )
+    got = torch.load(tmp_path / "nearest.pt")
+    for fused, plain in zip(got, expected, strict=True):
+        assert fused.dtype == torch.long and torch.equal(fused, plain)
+    first = expected[0]
+    assert (first == 3).any() and not (first == 69).any()  # the repeated centre lost every tie
+    assert not (first[-1] >= 70 * 3 // 4).any()  # no point went to padding
 
 
 def test_kmeans_distance_chunks_give_the_unchunked_clustering(observation, monkeypatch):
