@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import reskv.residual
 from baselines import build_method
 from baselines.registry import METHODS
 from reskv.engine import Prefill
@@ -133,6 +134,30 @@ def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
     ]
     # The construction was timed on the full prefill; the request itself compressed inside its own.
     assert rows[1]["construct_s"] > 0 and rows[1]["construct_gflop"] > 0 and rows[1]["prefill_s"] > 0
+
+
+def test_compare_nearest_times_each_reskv_construction_again_with_the_kernel_off(monkeypatch):
+    """``--compare-nearest``: a +ResKV construction (not its base's) is timed twice, the second time
+    with ``CUDA_FUSED_NEAREST`` off, and the summary prints that time beside the construction's."""
+    constructions = []
+    compressed = Prefill.compressed
+
+    def recorded(self, method, setting):
+        constructions.append((method.name, reskv.residual.CUDA_FUSED_NEAREST))
+        return compressed(self, method, setting)
+
+    monkeypatch.setattr(Prefill, "compressed", recorded)
+    torch.manual_seed(0)
+    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    methods = ("snapkv", "snapkv+reskv")
+    rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_nearest=True)
+    # One construction with the torch path: +ResKV's (its base has no residual to compare).
+    assert [name for name, fused in constructions if not fused] == ["snapkv+reskv"]
+    assert reskv.residual.CUDA_FUSED_NEAREST
+    assert "construct_s_torch_nearest" not in rows[1] and rows[2]["construct_s_torch_nearest"] > 0
+    lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
+    torch_path = rows[2]["construct_s_torch_nearest"] - rows[1]["construct_s"]
+    assert f"(torch-path nearest centres: {torch_path:.3f}s);" in lines[1]
 
 
 def test_the_figure_draws_only_the_panels_some_row_measured():

@@ -4,7 +4,7 @@
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
         [--models llama3.1-8b-instruct-h8-kv2 ...] [--dtypes fp32 bf16 fp16] [--methods ...]
         [--efficiency-methods full snapkv ...] [--decode eager compiled] [--profile-lengths 4096 ...]
-        [--skip-correctness]
+        [--skip-correctness] [--compare-nearest]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
 0.6 and 0.9 in both settings, once on the CPU in fp32 (the reference) and on the device in
@@ -20,6 +20,10 @@ for each it records the prefill's and the compression + decode's peak memory
 resident size at entry plus the phase's peak allocated; the request's peak is the larger of the
 two, since the prefilled cache stays alive while a compressed copy decodes), the compression time,
 and the decode rate over ``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
+
+With ``--compare-nearest`` each +ResKV construction is timed a second time with the nearest-centre
+kernel off (``reskv.residual.CUDA_FUSED_NEAREST``: the torch path, ``construct_s_torch_nearest``), to
+decide between the two on a GPU (issue 22).
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
@@ -38,10 +42,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch._dynamo.utils import counters
 
+import reskv.residual
 from baselines import METHODS, build_method
 from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
 from reskv.compress import compress_layer
@@ -361,6 +367,7 @@ def efficiency_rows(
     decode_modes: Sequence[str] = ("eager",),
     method_names: Sequence[str] = EFFICIENCY_METHODS,
     profile_lengths: Sequence[int] = (),
+    compare_nearest: bool = False,
 ) -> list[dict]:
     """One row per (length, method, ratio), each a request as the paper's efficiency figure measures it.
 
@@ -373,7 +380,8 @@ def efficiency_rows(
     step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
     ``profile_lengths`` each construction, and each compiled decode, is also profiled
-    (``device_profile``)."""
+    (``device_profile``). With ``compare_nearest`` each +ResKV construction is timed again with the
+    nearest-centre kernel off (``construct_s_torch_nearest``)."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -423,6 +431,10 @@ def efficiency_rows(
                 gflop = counted_gflop(prefill.compressed, methods[name, ratio], "aware")
                 _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                 constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
+                if compare_nearest and name.endswith("+reskv"):
+                    with mock.patch.object(reskv.residual, "CUDA_FUSED_NEAREST", False):
+                        _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
+                    constructions[name, ratio]["construct_s_torch_nearest"] = seconds
                 if length in profile_lengths:
                     constructions[name, ratio]["construct_profile"] = device_profile(
                         device, prefill.compressed, methods[name, ratio], "aware"
@@ -565,7 +577,11 @@ def summary(report: dict) -> list[str]:
             seconds = reskv["construct_s"] - base["construct_s"]
             floor = (reskv["construct_gflop"] - base["construct_gflop"]) / gflops
             line += f" construction {seconds:.3f}s = {seconds / full['prefill_s']:.3f} x prefill"
-            line += f", {seconds / floor:.1f} x fp32 FLOP floor {floor:.3f}s;"
+            line += f", {seconds / floor:.1f} x fp32 FLOP floor {floor:.3f}s"
+            if "construct_s_torch_nearest" in reskv:
+                torch_path = reskv["construct_s_torch_nearest"] - base["construct_s"]
+                line += f" (torch-path nearest centres: {torch_path:.3f}s)"
+            line += ";"
         if full is not None:
             line += f" peak / full {base['request_peak_bytes'] / full['request_peak_bytes']:.3f}"
             line += f" (X) {reskv['request_peak_bytes'] / full['request_peak_bytes']:.3f} (+ResKV);"
@@ -652,6 +668,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
+        "--compare-nearest",
+        action="store_true",
+        help="time each +ResKV construction again with the nearest-centre kernel off (the torch path)",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         type=Path,
@@ -707,6 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 new_tokens=new_tokens,
                 decode_modes=decode_modes,
                 method_names=args.efficiency_methods,
+                compare_nearest=args.compare_nearest,
             )
             measure(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1])
             print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
