@@ -11,6 +11,9 @@ block, rows padded into one group per grid level, ``argmin``, layers stacked), s
 counted are a GPU's: the CPU's 4 MiB blocks, FLOP-saving groups, vectorised argmin and one-layer
 batches would add thousands that a GPU never makes. A second table
 models those launches per Lloyd step at 131K tokens, where counting for real would take hours of CPU.
+The counts are the torch path's: on CUDA with Triton the nearest centres are one kernel per Lloyd
+step and group (``reskv.nearest_kernel``) where the torch path launches a product and an ``argmin``
+per distance block.
 """
 
 from __future__ import annotations
@@ -129,12 +132,14 @@ def launches_table(seq_len: int, ratio: float) -> Table:
     title = f"Model: k-means distance launches per Lloyd step and layer batch, {seq_len} tokens"
     table = Table(title=f"{title}, ratio {ratio}")
     gpu_column = f"launches, {H100_BLOCK_BYTES / 2**30:g} GiB (80 GB GPU)"
-    for column in ("group", "distances GiB", "launches, 4 MiB (CPU)", gpu_column):
+    # reskv.nearest_kernel (CUDA with Triton) writes no distances: one launch per group, any size.
+    fused_column = "launches, fused kernel"
+    for column in ("group", "distances GiB", "launches, 4 MiB (CPU)", gpu_column, fused_column):
         table.add_column(column, justify="right")
     cpu = distance_launches(seq_len, ratio, DISTANCE_CHUNK_BYTES)
     gpu = distance_launches(seq_len, ratio, H100_BLOCK_BYTES)
     for (name, nbytes, cpu_launches), (_, _, gpu_launches) in zip(cpu, gpu, strict=True):
-        table.add_row(name, f"{nbytes / 2**30:.1f}", f"{cpu_launches:,}", str(gpu_launches))
+        table.add_row(name, f"{nbytes / 2**30:.1f}", f"{cpu_launches:,}", str(gpu_launches), "1")
     return table
 
 
