@@ -34,6 +34,10 @@ except ImportError:
 # construction with this kernel and with the torch path, which decides between them.
 POINT_TILE = 64
 CENTER_TILE = 64
+# ``tl.dot``'s input precision. "ieee" is fp32 arithmetic on the CUDA cores, as cuBLAS's fp32
+# ``baddbmm``; "tf32x3" (three TF32 tensor-core products, fp32-like accuracy without IEEE bits) is
+# the faster candidate should the kernel prove compute-bound, timed by ``--compare-nearest`` too.
+PRODUCT_PRECISION = "ieee"
 
 
 def available() -> bool:
@@ -62,6 +66,7 @@ def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
         POINT_TILE=POINT_TILE,
         CENTER_TILE=CENTER_TILE,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
+        PRECISION=PRODUCT_PRECISION,
     )
     return nearest_index
 
@@ -80,6 +85,7 @@ if triton is not None:
         POINT_TILE: tl.constexpr,
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # row * num_points * dim passes 2^31 at long prompts
         point = tl.program_id(1) * POINT_TILE + tl.arange(0, POINT_TILE)
@@ -101,7 +107,7 @@ if triton is not None:
             norms = tl.load(
                 center_norms + row * num_centers + center, mask=center < num_centers, other=float("inf")
             )
-            products = tl.dot(point_tile, tl.trans(center_tile), input_precision="ieee")
+            products = tl.dot(point_tile, tl.trans(center_tile), input_precision=PRECISION)
             distances = norms[None, :] - 2.0 * products
             tile_best = tl.min(distances, axis=1)
             # The tile's first minimum, written out: the interpreter's argmin ignores tie_break_left.

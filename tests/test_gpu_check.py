@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import reskv.nearest_kernel
 import reskv.residual
 from baselines import build_method
 from baselines.registry import METHODS
@@ -136,14 +137,16 @@ def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
     assert rows[1]["construct_s"] > 0 and rows[1]["construct_gflop"] > 0 and rows[1]["prefill_s"] > 0
 
 
-def test_compare_nearest_times_each_reskv_construction_again_with_the_kernel_off(monkeypatch):
-    """``--compare-nearest``: a +ResKV construction (not its base's) is timed twice, the second time
-    with ``CUDA_FUSED_NEAREST`` off, and the summary prints that time beside the construction's."""
+def test_compare_nearest_times_each_reskv_construction_again_in_each_variant(monkeypatch):
+    """``--compare-nearest``: a +ResKV construction (not its base's) is timed again with the kernel's
+    products in TF32x3 and again with ``CUDA_FUSED_NEAREST`` off, and the summary prints those times
+    beside the construction's."""
     constructions = []
     compressed = Prefill.compressed
 
     def recorded(self, method, setting):
-        constructions.append((method.name, reskv.residual.CUDA_FUSED_NEAREST))
+        switches = (reskv.nearest_kernel.PRODUCT_PRECISION, reskv.residual.CUDA_FUSED_NEAREST)
+        constructions.append((method.name, switches))
         return compressed(self, method, setting)
 
     monkeypatch.setattr(Prefill, "compressed", recorded)
@@ -151,13 +154,17 @@ def test_compare_nearest_times_each_reskv_construction_again_with_the_kernel_off
     backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
     methods = ("snapkv", "snapkv+reskv")
     rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_nearest=True)
-    # One construction with the torch path: +ResKV's (its base has no residual to compare).
-    assert [name for name, fused in constructions if not fused] == ["snapkv+reskv"]
-    assert reskv.residual.CUDA_FUSED_NEAREST
-    assert "construct_s_torch_nearest" not in rows[1] and rows[2]["construct_s_torch_nearest"] > 0
+    # One construction in each variant, +ResKV's (its base has no residual to compare).
+    default = ("ieee", True)
+    assert [(name, switches) for name, switches in constructions if switches != default] == [
+        ("snapkv+reskv", ("tf32x3", True)),
+        ("snapkv+reskv", ("ieee", False)),
+    ]
+    assert (reskv.nearest_kernel.PRODUCT_PRECISION, reskv.residual.CUDA_FUSED_NEAREST) == default
+    assert "construct_s_torch_nearest" not in rows[1]
+    tf32x3, torch_path = (rows[2][key] - rows[1]["construct_s"] for key in gpu_check.NEAREST_VARIANTS)
     lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
-    torch_path = rows[2]["construct_s_torch_nearest"] - rows[1]["construct_s"]
-    assert f"(torch-path nearest centres: {torch_path:.3f}s);" in lines[1]
+    assert f"(nearest centres: tf32x3 {tf32x3:.3f}s, torch {torch_path:.3f}s);" in lines[1]
 
 
 def test_the_figure_draws_only_the_panels_some_row_measured():

@@ -21,9 +21,10 @@ resident size at entry plus the phase's peak allocated; the request's peak is th
 two, since the prefilled cache stays alive while a compressed copy decodes), the compression time,
 and the decode rate over ``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
 
-With ``--compare-nearest`` each +ResKV construction is timed a second time with the nearest-centre
-kernel off (``reskv.residual.CUDA_FUSED_NEAREST``: the torch path, ``construct_s_torch_nearest``), to
-decide between the two on a GPU (issue 22).
+With ``--compare-nearest`` each +ResKV construction is timed twice more: with the nearest-centre
+kernel's products in TF32x3 (``reskv.nearest_kernel.PRODUCT_PRECISION``, ``construct_s_tf32x3_nearest``)
+and with the kernel off (``reskv.residual.CUDA_FUSED_NEAREST``: the torch path,
+``construct_s_torch_nearest``), to choose among them on a GPU (issue 22).
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
@@ -47,6 +48,7 @@ from unittest import mock
 import torch
 from torch._dynamo.utils import counters
 
+import reskv.nearest_kernel
 import reskv.residual
 from baselines import METHODS, build_method
 from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
@@ -82,6 +84,12 @@ TIE_TOLERANCE = 1e-5
 # Relative error of a compressed layer's output against the CPU fp32 one (same kept set), per
 # device dtype: a few units of the format's rounding (bf16 keeps 8 bits of mantissa, fp16 11).
 OUTPUT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.03}
+# The nearest-centre variants ``--compare-nearest`` times each +ResKV construction in besides the
+# default (row key: the switch patched for that timing).
+NEAREST_VARIANTS = {
+    "construct_s_tf32x3_nearest": (reskv.nearest_kernel, "PRODUCT_PRECISION", "tf32x3"),
+    "construct_s_torch_nearest": (reskv.residual, "CUDA_FUSED_NEAREST", False),
+}
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)
@@ -380,8 +388,8 @@ def efficiency_rows(
     step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
     ``profile_lengths`` each construction, and each compiled decode, is also profiled
-    (``device_profile``). With ``compare_nearest`` each +ResKV construction is timed again with the
-    nearest-centre kernel off (``construct_s_torch_nearest``)."""
+    (``device_profile``). With ``compare_nearest`` each +ResKV construction is timed again in each of
+    ``NEAREST_VARIANTS``."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -432,9 +440,10 @@ def efficiency_rows(
                 _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                 constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
                 if compare_nearest and name.endswith("+reskv"):
-                    with mock.patch.object(reskv.residual, "CUDA_FUSED_NEAREST", False):
-                        _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
-                    constructions[name, ratio]["construct_s_torch_nearest"] = seconds
+                    for key, switch in NEAREST_VARIANTS.items():
+                        with mock.patch.object(*switch):
+                            _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
+                        constructions[name, ratio][key] = seconds
                 if length in profile_lengths:
                     constructions[name, ratio]["construct_profile"] = device_profile(
                         device, prefill.compressed, methods[name, ratio], "aware"
@@ -578,9 +587,17 @@ def summary(report: dict) -> list[str]:
             floor = (reskv["construct_gflop"] - base["construct_gflop"]) / gflops
             line += f" construction {seconds:.3f}s = {seconds / full['prefill_s']:.3f} x prefill"
             line += f", {seconds / floor:.1f} x fp32 FLOP floor {floor:.3f}s"
-            if "construct_s_torch_nearest" in reskv:
-                torch_path = reskv["construct_s_torch_nearest"] - base["construct_s"]
-                line += f" (torch-path nearest centres: {torch_path:.3f}s)"
+            variants = [key for key in NEAREST_VARIANTS if key in reskv]
+            if variants:
+                line += (
+                    " (nearest centres: "
+                    + ", ".join(
+                        f"{key.removeprefix('construct_s_').removesuffix('_nearest')} "
+                        f"{reskv[key] - base['construct_s']:.3f}s"
+                        for key in variants
+                    )
+                    + ")"
+                )
             line += ";"
         if full is not None:
             line += f" peak / full {base['request_peak_bytes'] / full['request_peak_bytes']:.3f}"
@@ -670,7 +687,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compare-nearest",
         action="store_true",
-        help="time each +ResKV construction again with the nearest-centre kernel off (the torch path)",
+        help="time each +ResKV construction again with the nearest-centre kernel in TF32x3 and off",
     )
     parser.add_argument(
         "--merge",
