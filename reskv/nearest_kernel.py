@@ -11,12 +11,13 @@ writes only the index: one launch per Lloyd step, no distance block.
 The rule is the torch path's: ``||c||² + bias - 2<p, c>`` (``center_norms`` holds the first two
 terms, ``+inf`` on padding centres), fp32 products in IEEE arithmetic (no TF32, as cuBLAS's default
 ``baddbmm``), ties to the lower centre index (within a tile the smallest index holding the tile's
-minimum; tiles come in increasing order and a later one must be strictly smaller to win). Only the products'
-rounding may differ from cuBLAS's, so near ties may go another way on the GPU, as they may between
-two BLAS libraries; the CPU keeps the torch path and its bit-identity with the spec's plain loop.
+minimum; tiles come in increasing order and a later one must be strictly smaller to win). Only the
+products' rounding may differ from cuBLAS's, so near ties may go another way on the GPU, as they
+may between two BLAS libraries; the CPU keeps the torch path and its bit-identity with the spec's
+plain loop.
 
 Triton is optional: without it (a CPU install) ``available`` is false and the torch path runs.
-Tested on CPU under ``TRITON_INTERPRET=1`` (tests/test_nearest_kernel.py).
+Tested on CPU under ``TRITON_INTERPRET=1`` (tests/test_reskv_invariants.py).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ CPU_PADDING_TOLERANCE = 1.25
 CPU_VECTORISED_ARGMIN = True
 # On CUDA with Triton installed, find the nearest centres by ``reskv.nearest_kernel`` (the distances
 # never written: no distance blocks, one launch per Lloyd step); off, by the torch path below.
-# ``scripts.bench.gpu_check --compare-nearest`` times the construction both ways.
+# ``scripts.bench.gpu_check --compare-nearest`` times the construction with the kernel and without.
 CUDA_FUSED_NEAREST = True
 # On CPU the distances of a k-means step are computed over a whole number of 8-centre widths: MKL's
 # product and ``amin`` both slow down on a ragged width, so [3, 3600, 64] points against 79 centres
