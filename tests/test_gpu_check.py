@@ -99,6 +99,7 @@ def report_of(out: Path, *arguments: str) -> dict:
 def test_cpu_run_of_every_method_writes_a_passing_report_and_the_figure(tmp_path):
     report = report_of(tmp_path, "--models", METHOD_SWEEP_MODEL, "--dtypes", "fp32", "--methods", *METHODS)
     assert report["machine"]["cuda_available"] is False and report["machine"]["attention_path"] == "sdpa"
+    assert report["machine"]["nearest_centers"] == "torch (baddbmm + argmin)"
     correctness = report["correctness"]
     # Every compressing method x 2 ratios x 2 settings.
     assert len(correctness) == (len(METHODS) - 1) * 2 * 2 and report["correctness_passed"]

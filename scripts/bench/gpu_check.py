@@ -471,8 +471,8 @@ def efficiency_rows(
 
 
 def check_machine(device: str) -> dict:
-    """What ran the check (``scripts.measure.machine``), the date, the peak memory's kind and the
-    attention path of exact layers."""
+    """What ran the check (``scripts.measure.machine``), the date, the peak memory's kind, the
+    attention path of exact layers and how the k-means finds nearest centres."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **machine(),
@@ -487,6 +487,11 @@ def check_machine(device: str) -> dict:
         if info["cuda_available"] and info["flash_attn_importable"]
         else "sdpa"
     )
+    # reskv.residual.nearest_centers: the Triton kernel on CUDA where it imports, else the torch path.
+    info["nearest_centers"] = "torch (baddbmm + argmin)"
+    if info["cuda_available"] and reskv.residual.CUDA_FUSED_NEAREST and reskv.nearest_kernel.available():
+        version, precision = reskv.nearest_kernel.triton.__version__, reskv.nearest_kernel.PRODUCT_PRECISION
+        info["nearest_centers"] = f"Triton {version} kernel, {precision} products"
     return info
 
 
