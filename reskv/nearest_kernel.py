@@ -31,13 +31,13 @@ try:
 except ImportError:
     triton = None
 
-# Tile sizes, not tuned on a GPU yet: ``scripts.bench.gpu_check --compare-nearest`` times the
+# Tile sizes, not tuned on a GPU yet: ``scripts.bench.gpu_check --compare-paths`` times the
 # construction with this kernel and with the torch path, which decides between them.
 POINT_TILE = 64
 CENTER_TILE = 64
 # ``tl.dot``'s input precision. "ieee" is fp32 arithmetic on the CUDA cores, as cuBLAS's fp32
 # ``baddbmm``; "tf32x3" (three TF32 tensor-core products, fp32-like accuracy without IEEE bits) is
-# the faster candidate should the kernel prove compute-bound, timed by ``--compare-nearest`` too.
+# the faster candidate should the kernel prove compute-bound, timed by ``--compare-paths`` too.
 PRODUCT_PRECISION = "ieee"
 
 

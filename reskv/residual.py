@@ -50,8 +50,14 @@ CPU_PADDING_TOLERANCE = 1.25
 CPU_VECTORISED_ARGMIN = True
 # On CUDA with Triton installed, find the nearest centres by ``reskv.nearest_kernel`` (the distances
 # never written: no distance blocks, one launch per Lloyd step); off, by the torch path below.
-# ``scripts.bench.gpu_check --compare-nearest`` times the construction with the kernel and without.
+# ``scripts.bench.gpu_check --compare-paths`` times the construction with the kernel and without.
 CUDA_FUSED_NEAREST = True
+# On CUDA, sum each cluster's points by ``sorted_cluster_sums`` (a sort and a segment sum, in point
+# order: the same sums from run to run) instead of ``index_add_``'s atomics, which took 176 ms of
+# the construction's 1.25 s at 32K on the H200 (results/gpu/README.md). Off until a GPU has timed
+# it (``scripts.bench.gpu_check --compare-paths``): it costs 4 more ops per call, which would take
+# H2O+ResKV's construction past issue 22's 1.5x its base's ops (1.58x, 1,000 tokens, 32 layers).
+CUDA_SORTED_CLUSTER_SUMS = False
 # On CPU the distances of a k-means step are computed over a whole number of 8-centre widths: MKL's
 # product and ``amin`` both slow down on a ragged width, so [3, 3600, 64] points against 79 centres
 # took 3.4 ms for the product and first minimum where 80 centres took 2.3 (59: 2.9 against 64: 1.7;
@@ -121,13 +127,32 @@ def cluster_sums(weighted_points: Tensor, flat_index: Tensor, num_centers: int) 
 
     Padding points must be zero (``weighted_points`` are the points times their 0/1 weight), so
     they add nothing wherever they are assigned. ``index_add_`` accumulates in a fixed order on
-    CPU, so results are bit-for-bit reproducible.
+    CPU, so results are bit-for-bit reproducible; on CUDA with ``CUDA_SORTED_CLUSTER_SUMS`` the sums are
+    ``sorted_cluster_sums``' instead.
     """
     num_rows, _, dim = weighted_points.shape
+    if weighted_points.is_cuda and CUDA_SORTED_CLUSTER_SUMS:
+        return sorted_cluster_sums(weighted_points, flat_index, num_centers)
     sums = weighted_points.new_zeros(num_rows * num_centers, dim)
     return sums.index_add_(0, flat_index, weighted_points.reshape(-1, dim)).reshape(
         num_rows, num_centers, dim
     )
+
+
+def sorted_cluster_sums(weighted_points: Tensor, flat_index: Tensor, num_centers: int) -> Tensor:
+    """``cluster_sums`` without atomics: the points sorted by cluster (stable, so each cluster's in
+    their own order) and summed per segment, each segment in sequence. On CUDA ``index_add_`` adds a
+    point's ``d`` values by atomics, many points onto few clusters, in an order that changes from run
+    to run; this sums every cluster in point order, as CPU ``index_add_`` does (the same bits on
+    CPU). ``unsafe``: the segment lengths are counted here, so ``segment_reduce`` need not check them
+    (which reads the device)."""
+    num_rows, _, dim = weighted_points.shape
+    order = flat_index.sort(stable=True).indices
+    lengths = torch.zeros(num_rows * num_centers, dtype=torch.long, device=flat_index.device)
+    lengths.index_add_(0, flat_index, torch.ones_like(flat_index))
+    sorted_points = weighted_points.reshape(-1, dim).index_select(0, order)
+    sums = torch.segment_reduce(sorted_points, "sum", lengths=lengths, unsafe=True)
+    return sums.reshape(num_rows, num_centers, dim)
 
 
 def cluster_counts(weights: Tensor, flat_index: Tensor, num_centers: int) -> Tensor:

@@ -138,15 +138,19 @@ def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
     assert rows[1]["construct_s"] > 0 and rows[1]["construct_gflop"] > 0 and rows[1]["prefill_s"] > 0
 
 
-def test_compare_nearest_times_each_reskv_construction_again_in_each_variant(monkeypatch):
-    """``--compare-nearest``: a +ResKV construction (not its base's) is timed again with the kernel's
-    products in TF32x3 and again with ``CUDA_FUSED_NEAREST`` off, and the summary prints those times
-    beside the construction's."""
+def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypatch):
+    """``--compare-paths``: a +ResKV construction (not its base's) is timed again with the kernel's
+    products in TF32x3, with ``CUDA_FUSED_NEAREST`` off and with ``CUDA_SORTED_CLUSTER_SUMS`` on, one
+    switch at a time, and the summary prints those times beside the construction's."""
     constructions = []
     compressed = Prefill.compressed
 
     def recorded(self, method, setting):
-        switches = (reskv.nearest_kernel.PRODUCT_PRECISION, reskv.residual.CUDA_FUSED_NEAREST)
+        switches = (
+            reskv.nearest_kernel.PRODUCT_PRECISION,
+            reskv.residual.CUDA_FUSED_NEAREST,
+            reskv.residual.CUDA_SORTED_CLUSTER_SUMS,
+        )
         constructions.append((method.name, switches))
         return compressed(self, method, setting)
 
@@ -154,18 +158,22 @@ def test_compare_nearest_times_each_reskv_construction_again_in_each_variant(mon
     torch.manual_seed(0)
     backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
     methods = ("snapkv", "snapkv+reskv")
-    rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_nearest=True)
-    # One construction in each variant, +ResKV's (its base has no residual to compare).
-    default = ("ieee", True)
+    rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_paths=True)
+    # One construction on each path, +ResKV's (its base has no residual to compare).
+    default = ("ieee", True, False)
     assert [(name, switches) for name, switches in constructions if switches != default] == [
-        ("snapkv+reskv", ("tf32x3", True)),
-        ("snapkv+reskv", ("ieee", False)),
+        ("snapkv+reskv", ("tf32x3", True, False)),
+        ("snapkv+reskv", ("ieee", False, False)),
+        ("snapkv+reskv", ("ieee", True, True)),
     ]
-    assert (reskv.nearest_kernel.PRODUCT_PRECISION, reskv.residual.CUDA_FUSED_NEAREST) == default
+    assert constructions[-1][1] == default  # every switch restored
     assert "construct_s_torch_nearest" not in rows[1]
-    tf32x3, torch_path = (rows[2][key] - rows[1]["construct_s"] for key in gpu_check.NEAREST_VARIANTS)
+    tf32x3, torch_path, sorted_sums = (
+        rows[2][key] - rows[1]["construct_s"] for key in gpu_check.CONSTRUCTION_VARIANTS
+    )
     lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
-    assert f"(nearest centres: tf32x3 {tf32x3:.3f}s, torch {torch_path:.3f}s);" in lines[1]
+    expected = f"(other paths: tf32x3 nearest {tf32x3:.3f}s, torch nearest {torch_path:.3f}s, "
+    assert expected + f"sorted sums {sorted_sums:.3f}s);" in lines[1]
 
 
 def test_the_figure_draws_only_the_panels_some_row_measured():

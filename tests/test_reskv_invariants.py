@@ -17,7 +17,15 @@ from baselines import build_method, build_scorer
 from reskv.attention import DecodeRule, residual_attention
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.engine import Method, Prefill, attended_slots
-from reskv.residual import build_residual, first_minimum, nearest_centers
+from reskv.residual import (
+    build_residual,
+    cluster_sums,
+    first_minimum,
+    flat_cluster_index,
+    nearest_centers,
+    row_offsets,
+    sorted_cluster_sums,
+)
 from reskv.scoring import LayerObservation
 from scripts.bench.engine import kmeans_peak_memory
 from scripts.measure import random_prompt
@@ -459,6 +467,26 @@ def test_fused_nearest_kernel_gives_the_plain_loops_first_nearest_centre(tmp_pat
     for fused, plain in zip(got, expected, strict=True):
         assert fused.dtype == torch.long and torch.equal(fused, plain)
     assert sum(tied) > len(tied) / 2  # most indices were decided by the tie rule
+
+
+def test_sorted_cluster_sums_add_each_clusters_points_in_order_as_index_add_does():
+    """CUDA's atomic-free cluster sums (``sorted_cluster_sums``) run on CPU too: each cluster's sum is
+    its points added one by one in point order (a plain loop), bit for bit, as ``cluster_sums``'
+    ``index_add_`` gives. Padding points are zero rows; the last cluster of each row is left empty."""
+    generator = torch.Generator().manual_seed(5)
+    rows, num_points, num_centers, dim = 3, 200, 17, 8
+    points = torch.randn(rows, num_points, dim, generator=generator) * 10 ** torch.randn(rows, num_points, 1)
+    points[1, 150:] = 0.0  # the second row's padding
+    assignments = torch.randint(0, num_centers - 1, (rows, num_points), generator=generator)
+    flat_index = flat_cluster_index(assignments, row_offsets(rows, num_centers, torch.device("cpu")))
+    expected = torch.zeros(rows, num_centers, dim)
+    for row in range(rows):
+        for point in range(num_points):
+            cluster = assignments[row, point]
+            expected[row, cluster] = expected[row, cluster] + points[row, point]
+    assert torch.equal(sorted_cluster_sums(points, flat_index, num_centers), expected)
+    assert torch.equal(cluster_sums(points, flat_index, num_centers), expected)
+    assert not expected[:, -1].any()
 
 
 def test_kmeans_distance_chunks_give_the_unchunked_clustering(observation, monkeypatch):

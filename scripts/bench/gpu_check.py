@@ -4,7 +4,7 @@
         [--lengths 4096 8192 ...] [--ratios 0.9 0.6] [--new-tokens 128] [--skip-efficiency]
         [--models llama3.1-8b-instruct-h8-kv2 ...] [--dtypes fp32 bf16 fp16] [--methods ...]
         [--efficiency-methods full snapkv ...] [--decode eager compiled] [--profile-lengths 4096 ...]
-        [--skip-correctness] [--compare-nearest]
+        [--skip-correctness] [--compare-paths]
 
 Correctness: tiny random Llama and Qwen2 models (GQA groups 1 and 4) run every method at ratios
 0.6 and 0.9 in both settings, once on the CPU in fp32 (the reference) and on the device in
@@ -21,10 +21,11 @@ resident size at entry plus the phase's peak allocated; the request's peak is th
 two, since the prefilled cache stays alive while a compressed copy decodes), the compression time,
 and the decode rate over ``--new-tokens`` tokens. Out of memory is recorded as ``"OOM"``.
 
-With ``--compare-nearest`` each +ResKV construction is timed twice more: with the nearest-centre
-kernel's products in TF32x3 (``reskv.nearest_kernel.PRODUCT_PRECISION``, ``construct_s_tf32x3_nearest``)
-and with the kernel off (``reskv.residual.CUDA_FUSED_NEAREST``: the torch path,
-``construct_s_torch_nearest``), to choose among them on a GPU (issue 22).
+With ``--compare-paths`` each +ResKV construction is timed again on each of the construction's
+alternative CUDA paths (``CONSTRUCTION_VARIANTS``): the nearest-centre kernel's products in TF32x3
+(``reskv.nearest_kernel.PRODUCT_PRECISION``), the kernel off (``reskv.residual.CUDA_FUSED_NEAREST``)
+and cluster sums by sort and segment sum (``reskv.residual.CUDA_SORTED_CLUSTER_SUMS``), to choose
+among them on a GPU (issue 22).
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
@@ -84,11 +85,12 @@ TIE_TOLERANCE = 1e-5
 # Relative error of a compressed layer's output against the CPU fp32 one (same kept set), per
 # device dtype: a few units of the format's rounding (bf16 keeps 8 bits of mantissa, fp16 11).
 OUTPUT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.03}
-# The nearest-centre variants ``--compare-nearest`` times each +ResKV construction in besides the
+# The construction's paths ``--compare-paths`` times each +ResKV construction on besides the
 # default (row key: the switch patched for that timing).
-NEAREST_VARIANTS = {
+CONSTRUCTION_VARIANTS = {
     "construct_s_tf32x3_nearest": (reskv.nearest_kernel, "PRODUCT_PRECISION", "tf32x3"),
     "construct_s_torch_nearest": (reskv.residual, "CUDA_FUSED_NEAREST", False),
+    "construct_s_sorted_sums": (reskv.residual, "CUDA_SORTED_CLUSTER_SUMS", True),
 }
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -375,7 +377,7 @@ def efficiency_rows(
     decode_modes: Sequence[str] = ("eager",),
     method_names: Sequence[str] = EFFICIENCY_METHODS,
     profile_lengths: Sequence[int] = (),
-    compare_nearest: bool = False,
+    compare_paths: bool = False,
 ) -> list[dict]:
     """One row per (length, method, ratio), each a request as the paper's efficiency figure measures it.
 
@@ -388,8 +390,8 @@ def efficiency_rows(
     step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
     ``profile_lengths`` each construction, and each compiled decode, is also profiled
-    (``device_profile``). With ``compare_nearest`` each +ResKV construction is timed again in each of
-    ``NEAREST_VARIANTS``."""
+    (``device_profile``). With ``compare_paths`` each +ResKV construction is timed again on each of
+    ``CONSTRUCTION_VARIANTS``."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -439,8 +441,8 @@ def efficiency_rows(
                 gflop = counted_gflop(prefill.compressed, methods[name, ratio], "aware")
                 _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                 constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
-                if compare_nearest and name.endswith("+reskv"):
-                    for key, switch in NEAREST_VARIANTS.items():
+                if compare_paths and name.endswith("+reskv"):
+                    for key, switch in CONSTRUCTION_VARIANTS.items():
                         with mock.patch.object(*switch):
                             _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                         constructions[name, ratio][key] = seconds
@@ -592,12 +594,12 @@ def summary(report: dict) -> list[str]:
             floor = (reskv["construct_gflop"] - base["construct_gflop"]) / gflops
             line += f" construction {seconds:.3f}s = {seconds / full['prefill_s']:.3f} x prefill"
             line += f", {seconds / floor:.1f} x fp32 FLOP floor {floor:.3f}s"
-            variants = [key for key in NEAREST_VARIANTS if key in reskv]
+            variants = [key for key in CONSTRUCTION_VARIANTS if key in reskv]
             if variants:
                 line += (
-                    " (nearest centres: "
+                    " (other paths: "
                     + ", ".join(
-                        f"{key.removeprefix('construct_s_').removesuffix('_nearest')} "
+                        f"{key.removeprefix('construct_s_').replace('_', ' ')} "
                         f"{reskv[key] - base['construct_s']:.3f}s"
                         for key in variants
                     )
@@ -690,9 +692,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
-        "--compare-nearest",
+        "--compare-paths",
         action="store_true",
-        help="time each +ResKV construction again with the nearest-centre kernel in TF32x3 and off",
+        help="time each +ResKV construction again on each alternative CUDA path (CONSTRUCTION_VARIANTS)",
     )
     parser.add_argument(
         "--merge",
@@ -750,7 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 new_tokens=new_tokens,
                 decode_modes=decode_modes,
                 method_names=args.efficiency_methods,
-                compare_nearest=args.compare_nearest,
+                compare_paths=args.compare_paths,
             )
             measure(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1])
             print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
