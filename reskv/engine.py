@@ -389,7 +389,7 @@ class Prefill:
             raise ValueError(COMPILED_WITHOUT_SHARED_SOFTMAX)
         self._check_request(max_new_tokens, answer_ids)
         prepared = self._prepare(method, setting, max_new_tokens, answer_ids is not None)
-        step = self._compiled_step if decode == "compiled" else self.next_logits
+        step = self.compiled_next_logits if decode == "compiled" else self.next_logits
         start = time.perf_counter()
         token_ids = self._decode(
             prepared.cache,
@@ -441,7 +441,7 @@ class Prefill:
             stackable[start : start + decode_batch] for start in range(0, len(stackable), decode_batch)
         ]
         batches += [[row] for row in order if row not in stackable]
-        step = self._compiled_step if decode == "compiled" else self.next_logits
+        step = self.compiled_next_logits if decode == "compiled" else self.next_logits
         for batch in batches:
             # Room for the answer in each row's own buffers too: the question fed to a query-agnostic
             # cache attends over all its slots, so its rounding depends on their number (a batch of one
@@ -640,7 +640,7 @@ class Prefill:
         )
         return quality
 
-    def _compiled_step(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
+    def compiled_next_logits(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
         """``next_logits`` of one token through ``compiled_step``: the host claims the cache's slot first,
         so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
         (token_id,) = token_ids

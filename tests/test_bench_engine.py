@@ -1,11 +1,20 @@
-"""The engine benchmark's FLOP accounting (scripts.bench.engine) against hand-counted operations."""
+"""The engine benchmark (scripts.bench.engine): its FLOP accounting against hand-counted operations,
+and how its decode timing steps the caches."""
 
 from __future__ import annotations
 
+import statistics
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from scripts.bench.engine import counted_gflop
+from baselines import build_method
+from reskv.engine import Prefill
+from scripts.bench.engine import counted_gflop, decode_seconds_per_token
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 
 
 def test_counted_flops_of_a_matmul_and_of_causal_and_full_attention():
@@ -19,3 +28,37 @@ def test_counted_flops_of_a_matmul_and_of_causal_and_full_attention():
     # The causal kernel skips the masked half.
     causal = counted_gflop(F.scaled_dot_product_attention, query, key, value, None, 0.0, True)
     assert causal * 1e9 == full // 2
+
+
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_decode_timing_steps_each_cache_in_turn_in_the_mode_asked(decode, monkeypatch):
+    """Lockstep (A B A B ...) over the asked step function, the compiled one with one untimed first
+    step per cache, and medians over the timed steps only. The compiled step is a spy around the eager
+    one here (no compilation); each step advances a fake clock by a duration that names the cache and
+    the step, so the medians are known."""
+    prefill = Prefill(cached_tiny_backbone("tiny-llama", 4, 2), random_prompt(TOKENS, 120, seed=0), 100)
+    next_logits = Prefill.next_logits
+    clock, stepped = [0.0], []  # stepped: the caches of the asked mode's steps, in call order
+
+    def spy(mode):
+        def step(self, token_ids, cache):
+            if mode == decode:
+                stepped.append(id(cache))
+                caches = list(dict.fromkeys(stepped))
+                clock[0] += 1000 * caches.index(id(cache)) + stepped.count(id(cache))
+            return next_logits(self, token_ids, cache)
+
+        return step
+
+    monkeypatch.setattr(Prefill, "compiled_next_logits", spy("compiled"))
+    monkeypatch.setattr(Prefill, "next_logits", spy("eager"))
+    monkeypatch.setattr("scripts.bench.engine.time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    methods = {name: build_method(name, 0.5) for name in ("snapkv", "snapkv+reskv")}
+    seconds = decode_seconds_per_token(prefill, methods, 3, decode=decode)
+    untimed = 1 if decode == "compiled" else 0
+    looped = stepped[-2 * (3 + untimed) :]  # the eager first answer token is stepped before, eagerly
+    assert looped[0] != looped[1] and looped == looped[:2] * (3 + untimed)
+    assert len(stepped) == len(looped) + (decode == "eager")
+    # A cache's n-th step (from 1) takes 1000 * its rank + n; the untimed first one is left out.
+    rank = list(dict.fromkeys(stepped)).index(looped[0])
+    assert seconds["snapkv"] == 1000 * rank + statistics.median(range(1 + untimed, 4 + untimed))

@@ -64,7 +64,7 @@ def test_the_compiled_step_gives_the_eager_logits(prefill, name):
     gives the eager step's logits along the same tokens, to fp32 rounding, and the same greedy tokens."""
     torch._dynamo.reset()
     eager = forced_logits(prefill, decode_cache(prefill, name), prefill.next_logits)
-    compiled = forced_logits(prefill, decode_cache(prefill, name), prefill._compiled_step)
+    compiled = forced_logits(prefill, decode_cache(prefill, name), prefill.compiled_next_logits)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
     generated = {
@@ -99,7 +99,7 @@ def test_one_compiled_graph_serves_every_pattern_of_layers_with_and_without_entr
     counters.clear()
     for pattern in itertools.product((False, True), repeat=len(reskv.layers)):
         eager = prefill.next_logits([FORCED[0]], cache_of(pattern))
-        compiled = prefill._compiled_step([FORCED[0]], cache_of(pattern))
+        compiled = prefill.compiled_next_logits([FORCED[0]], cache_of(pattern))
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] <= 2
 
@@ -118,7 +118,7 @@ def test_the_compiled_step_follows_a_rule_whose_gate_parameters_change():
     for tau, alpha in ((0.25, 12.0), (0.3, 8.0), (0.2, 16.0)):
         rule = plain_rule(dataclasses.replace(DecodeRule(), tau=tau, alpha=alpha))
         logits = {}
-        for step in (prefill.next_logits, prefill._compiled_step):
+        for step in (prefill.next_logits, prefill.compiled_next_logits):
             layers = [layer.fork() for layer in cache.layers]
             for layer in layers:
                 layer.rule = rule

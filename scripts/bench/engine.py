@@ -11,7 +11,9 @@ prefill's FLOP rate (its smaller matmuls reach less), so kernel tuning alone can
 share much below it; the seconds the construction's own matmuls take replayed alone at their shapes
 (``scripts.measure.replayed_matmul_seconds``) as a share of the prefill: the floor at this machine's
 rate for each shape, the rest of a target being what everything else may take; decode seconds per
-token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x, issue 24) and the full cache. A second table
+token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x, issue 24) and the full cache, eagerly and with
+the compiled step (``decode="compiled"``; its first compilation, tens of seconds to minutes, is not
+timed; ``--skip-compiled`` leaves it out). A second table
 isolates what the entries cost a decode step: one layer's ``shared_softmax_attention`` over the
 budget's slots, main cache only against ``r = 0.1 b`` of them residual entries (random tensors of
 the model's shapes, hundreds of interleaved calls, so far less noisy than whole decode steps). Last,
@@ -70,22 +72,27 @@ def prefilled(backbone, prompt_ids: list[int], context_length: int, methods: lis
     return prefill
 
 
-def decode_seconds_per_token(prefill: Prefill, methods: dict[str, Method], tokens: int) -> dict[str, float]:
+def decode_seconds_per_token(
+    prefill: Prefill, methods: dict[str, Method], tokens: int, decode: str = "eager"
+) -> dict[str, float]:
     """Median seconds of one greedy decode step (forward pass and argmax, which also waits for a GPU)
     for each named method over ``tokens`` steps, the methods' caches stepped in lockstep
     (A B C A B C ...) so drifts in the machine's speed hit all alike. Every cache starts from the
     full cache's first answer token and then follows its own greedy choice, as ``Prefill.generate``
-    would."""
+    would. ``decode="compiled"`` steps through ``Prefill.compiled_next_logits``, one more step per
+    cache first, untimed: the step compiles (or loads its graph) at its first call."""
     first_token = prefill.generate(build_method("full"), "aware", 1).token_ids[0]
-    caches = {name: decode_cache(prefill, method, tokens) for name, method in methods.items()}
+    step = prefill.compiled_next_logits if decode == "compiled" else prefill.next_logits
+    untimed = 1 if decode == "compiled" else 0
+    caches = {name: decode_cache(prefill, method, tokens + untimed) for name, method in methods.items()}
     next_tokens = dict.fromkeys(methods, first_token)
     samples = {name: [] for name in methods}
-    for _ in range(tokens):
+    for _ in range(tokens + untimed):
         for name, cache in caches.items():
             start = time.perf_counter()
-            next_tokens[name] = int(prefill.next_logits([next_tokens[name]], cache).argmax())
+            next_tokens[name] = int(step([next_tokens[name]], cache).argmax())
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: statistics.median(values[untimed:]) for name, values in samples.items()}
 
 
 def decode_cache(prefill: Prefill, method: Method, tokens: int):
@@ -163,6 +170,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps per method (median)")
     parser.add_argument("--rounds", type=int, default=2, help="compressions per method and ratio (median)")
     parser.add_argument("--skip-memory", action="store_true", help="skip the 32K k-means memory figure")
+    parser.add_argument("--skip-compiled", action="store_true", help="skip the compiled step's decode times")
     parser.add_argument(
         "--count-lengths",
         type=int,
@@ -208,6 +216,9 @@ def main() -> None:
         "+reskv / snapkv",
         "decode s/tok full",
         "+reskv / full",
+        "compiled s/tok snapkv",
+        "compiled +reskv / snapkv",
+        "compiled +reskv / full",
     ):
         table.add_column(column, justify="right")
     for length in args.lengths:
@@ -234,6 +245,14 @@ def main() -> None:
             ) - replayed_matmul_seconds(prefill.compressed, build_method("snapkv", ratio), "aware")
             decoded = {name: build_method(name, ratio) for name in ("snapkv", "snapkv+reskv", "full")}
             decode = decode_seconds_per_token(prefill, decoded, args.decode_tokens)
+            compiled = []
+            if not args.skip_compiled:
+                steps = decode_seconds_per_token(prefill, decoded, args.decode_tokens, decode="compiled")
+                compiled = [
+                    f"{steps['snapkv']:.4f}",
+                    f"{steps['snapkv+reskv'] / steps['snapkv']:.3f}",
+                    f"{steps['snapkv+reskv'] / steps['full']:.3f}",
+                ]
             table.add_row(
                 str(len(prompt_ids)),
                 f"{ratio:.1f}",
@@ -250,6 +269,7 @@ def main() -> None:
                 f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}",
                 f"{decode['full']:.4f}",
                 f"{decode['snapkv+reskv'] / decode['full']:.3f}",
+                *compiled,
             )
             slots = budget_for(len(prompt_ids), ratio)
             entries = residual_size(0.1, slots)
