@@ -247,11 +247,11 @@ def main() -> None:
             decode = decode_seconds_per_token(prefill, decoded, args.decode_tokens)
             compiled = []
             if not args.skip_compiled:
-                steps = decode_seconds_per_token(prefill, decoded, args.decode_tokens, decode="compiled")
+                step_s = decode_seconds_per_token(prefill, decoded, args.decode_tokens, decode="compiled")
                 compiled = [
-                    f"{steps['snapkv']:.4f}",
-                    f"{steps['snapkv+reskv'] / steps['snapkv']:.3f}",
-                    f"{steps['snapkv+reskv'] / steps['full']:.3f}",
+                    f"{step_s['snapkv']:.4f}",
+                    f"{step_s['snapkv+reskv'] / step_s['snapkv']:.3f}",
+                    f"{step_s['snapkv+reskv'] / step_s['full']:.3f}",
                 ]
             table.add_row(
                 str(len(prompt_ids)),
