@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from baselines import build_method
 from reskv.engine import Prefill
+from scripts.bench import engine
 from scripts.bench.engine import counted_gflop, decode_seconds_per_token
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
@@ -62,3 +63,18 @@ def test_decode_timing_steps_each_cache_in_turn_in_the_mode_asked(decode, monkey
     # A cache's n-th step (from 1) takes 1000 * its rank + n; the untimed first one is left out.
     rank = list(dict.fromkeys(stepped)).index(looped[0])
     assert seconds["snapkv"] == 1000 * rank + statistics.median(range(1 + untimed, 4 + untimed))
+
+
+def test_the_engine_benchmark_fills_every_column_of_its_rows(monkeypatch, capsys):
+    """``main`` end to end on the embedded model at a short prompt, the compiled step stood in for by
+    the eager one (no compilation): every column of the speed table holds a figure."""
+    monkeypatch.setattr(Prefill, "compiled_next_logits", Prefill.next_logits)
+    arguments = ["--lengths", "400", "--ratios", "0.9", "--decode-tokens", "2", "--rounds", "1"]
+    engine.main([*arguments, "--skip-memory", "--count-lengths"])
+    rows = [
+        [cell.strip() for cell in line.strip().strip("│").split("│")]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("│")
+    ]
+    speed = [row for row in rows if len(row) == 18]
+    assert len(speed) == 1 and all(speed[0]) and speed[0][1] == "0.9"

@@ -161,7 +161,7 @@ def kmeans_peak_memory(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -179,7 +179,7 @@ def main() -> None:
         help="prompt lengths of the op and sync counts at the 8B attention shape (none: skip them; "
         "32768 needs more than 24 GB of host memory)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     console = Console(width=200)  # every column readable when printed to a file or a narrow terminal
     console.print(machine_header())
