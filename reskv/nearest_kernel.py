@@ -49,8 +49,8 @@ def available() -> bool:
 def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
     """Index ``[R, E]`` (int64) of each point's nearest centre, as ``reskv.residual.nearest_centers``.
 
-    ``points`` ``[R, E, d]`` and ``centers`` ``[R, r, d]`` fp32 with unit stride along ``d``;
-    ``center_norms`` ``[R, r]``: ``||c||²`` plus the centres' bias, a row's minimum finite.
+    ``points`` ``[R, E, d]`` and ``centers`` ``[R, r, d]`` fp32 (read contiguous); ``center_norms``
+    ``[R, r]``: ``||c||²`` plus the centres' bias, a row's minimum finite.
     """
     num_rows, num_points, dim = points.shape
     points, centers, center_norms = points.contiguous(), centers.contiguous(), center_norms.contiguous()
