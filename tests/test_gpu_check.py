@@ -14,6 +14,7 @@ import reskv.residual
 from baselines import build_method
 from baselines.registry import METHODS
 from reskv.engine import Prefill
+from reskv.proxy import ValidationProxy
 from scripts.bench import gpu_check
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
@@ -171,9 +172,27 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
     tf32x3, torch_path, sorted_sums = (
         rows[2][key] - rows[1]["construct_s"] for key in gpu_check.CONSTRUCTION_VARIANTS
     )
+    assert all(rows[2][key.replace("construct_s_", "same_sizes_")] for key in gpu_check.CONSTRUCTION_VARIANTS)
     lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
     expected = f"(other paths: tf32x3 nearest {tf32x3:.3f}s, torch nearest {torch_path:.3f}s, "
     assert expected + f"sorted sums {sorted_sums:.3f}s);" in lines[1]
+
+
+def test_compare_paths_marks_a_path_that_chose_other_residual_sizes(monkeypatch):
+    """A path whose proxy keeps no entries (a stand-in for a near tie gone the other way) is marked."""
+    no_entries = (
+        ValidationProxy,
+        "choose",
+        lambda self, budgets: torch.zeros(len(budgets), dtype=torch.long),
+    )
+    monkeypatch.setattr(gpu_check, "CONSTRUCTION_VARIANTS", {"construct_s_no_entries": no_entries})
+    torch.manual_seed(0)
+    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    methods = ("snapkv", "snapkv+reskv")
+    rows = gpu_check.efficiency_rows(backbone, [256], [0.6], 2, method_names=methods, compare_paths=True)
+    assert rows[2]["residual_heads"] > 0 and rows[2]["same_sizes_no_entries"] is False
+    lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
+    assert " (other sizes));" in lines[1]
 
 
 def test_the_figure_draws_only_the_panels_some_row_measured():

@@ -391,7 +391,7 @@ def efficiency_rows(
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
     ``profile_lengths`` each construction, and each compiled decode, is also profiled
     (``device_profile``). With ``compare_paths`` each +ResKV construction is timed again on each of
-    ``CONSTRUCTION_VARIANTS``."""
+    ``CONSTRUCTION_VARIANTS``, noting whether it chose the same residual sizes."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -439,13 +439,18 @@ def efficiency_rows(
             for name, ratio in compressing:
                 # Counting FLOPs runs the construction once more: kernels are chosen before it is timed.
                 gflop = counted_gflop(prefill.compressed, methods[name, ratio], "aware")
-                _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
+                (_, stats), seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
                 constructions[name, ratio] = {"construct_s": seconds, "construct_gflop": gflop}
                 if compare_paths and name.endswith("+reskv"):
                     for key, switch in CONSTRUCTION_VARIANTS.items():
                         with mock.patch.object(*switch):
-                            _, seconds = timed(device, prefill.compressed, methods[name, ratio], "aware")
+                            (_, other), seconds = timed(
+                                device, prefill.compressed, methods[name, ratio], "aware"
+                            )
                         constructions[name, ratio][key] = seconds
+                        # Whether that path chose the same residual sizes (a near tie may go either way).
+                        same = other["residual_slots"] == stats["residual_slots"]
+                        constructions[name, ratio][key.replace("construct_s_", "same_sizes_")] = same
                 if length in profile_lengths:
                     constructions[name, ratio]["construct_profile"] = device_profile(
                         device, prefill.compressed, methods[name, ratio], "aware"
@@ -601,6 +606,7 @@ def summary(report: dict) -> list[str]:
                     + ", ".join(
                         f"{key.removeprefix('construct_s_').replace('_', ' ')} "
                         f"{reskv[key] - base['construct_s']:.3f}s"
+                        + ("" if reskv[key.replace("construct_s_", "same_sizes_")] else " (other sizes)")
                         for key in variants
                     )
                     + ")"
