@@ -148,8 +148,8 @@ def sorted_cluster_sums(weighted_points: Tensor, flat_index: Tensor, num_centers
     (which reads the device)."""
     num_rows, _, dim = weighted_points.shape
     order = flat_index.sort(stable=True).indices
-    lengths = torch.zeros(num_rows * num_centers, dtype=torch.long, device=flat_index.device)
-    lengths.index_add_(0, flat_index, torch.ones_like(flat_index))
+    every_point = torch.ones_like(flat_index).reshape(num_rows, -1)  # padding points too: all are sorted
+    lengths = cluster_counts(every_point, flat_index, num_centers).reshape(-1)
     sorted_points = weighted_points.reshape(-1, dim).index_select(0, order)
     sums = torch.segment_reduce(sorted_points, "sum", lengths=lengths, unsafe=True)
     return sums.reshape(num_rows, num_centers, dim)
@@ -180,7 +180,6 @@ def nearest_centers(
     while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
     """
     num_rows, num_points, _ = points.shape
-    width = distance_width(centers.shape[1], points.device)
     center_norms = (centers * centers).sum(-1)
     if center_bias is not None:
         center_norms.add_(center_bias)
@@ -189,6 +188,7 @@ def nearest_centers(
 
         if nearest_kernel.available():
             return nearest_kernel.nearest(points, centers, center_norms)
+    width = distance_width(centers.shape[1], points.device)
     if width > centers.shape[1]:  # padding centres at the origin with norm +inf (distance_width)
         padding = width - centers.shape[1]
         centers = F.pad(centers, (0, 0, 0, padding))
