@@ -41,7 +41,7 @@ from reskv.attention import (
     stacked_shared_softmax_attention,
 )
 from reskv.compress import CompressedLayerState
-from reskv.config import DecodeRule, plain_rule
+from reskv.config import NO_RESIDUAL_RULE, DecodeRule, plain_rule
 from reskv.residual import ResidualEntries
 from reskv.scoring import LayerObservation, accumulated_attention
 
@@ -263,7 +263,7 @@ class CompressedLayer(CacheLayerMixin):
             ResidualEntries.empty(keys.shape[0], keys),
             kept=keys.new_ones(keys.shape[:2], dtype=torch.bool),
         )
-        return cls(state, layer.get_seq_length(), DecodeRule(), spare_slots)
+        return cls(state, layer.get_seq_length(), NO_RESIDUAL_RULE, spare_slots)
 
     def _set_buffers(self, keys: Tensor, values: Tensor, bias: Tensor) -> None:
         self._keys, self._values, self._bias = (static_address(buffer, 2) for buffer in (keys, values, bias))

@@ -35,10 +35,15 @@ class DecodeRule:
     shared_softmax: bool = True  # False: "w/o shared softmax" (this project's reading, reskv.md)
 
 
+# How a cache without residual entries is attended (a base method's, the full cache's): no gate, so
+# its layers make one SDPA call, compiled as well as eager (reskv.md, "How the harness decodes").
+NO_RESIDUAL_RULE = DecodeRule(gate=False)
+
+
 def plain_rule(rule: DecodeRule) -> DecodeRule:
     """The ``DecodeRule`` with ``rule``'s fields (a ``ResidualConfig``'s decode part), one object per
     value. A compiled decode step guards on its layers' rule objects, their type and which are the
-    same object, so a base method's rule and +ResKV's equal one would otherwise compile apart."""
+    same object, so two caches of equal rules would otherwise compile apart."""
     return _rule_of(tuple(getattr(rule, field.name) for field in fields(DecodeRule)))
 
 

@@ -29,7 +29,14 @@ from torch import Tensor
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ObservedLayer, ResKVCache
 from reskv.compress import CompressedLayerState, compress_layers
-from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, SETTINGS, DecodeRule, ResidualConfig
+from reskv.config import (
+    COMPILED_WITHOUT_SHARED_SOFTMAX,
+    DECODE_MODES,
+    NO_RESIDUAL_RULE,
+    SETTINGS,
+    DecodeRule,
+    ResidualConfig,
+)
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
 from reskv.scoring import LayerObservation, TokenScorer
@@ -79,8 +86,9 @@ class Method:
 
     @property
     def decode_rule(self) -> DecodeRule:
-        """How its cache is attended: the residual's rule (a ``ResidualConfig`` is one), or the plain one."""
-        return self.residual or DecodeRule()
+        """How its cache is attended: the residual's rule (a ``ResidualConfig`` is one), or without a
+        residual ``NO_RESIDUAL_RULE``."""
+        return self.residual or NO_RESIDUAL_RULE
 
     @property
     def retained_fraction(self) -> float:
@@ -641,15 +649,8 @@ class Prefill:
         return quality
 
     def compiled_next_logits(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
-        """``next_logits`` of one token through ``compiled_step``: the host claims the cache's slot first,
-        so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
-        (token_id,) = token_ids
-        position = cache.get_seq_length()
-        cache.claim(1)
-        device = self.backbone.device
-        return compiled_step(self.backbone.model, self.backbone.cache_argument)(
-            torch.tensor([[token_id]], device=device), torch.tensor([[position]], device=device), cache
-        )
+        """``next_logits`` of one token through ``compiled_step`` (``compiled_next_logits``)."""
+        return compiled_next_logits(self.backbone, token_ids, cache)
 
     def _decode(
         self,
@@ -737,6 +738,18 @@ def compiled_step(model: torch.nn.Module, cache_argument: str):
 
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     return torch.compile(step, fullgraph=True, mode=mode)
+
+
+def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
+    """The next-token logits ``[V]`` after one token through ``compiled_step``: the host claims the
+    cache's slot first, so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
+    (token_id,) = token_ids
+    position = cache.get_seq_length()
+    cache.claim(1)
+    device = backbone.device
+    return compiled_step(backbone.model, backbone.cache_argument)(
+        torch.tensor([[token_id]], device=device), torch.tensor([[position]], device=device), cache
+    )
 
 
 def single_sequence(prompt_ids: Sequence[int] | Tensor) -> list[int]:

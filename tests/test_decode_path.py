@@ -76,12 +76,13 @@ def test_the_compiled_step_gives_the_eager_logits(prefill, name):
 
 @pytest.mark.slow
 def test_one_compiled_graph_serves_every_pattern_of_layers_with_and_without_entries():
-    """Which layers hold residual entries varies with the prompt and the ratio (a layer whose heads all
-    chose ``r = 0`` holds none), and a base method's layers carry another rule object than +ResKV's.
-    The compiled step must specialise on neither: the 16 caches of 4 layers, each layer SnapKV's or
-    SnapKV+ResKV's, compile at most 2 graphs (static shapes first, then dynamic ones), each giving the
-    eager step's logits. A graph per pattern would pass torch._dynamo's recompile limit (8), which
-    ``fullgraph=True`` turns into an error in the middle of a run."""
+    """Which layers of a +ResKV cache hold residual entries varies with the prompt and the ratio (a layer
+    whose heads all chose ``r = 0`` holds none: here a SnapKV layer given +ResKV's rule). The compiled
+    step must not specialise on it: the 16 caches of 4 layers, each layer with entries or without,
+    compile at most 2 graphs (static shapes first, then dynamic ones), each giving the eager step's
+    logits. A graph per pattern would pass torch._dynamo's recompile limit (8), which
+    ``fullgraph=True`` turns into an error in the middle of a run. (A base method's cache, whose rule
+    has no gate, compiles its own graph: one SDPA call per layer, tests/test_dispatch_counts.py.)"""
     backbone = tiny_backbone("tiny-llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
     methods = [build_method(name, 0.6) for name in ("snapkv", "snapkv+reskv")]
     prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, methods)
@@ -91,6 +92,8 @@ def test_one_compiled_graph_serves_every_pattern_of_layers_with_and_without_entr
 
     def cache_of(pattern: tuple[bool, ...]) -> ResKVCache:
         layers = [(reskv if entries else base).layers[i].fork() for i, entries in enumerate(pattern)]
+        for layer in layers:
+            layer.rule = reskv.layers[0].rule
         cache = ResKVCache(layers)
         cache.reserve(1)
         return static_cache(cache, 1)

@@ -1,16 +1,21 @@
 """The op and sync counter (scripts.bench.dispatch_counts) on hand-counted code, the construction's
-host-device syncs: a fixed number per layer batch, however many layers (issue 22), and the ops of a
-decode step's attention as the spec lists them (issue 24)."""
+host-device syncs: a fixed number per layer batch, however many layers (issue 22), the ops of a
+decode step's attention as the spec lists them, and the compiled step's kernels (issue 24)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
+from baselines import build_method
 from reskv.attention import shared_softmax_attention
 from reskv.config import DecodeRule
-from scripts.bench.construction_counts import count_compression, synthetic_prefilled_cache
-from scripts.bench.dispatch_counts import count_dispatch
+from reskv.engine import compiled_next_logits, static_cache
+from scripts.bench.construction_counts import LLAMA_ATTENTION, count_compression, synthetic_prefilled_cache
+from scripts.bench.decode_counts import narrow_llama_8b_attention
+from scripts.bench.dispatch_counts import compiled_kernels, count_dispatch
 
 
 def test_counter_counts_launching_ops_and_syncs_by_hand():
@@ -87,3 +92,45 @@ def test_reskv_compression_takes_at_most_one_and_a_half_times_its_bases_ops(base
     cache = synthetic_prefilled_cache(1000, num_layers=32, num_heads=8, num_kv_heads=4, head_dim=16)
     base_ops = count_compression(cache, base, 0.6, 16)[0]
     assert count_compression(cache, base + "+reskv", 0.6, 16)[0] <= 1.5 * base_ops
+
+
+def test_compiled_kernels_reads_the_launches_of_inductors_code_by_hand():
+    """On CPU a matmul is a library call and inductor fuses the elementwise work between two of them
+    into one C++ kernel, and a reduction after the last into another: 2 + 2 launches."""
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+
+    def two_layers(x, w):
+        return (torch.mm(x, w).relu() * 2 @ w).sum()
+
+    kernels = compiled_kernels(torch.compile(two_layers, fullgraph=True), x, w)
+    assert kernels == {"extern_kernels.mm": 2, "fused": 2}
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_attends_a_base_layer_by_one_sdpa_call_and_a_reskv_layer_by_two_products():
+    """reskv.md ("How the harness decodes"), compiled: a cache without entries (a base method's, the full
+    cache's) has no gate, so each layer's attention is one SDPA call, as eagerly; a +ResKV layer's is
+    the logits' product, the gate and softmax, and the values' product. One graph serves every base
+    and one every +ResKV method (2 layers of the 8B attention shape, CPU). A base layer computing the
+    gate over no entries (the former compiled form) took +ResKV's kernels, 1.16x its own."""
+    backbone = narrow_llama_8b_attention(num_layers=2)
+    cache = synthetic_prefilled_cache(600, **dict(LLAMA_ATTENTION, num_layers=2))
+    kernels = {}
+    for name in ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv"):
+        compressed, _ = build_method(name, 0.6).compress(cache, LLAMA_ATTENTION["head_dim"] ** -0.5)
+        compressed = static_cache(compressed, 1)
+        compressed.reserve(1)
+        with torch.inference_mode():
+            kernels[name] = compiled_kernels(compiled_next_logits, backbone, [7], compressed)
+
+    def attention(counted: Counter) -> dict:
+        return {kind: count for kind, count in counted.items() if "scaled_dot" in kind or "bmm" in kind}
+
+    for base in ("full", "snapkv", "adakv"):
+        assert attention(kernels[base]) == {
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default": 2
+        }
+        assert kernels[base] == kernels["full"]
+    for name in ("snapkv+reskv", "adakv+reskv"):
+        assert attention(kernels[name]) == {"extern_kernels.baddbmm": 2, "extern_kernels.bmm": 2}
+        assert kernels[name] == kernels["snapkv+reskv"]

@@ -33,7 +33,7 @@ from reskv.cache import ObservedLayer, ResKVCache
 from reskv.config import ResidualConfig, budget_for
 from reskv.engine import LAYER_BATCH_BYTES
 from reskv.residual import DEVICE_MEMORY_SHARE, DISTANCE_CHUNK_BYTES, residual_size
-from scripts.bench.dispatch_counts import count_arguments, count_dispatch
+from scripts.bench.dispatch_counts import count_dispatch, count_parser
 
 LLAMA_ATTENTION = dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
 COUNTED_METHODS = ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova", "tova+reskv", "h2o", "h2o+reskv")
@@ -144,7 +144,7 @@ def launches_table(seq_len: int, ratio: float) -> Table:
 
 
 def main() -> None:
-    args = count_arguments(__doc__, COUNTED_METHODS)
+    args = count_parser(__doc__, COUNTED_METHODS).parse_args()
     console = Console(width=200)
     console.print(counts_table(args.lengths, args.ratio, args.methods))
     console.print(launches_table(131072, args.ratio))

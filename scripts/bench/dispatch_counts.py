@@ -14,17 +14,22 @@ on CPU with a ``TorchDispatchMode``:
   (``aten.item`` under ``inference_mode``, ``aten._local_scalar_dense`` outside it), ``nonzero``,
   ``unique`` and ``masked_select`` (their output shape is data), and ``Tensor.tolist`` (which on CPU
   reads memory without dispatching, so it is counted by a wrapper for the duration of the count).
+
+A ``torch.compile``d function runs no aten op of its own that a dispatch mode could see: its launches
+are read from the code inductor generates for it instead (``compiled_kernels``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -91,7 +96,32 @@ def count_dispatch():
         torch.Tensor.tolist = original_tolist
 
 
-def count_arguments(description: str, methods: Sequence[str]) -> argparse.Namespace:
+def compiled_kernels(function, *args) -> Counter:
+    """Kernels one call of ``function`` (``torch.compile``d) launches, by kind: ``fused`` for inductor's
+    own kernels (C++ on CPU, Triton on CUDA), the library call's name (``extern_kernels.mm``) or the
+    aten fallback's (``torch.ops.aten.sort.default``) for the others. Read from the ``call`` of the code
+    inductor generates (``run_and_get_code``, which empties torch._dynamo's caches first, so the call
+    compiles): straight-line code, one line per launch. Allocations and views launch nothing."""
+    _, sources = run_and_get_code(function, *args)
+    kernels = Counter()
+    for source in sources:
+        fused = set(re.findall(r"^(\w+) = async_compile\.", source, re.M))
+        call = source[source.index("def call(") :]
+        call = re.split(r"\n(?=\S| {0,4}def )", call, maxsplit=1)[0]  # up to the next definition
+        for name in re.findall(LAUNCH, call, re.M):
+            if name in fused:
+                kernels["fused"] += 1
+            elif "." in name:
+                kernels[name] += 1
+    return kernels
+
+
+# A statement of inductor's ``call`` that may launch: ``name(...)``, ``name.run(...)`` (Triton) or
+# ``buf = name(...)``, the name a fused kernel's, a library call's or an aten op's.
+LAUNCH = r"^ +(?:\w+ = )?((?:extern_kernels|torch\.ops\.\w+)\.[\w.]+|\w+)(?:\.run)?\("
+
+
+def count_parser(description: str, methods: Sequence[str]) -> argparse.ArgumentParser:
     """The command line of the op-count tables (``construction_counts``, ``decode_counts``): the
     prompt lengths, the ratio and the methods counted."""
     parser = argparse.ArgumentParser(
@@ -102,4 +132,4 @@ def count_arguments(description: str, methods: Sequence[str]) -> argparse.Namesp
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
     parser.add_argument("--ratio", type=float, default=0.9)
     parser.add_argument("--methods", nargs="+", default=list(methods))
-    return parser.parse_args()
+    return parser

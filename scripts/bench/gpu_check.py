@@ -54,7 +54,7 @@ import reskv.residual
 from baselines import METHODS, build_method
 from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
 from reskv.compress import compress_layer
-from reskv.config import DECODE_MODES, SETTINGS, DecodeRule
+from reskv.config import DECODE_MODES, SETTINGS
 from reskv.engine import Method, Prefill
 from scripts.measure import (
     MemoryPeak,
@@ -138,7 +138,7 @@ def layer_results(prefill: Prefill, method_name: str, ratio: float, setting: str
         if state is None:
             continue
         queries = observation.queries.reshape(observation.num_kv_heads, -1, observation.queries.shape[-1])
-        rule = method.residual or DecodeRule()
+        rule = method.decode_rule
         scores = method.scorer.prompt_scores(observation)
         allotted = method.scorer.head_budgets(
             scores, state.stats["budget"], layer_idx=observation.layer_idx, num_layers=len(observations)
