@@ -13,6 +13,8 @@ quantity are measured the same way:
 - ``counted_gflop``: the matmul and attention FLOPs a call performs, the floor its time is judged by;
   ``replayed_matmul_seconds``: the time its matmuls take alone at their own shapes, the floor on
   this machine;
+- ``median_interval``: a median with its distribution-free 95% interval, for ratios of paired
+  timings (two methods stepped in turn), which machine noise makes vary from run to run;
 - ``random_prompt``: token ids drawn uniformly from a vocabulary with a fixed seed.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import platform
 import statistics
@@ -310,6 +313,21 @@ def replayed_matmul_seconds(fn, *args, repeats: int = 3) -> float:
             runs.append(time.perf_counter() - start)
         seconds += min(runs)
     return seconds
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """The median of ``values`` and an interval holding the true median with at least ``confidence``,
+    whatever the distribution: the ``k``-th smallest and largest values, ``k`` the largest rank with
+    ``P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2`` (the sign test's interval; Conover,
+    *Practical Nonparametric Statistics*, 3.2). Too few values for any such ``k`` (``n < 6`` at 95%)
+    give ``(-inf, inf)``."""
+    ordered, n = sorted(values), len(values)
+    tail, below, k = (1 - confidence) / 2, 0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    low, high = (ordered[k - 1], ordered[n - k]) if k else (-math.inf, math.inf)
+    return statistics.median(ordered), low, high
 
 
 def random_prompt(vocabulary: Sequence[int], length: int, seed: int) -> list[int]:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from baselines import build_method
 from reskv.engine import Prefill
 from scripts.bench import engine
-from scripts.bench.engine import counted_gflop, decode_seconds_per_token
+from scripts.bench.engine import counted_gflop, decode_seconds_per_token, paired_ratio
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
 
@@ -78,3 +78,14 @@ def test_the_engine_benchmark_fills_every_column_of_its_rows(monkeypatch, capsys
     ]
     speed = [row for row in rows if len(row) == 18]
     assert len(speed) == 1 and all(speed[0]) and speed[0][1] == "0.9"
+
+
+def test_a_paired_ratio_divides_each_step_by_its_partner():
+    """Steps that grow tenfold from one pair to the next (the machine's speed drifting), each +ResKV
+    step twice its partner: every paired ratio is 2, where steps paired otherwise differ by powers of
+    ten. With 8 pairs the 95% interval is the extremes (P(X = 0) = 1/256, P(X <= 1) = 9/256)."""
+    snapkv = [10.0**power for power in range(8)]
+    samples = {"snapkv": snapkv, "snapkv+reskv": [2 * seconds for seconds in snapkv]}
+    assert paired_ratio(samples, "snapkv+reskv", "snapkv") == "2.000 [2.000, 2.000]"
+    samples["snapkv+reskv"][3] = 3 * snapkv[3]  # one pair off: the median stays, the interval widens
+    assert paired_ratio(samples, "snapkv+reskv", "snapkv") == "2.000 [2.000, 3.000]"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 
 from reskv.backbones import random_backbone
 from scripts import measure
 from scripts.bench.dispatch_counts import count_dispatch
-from scripts.measure import machine, peak_allocated, peak_memory, peak_site, random_prompt
+from scripts.measure import machine, median_interval, peak_allocated, peak_memory, peak_site, random_prompt
 
 MIB = 2**20
 
@@ -115,3 +118,26 @@ def test_recorded_matmuls_keep_each_products_layout_and_replay_it(monkeypatch):
     assert next(ticks, None) is None
     # The block once, then each product's warm-up and its three timed runs.
     assert (counts.by_op["baddbmm"], counts.by_op["mm"]) == (1 + 1 + 3, 1 + 1 + 3)
+
+
+def test_median_interval_takes_the_ranks_of_the_binomial_tails_by_hand():
+    """95%: n = 10 keeps ranks 2 and 9 (P(X <= 1) = 11/1024 = 0.011, P(X <= 2) = 56/1024 = 0.055 for
+    X ~ Binomial(10, 1/2)); n = 32 ranks 10 and 23 (P(X <= 9) = 0.0100, P(X <= 10) = 0.0251); n = 6
+    the extremes (1/64 = 0.016); n = 5 none (1/32 = 0.031 > 0.025)."""
+    shuffled = random.Random(0).sample(range(1, 11), 10)
+    assert median_interval(shuffled) == (5.5, 2, 9)
+    assert median_interval([float(v) for v in range(1, 33)]) == (16.5, 10.0, 23.0)
+    assert median_interval([3, 1, 2, 6, 5, 4]) == (3.5, 1, 6)
+    assert median_interval([1, 2, 3, 4, 5]) == (3, -math.inf, math.inf)
+
+
+def test_median_interval_holds_the_true_median_at_least_as_often_as_it_says():
+    """Exponential draws (median ln 2), 20 at a time: the sign-test interval's exact coverage there is
+    1 - 2 P(X <= 5) = 0.959 for X ~ Binomial(20, 1/2); 4,000 trials estimate it within about 0.003."""
+    draws = random.Random(1)
+    trials = 4000
+    covered = 0
+    for _ in range(trials):
+        _, low, high = median_interval([draws.expovariate(1.0) for _ in range(20)])
+        covered += low <= math.log(2) <= high
+    assert 0.95 <= covered / trials <= 0.97

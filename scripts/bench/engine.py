@@ -19,7 +19,10 @@ budget's slots, main cache only against ``r = 0.1 b`` of them residual entries (
 the model's shapes, hundreds of interleaved calls, so far less noisy than whole decode steps). Last,
 ``kmeans_peak_memory`` for a Llama-3.1-8B-shaped layer at 32K tokens (peak transient MiB and seconds
 on this machine). Decode steps alternate between methods one token at a time (A B C A B C ...) so
-machine noise hits all alike; a step's time is the median over ``--decode-tokens`` steps. Then the
+machine noise hits all alike; a step's time is the median over ``--decode-tokens`` steps, and a ratio
+of two methods' steps the median of their paired steps' ratios, with its 95% interval
+(``scripts.measure.median_interval``: a run resolves a target only where the interval lies on one
+side of it). Then the
 op and host-device sync counts of a whole-prompt compression at Llama-3.1-8B's attention shape
 (``scripts.bench.construction_counts``: what a GPU's host pays, issue 22), the model of its k-means
 distance launches at 131K tokens, and the same counts for one decoded token
@@ -45,7 +48,13 @@ from reskv.engine import Method, Prefill, static_cache
 from reskv.residual import build_residual, residual_size
 from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
 from scripts.bench.decode_counts import DECODE_COUNTED_METHODS, decode_counts_table
-from scripts.measure import counted_gflop, machine_header, peak_allocated, replayed_matmul_seconds
+from scripts.measure import (
+    counted_gflop,
+    machine_header,
+    median_interval,
+    peak_allocated,
+    replayed_matmul_seconds,
+)
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -72,15 +81,15 @@ def prefilled(backbone, prompt_ids: list[int], context_length: int, methods: lis
     return prefill
 
 
-def decode_seconds_per_token(
+def decode_step_seconds(
     prefill: Prefill, methods: dict[str, Method], tokens: int, decode: str = "eager"
-) -> dict[str, float]:
-    """Median seconds of one greedy decode step (forward pass and argmax, which also waits for a GPU)
-    for each named method over ``tokens`` steps, the methods' caches stepped in lockstep
-    (A B C A B C ...) so drifts in the machine's speed hit all alike. Every cache starts from the
-    full cache's first answer token and then follows its own greedy choice, as ``Prefill.generate``
-    would. ``decode="compiled"`` steps through ``Prefill.compiled_next_logits``, one more step per
-    cache first, untimed: the step compiles (or loads its graph) at its first call."""
+) -> dict[str, list[float]]:
+    """Seconds of each of ``tokens`` greedy decode steps (forward pass and argmax, which also waits for
+    a GPU) for each named method, the methods' caches stepped in lockstep (A B C A B C ...) so drifts
+    in the machine's speed hit all alike: the ``i``-th steps of two methods are a pair. Every cache
+    starts from the full cache's first answer token and then follows its own greedy choice, as
+    ``Prefill.generate`` would. ``decode="compiled"`` steps through ``Prefill.compiled_next_logits``,
+    one more step per cache first, untimed: the step compiles (or loads its graph) at its first call."""
     first_token = prefill.generate(build_method("full"), "aware", 1).token_ids[0]
     step = prefill.compiled_next_logits if decode == "compiled" else prefill.next_logits
     untimed = 1 if decode == "compiled" else 0
@@ -92,7 +101,24 @@ def decode_seconds_per_token(
             start = time.perf_counter()
             next_tokens[name] = int(step([next_tokens[name]], cache).argmax())
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values[untimed:]) for name, values in samples.items()}
+    return {name: values[untimed:] for name, values in samples.items()}
+
+
+def decode_seconds_per_token(
+    prefill: Prefill, methods: dict[str, Method], tokens: int, decode: str = "eager"
+) -> dict[str, float]:
+    """The median of each method's ``decode_step_seconds``."""
+    samples = decode_step_seconds(prefill, methods, tokens, decode)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> str:
+    """The median ratio of two methods' paired steps (``decode_step_seconds``) with its 95% interval
+    (``median_interval``), as ``1.019 [0.990, 1.050]``: a whole-step ratio moved by 3-5% between runs
+    on the 2-core CPU, where the interval says what one run resolves."""
+    ratios = [a / b for a, b in zip(samples[numerator], samples[denominator], strict=True)]
+    median, low, high = median_interval(ratios)
+    return f"{median:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def decode_cache(prefill: Prefill, method: Method, tokens: int):
@@ -181,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    console = Console(width=200)  # every column readable when printed to a file or a narrow terminal
+    console = Console(width=360)  # every column readable when printed to a file or a narrow terminal
     console.print(machine_header())
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # decode timing needs a first answer token
@@ -244,14 +270,15 @@ def main(argv: list[str] | None = None) -> None:
                 prefill.compressed, build_method("snapkv+reskv", ratio), "aware"
             ) - replayed_matmul_seconds(prefill.compressed, build_method("snapkv", ratio), "aware")
             decoded = {name: build_method(name, ratio) for name in ("snapkv", "snapkv+reskv", "full")}
-            decode = decode_seconds_per_token(prefill, decoded, args.decode_tokens)
+            samples = decode_step_seconds(prefill, decoded, args.decode_tokens)
+            decode = {name: statistics.median(seconds) for name, seconds in samples.items()}
             compiled = []
             if not args.skip_compiled:
-                step_s = decode_seconds_per_token(prefill, decoded, args.decode_tokens, decode="compiled")
+                stepped = decode_step_seconds(prefill, decoded, args.decode_tokens, decode="compiled")
                 compiled = [
-                    f"{step_s['snapkv']:.4f}",
-                    f"{step_s['snapkv+reskv'] / step_s['snapkv']:.3f}",
-                    f"{step_s['snapkv+reskv'] / step_s['full']:.3f}",
+                    f"{statistics.median(stepped['snapkv']):.4f}",
+                    paired_ratio(stepped, "snapkv+reskv", "snapkv"),
+                    paired_ratio(stepped, "snapkv+reskv", "full"),
                 ]
             table.add_row(
                 str(len(prompt_ids)),
@@ -266,9 +293,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{construction_matmul_seconds / prefill_seconds:.3f}",
                 f"{decode['snapkv']:.4f}",
                 f"{decode['snapkv+reskv']:.4f}",
-                f"{decode['snapkv+reskv'] / decode['snapkv']:.3f}",
+                paired_ratio(samples, "snapkv+reskv", "snapkv"),
                 f"{decode['full']:.4f}",
-                f"{decode['snapkv+reskv'] / decode['full']:.3f}",
+                paired_ratio(samples, "snapkv+reskv", "full"),
                 *compiled,
             )
             slots = budget_for(len(prompt_ids), ratio)
@@ -288,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     console.print(steps)
     if args.count_lengths:
         console.print(counts_table(args.count_lengths, 0.9, list(COUNTED_METHODS)))
-        console.print(decode_counts_table(args.count_lengths, 0.9, list(DECODE_COUNTED_METHODS)))
+        console.print(
+            decode_counts_table(args.count_lengths, 0.9, list(DECODE_COUNTED_METHODS), not args.skip_compiled)
+        )
         console.print(launches_table(131072, 0.9))
     if not args.skip_memory:
         memory = kmeans_peak_memory()
