@@ -108,6 +108,24 @@ def test_one_compiled_graph_serves_every_pattern_of_layers_with_and_without_entr
 
 
 @pytest.mark.slow
+def test_a_runs_methods_compile_one_graph_per_kind_of_cache():
+    """A run decodes many methods at many ratios in one process: base and full caches (no gate, one
+    SDPA call per layer) and +ResKV ones (the gated form) are two kinds of graph, each compiled once
+    (the slots marked dynamic from the first call), whatever the number of configurations: far under
+    torch._dynamo's recompile limit (8). Left to automatic dynamic shapes, the slots took 3 graphs."""
+    backbone = tiny_backbone("tiny-llama", num_attention_heads=4, num_key_value_heads=2)
+    names = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova+reskv")
+    methods = [build_method(name, ratio) for ratio in (0.6, 0.9) for name in names]
+    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, methods)
+    torch._dynamo.reset()
+    counters.clear()
+    for method in methods:
+        for setting in ("aware", "agnostic"):
+            prefill.generate(method, setting, max_new_tokens=3, decode="compiled")
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.slow
 def test_the_compiled_step_follows_a_rule_whose_gate_parameters_change():
     """Rules that differ in ``tau`` and ``alpha`` recompile the step once with the two as symbolic floats;
     its gate must then still be the eager one (torch 2.13's inductor drops ``rsub``'s symbolic

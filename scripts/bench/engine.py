@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    console = Console(width=360)  # every column readable when printed to a file or a narrow terminal
+    console = Console(width=480)  # every column readable when printed to a file or a narrow terminal
     console.print(machine_header())
     backbone = load_backbone("smollm2-135m")
     backbone = dataclasses.replace(backbone, stop_token_ids=())  # decode timing needs a first answer token
