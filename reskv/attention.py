@@ -17,6 +17,10 @@ from torch import Tensor
 
 from reskv.config import DecodeRule
 
+# On CUDA with Triton, a gated layer's decode step (one token: one bias row for all its queries) is
+# ``reskv.decode_kernel``'s two launches instead of the 8 ops below (issue 24); off, the torch form.
+CUDA_FUSED_DECODE = True
+
 
 def additive_mask(visible: Tensor) -> Tensor:
     """0 where ``visible``, ``-inf`` elsewhere (fp32)."""
@@ -186,8 +190,10 @@ def shared_softmax_attention(
     + log g(q)`` is the shared softmax (reskv.md, Eqs. reskv and gate). ``g`` needs the main part's
     ``p_max``, its largest softmax probability, first. So with entries and the gate on, the fp32 logits
     are computed once (``fp32_logits``), ``p_max`` is read from their main part, ``log g`` is added to
-    the entries' logits in place, and one fp32 softmax weighs the values (``softmax_values``). A layer
-    without entries or without the gate (a base method) is one SDPA call with its bias. An SDPA call
+    the entries' logits in place, and one fp32 softmax weighs the values (``softmax_values``); on CUDA,
+    for one decoded token, ``reskv.decode_kernel`` does all that in two launches
+    (``CUDA_FUSED_DECODE``). A layer without entries or without the gate (a base method) is one SDPA
+    call with its bias. An SDPA call
     after a separate pass over the main logits would read the main keys twice: on CPU that pass cost
     as much as a base step's attention, this form 1.1-1.3x it (scripts.bench.engine, "Decode
     attention"). Equal to ``joint_attention`` up to fp rounding (tests/test_fast_paths.py);
@@ -199,6 +205,11 @@ def shared_softmax_attention(
         return torch.nn.functional.scaled_dot_product_attention(
             queries[:, None], keys[:, None], values[:, None], attn_mask=mask, scale=scaling
         )[:, 0]
+    if queries.is_cuda and CUDA_FUSED_DECODE and bias.shape[1] == 1:
+        from reskv import decode_kernel  # imports Triton (~0.5 s), which the CPU never runs
+
+        if decode_kernel.available():
+            return decode_kernel.gated_attention(queries, keys, values, bias, residual_slots, scaling, rule)
     logits = fp32_logits(queries, keys, bias, scaling)
     p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)
     logits[..., :residual_slots].add_(log_gate(p_max, rule))

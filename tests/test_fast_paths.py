@@ -9,6 +9,9 @@ calls the code under test.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,6 +130,68 @@ def test_the_decode_path_equals_the_two_matmul_softmax(observation, rule, slots)
     )
     decoded = shared_softmax_attention(queries, keys, values, bias, slots, observation.scaling, rule)
     torch.testing.assert_close(decoded.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+# Triton reads TRITON_INTERPRET when it is imported, so the kernel runs in a child process: it reads
+# the cases the test wrote and writes the kernel's outputs back.
+INTERPRETED_DECODE = """
+import sys, torch
+from reskv import decode_kernel
+cases = torch.load(sys.argv[1], weights_only=False)  # the test's own file, DecodeRules in it
+torch.save([decode_kernel.gated_attention(*case) for case in cases], sys.argv[2])
+"""
+
+
+def test_the_fused_decode_kernel_equals_the_two_matmul_softmax(observation, tmp_path):
+    """``reskv/decode_kernel.py`` (CUDA's gated decode step) under Triton's interpreter on CPU equals the
+    plain rule, with padded main slots and unused entries: for four rules (a gate clamped at ``g_min``
+    among them), with 200 spare slots (bias ``-inf``, zero keys, as a static buffer's) that leave the
+    last chunks with no slot to attend, and with bf16 keys and values (its output then bf16)."""
+    pytest.importorskip("triton")
+    rules = [DecodeRule(), DecodeRule(beta=0.0), DecodeRule(g_min=0.99), DecodeRule(tau=0.7, alpha=3.0)]
+    cases, expected = [], []
+    for rule in rules:
+        (queries, keys, values, bias, _), plain = padded_layer_with_entries(observation, rule)
+        cases.append((queries, keys, values, bias, 7, observation.scaling, rule))
+        expected.append(plain)
+    queries, keys, values, bias, slots, scaling, rule = cases[0]
+    spare = keys.new_zeros(keys.shape[0], 200, keys.shape[-1])
+    spare_bias = bias.new_full((bias.shape[0], 1, 200), -math.inf)
+    cases.append(
+        (
+            queries,
+            torch.cat([keys, spare], 1),
+            torch.cat([values, spare], 1),
+            torch.cat([bias, spare_bias], -1),
+        )
+        + (slots, scaling, rule)
+    )
+    expected.append(expected[0])
+    cases.append((queries.bfloat16(), keys.bfloat16(), values.bfloat16(), bias, slots, scaling, rule))
+    expected.append(plain_attention_of(cases[-1], observation))
+    torch.save(cases, tmp_path / "cases.pt")
+    subprocess.run(
+        [sys.executable, "-c", INTERPRETED_DECODE, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        check=True,
+    )
+    fused = torch.load(tmp_path / "out.pt")
+    for output, plain in zip(fused[:-1], expected[:-1], strict=True):
+        assert output.dtype == torch.float32
+        torch.testing.assert_close(output.double(), plain, rtol=1e-5, atol=1e-6)
+    assert fused[-1].dtype == torch.bfloat16
+    torch.testing.assert_close(fused[-1].double(), expected[-1], rtol=1e-2, atol=1e-2)
+
+
+def plain_attention_of(case: tuple, obs: LayerObservation):
+    """``plain_attention`` of a case of ``[entries ; main]`` buffers with 7 entries (their bias row the
+    population's, as ``padded_layer_with_entries`` builds it), in the case's own dtype's values."""
+    queries, keys, values, bias, slots, scaling, rule = case
+    log_counts = bias[:, 0, :slots] / rule.beta if rule.beta else bias[:, 0, :slots]
+    entries = (keys[:, :slots], values[:, :slots], log_counts, torch.ones(keys.shape[0]))
+    return plain_attention(
+        queries, keys[:, slots:], values[:, slots:], bias[..., slots:], entries, scaling, rule
+    )
 
 
 def lse_merge_attention(queries, main_keys, main_values, entries, scaling, rule: DecodeRule):
