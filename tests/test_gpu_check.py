@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import reskv.attention
 import reskv.nearest_kernel
 import reskv.residual
 from baselines import build_method
@@ -142,7 +143,8 @@ def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
 def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypatch):
     """``--compare-paths``: a +ResKV construction (not its base's) is timed again with the kernel's
     products in TF32x3, with ``CUDA_FUSED_NEAREST`` off and with ``CUDA_SORTED_CLUSTER_SUMS`` on, one
-    switch at a time, and the summary prints those times beside the construction's."""
+    switch at a time, its request decodes again with ``CUDA_FUSED_DECODE`` off, and the summary prints
+    those times and rates beside the default's."""
     constructions = []
     compressed = Prefill.compressed
 
@@ -155,7 +157,15 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
         constructions.append((method.name, switches))
         return compressed(self, method, setting)
 
+    decodes = []
+    generate = Prefill.generate
+
+    def recorded_generate(self, method, *args, **kwargs):
+        decodes.append((method.name, reskv.attention.CUDA_FUSED_DECODE))
+        return generate(self, method, *args, **kwargs)
+
     monkeypatch.setattr(Prefill, "compressed", recorded)
+    monkeypatch.setattr(Prefill, "generate", recorded_generate)
     torch.manual_seed(0)
     backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
     methods = ("snapkv", "snapkv+reskv")
@@ -168,7 +178,12 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
         ("snapkv+reskv", ("ieee", True, True)),
     ]
     assert constructions[-1][1] == default  # every switch restored
-    assert "construct_s_torch_nearest" not in rows[1]
+    assert "construct_s_torch_nearest" not in rows[1] and "torch_attention_same_tokens" not in rows[1]
+    # Each +ResKV request decodes again with the torch attention (the same tokens on CPU, where both
+    # forms are the torch one), and the summary prints its rate.
+    assert [name for name, fused in decodes if not fused] == ["snapkv+reskv"]
+    assert rows[2]["torch_attention_same_tokens"] and rows[2]["decode_tokens_per_s_torch_attention"] > 0
+    assert reskv.attention.CUDA_FUSED_DECODE  # restored
     tf32x3, torch_path, sorted_sums = (
         rows[2][key] - rows[1]["construct_s"] for key in gpu_check.CONSTRUCTION_VARIANTS
     )
@@ -176,6 +191,8 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
     lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
     expected = f"(other paths: tf32x3 nearest {tf32x3:.3f}s, torch nearest {torch_path:.3f}s, "
     assert expected + f"sorted sums {sorted_sums:.3f}s);" in lines[1]
+    torch_form = rows[2]["decode_tokens_per_s_torch_attention"] / rows[1]["decode_tokens_per_s"]
+    assert f"(torch attention {torch_form:.3f})" in lines[1]
 
 
 def test_compare_paths_marks_a_path_that_chose_other_residual_sizes(monkeypatch):

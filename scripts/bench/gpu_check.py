@@ -25,7 +25,8 @@ With ``--compare-paths`` each +ResKV construction is timed again on each of the 
 alternative CUDA paths (``CONSTRUCTION_VARIANTS``): the nearest-centre kernel's products in TF32x3
 (``reskv.nearest_kernel.PRODUCT_PRECISION``), the kernel off (``reskv.residual.CUDA_FUSED_NEAREST``)
 and cluster sums by sort and segment sum (``reskv.residual.CUDA_SORTED_CLUSTER_SUMS``), to choose
-among them on a GPU (issue 22).
+among them on a GPU (issue 22); and each +ResKV request decodes again eagerly with the gated layers'
+torch form instead of the fused decode kernel (``reskv.attention.CUDA_FUSED_DECODE``, issue 24).
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
@@ -49,6 +50,7 @@ from unittest import mock
 import torch
 from torch._dynamo.utils import counters
 
+import reskv.attention
 import reskv.nearest_kernel
 import reskv.residual
 from baselines import METHODS, build_method
@@ -92,6 +94,8 @@ CONSTRUCTION_VARIANTS = {
     "construct_s_torch_nearest": (reskv.residual, "CUDA_FUSED_NEAREST", False),
     "construct_s_sorted_sums": (reskv.residual, "CUDA_SORTED_CLUSTER_SUMS", True),
 }
+# The decode path ``--compare-paths`` decodes each +ResKV request again on: the gated layers' torch form.
+TORCH_DECODE = (reskv.attention, "CUDA_FUSED_DECODE", False)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)
@@ -391,7 +395,8 @@ def efficiency_rows(
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the
     ``profile_lengths`` each construction, and each compiled decode, is also profiled
     (``device_profile``). With ``compare_paths`` each +ResKV construction is timed again on each of
-    ``CONSTRUCTION_VARIANTS``, noting whether it chose the same residual sizes."""
+    ``CONSTRUCTION_VARIANTS``, noting whether it chose the same residual sizes, and each +ResKV
+    request decodes again with ``TORCH_DECODE``, noting whether its tokens are the same."""
     device = backbone.device
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     config = backbone.model.config
@@ -411,6 +416,13 @@ def efficiency_rows(
                 sum(size > 0 for size in layer) for layer in generation.cache_stats.get("residual_slots", [])
             ),
         }
+        if compare_paths and row["method"].endswith("+reskv"):
+            with mock.patch.object(*TORCH_DECODE):
+                other = source.generate(method, "aware", max_new_tokens=new_tokens)
+            row["decode_tokens_per_s_torch_attention"] = (
+                other.timings["decode_tokens"] / other.timings["decode_s"]
+            )
+            row["torch_attention_same_tokens"] = other.token_ids == generation.token_ids
         if "compiled" in decode_modes:
             profile_on = device if row["length"] in profile_lengths else None
             row |= compiled_decode(source, method, new_tokens, generation.token_ids, profile_on)
@@ -617,6 +629,10 @@ def summary(report: dict) -> list[str]:
             line += f" (X) {reskv['request_peak_bytes'] / full['request_peak_bytes']:.3f} (+ResKV);"
         line += f" peak {reskv['request_peak_bytes'] / base['request_peak_bytes']:.3f};"
         line += f" eager decode {reskv['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}"
+        if "decode_tokens_per_s_torch_attention" in reskv:
+            torch_form = reskv["decode_tokens_per_s_torch_attention"] / base["decode_tokens_per_s"]
+            same = "" if reskv["torch_attention_same_tokens"] else ", other tokens"
+            line += f" (torch attention {torch_form:.3f}{same})"
         if "compiled_tokens_per_s" in reskv:
             line += f"; compiled decode {reskv['compiled_tokens_per_s'] / base['compiled_tokens_per_s']:.3f}"
             line += f" ({base['compiled_tokens_per_s']:.0f} / {reskv['compiled_tokens_per_s']:.0f} tok/s)"
@@ -700,7 +716,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compare-paths",
         action="store_true",
-        help="time each +ResKV construction again on each alternative CUDA path (CONSTRUCTION_VARIANTS)",
+        help="time each +ResKV construction again on each alternative CUDA path (CONSTRUCTION_VARIANTS) "
+        "and decode each +ResKV request again with the torch attention (TORCH_DECODE)",
     )
     parser.add_argument(
         "--merge",
