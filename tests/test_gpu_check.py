@@ -128,6 +128,21 @@ def test_cpu_run_in_every_dtype_passes(tmp_path):
     assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)
 
 
+def test_torch_paths_turns_every_kernel_off_for_the_run_only(monkeypatch, tmp_path):
+    """``--torch-paths`` (a kernel that fails to compile on the device's Triton): the run sees both
+    kernels' switches off, and both are on again after it."""
+    seen = []
+    monkeypatch.setattr(
+        gpu_check,
+        "run",
+        lambda args: seen.append((reskv.residual.CUDA_FUSED_NEAREST, reskv.attention.CUDA_FUSED_DECODE)) or 0,
+    )
+    assert gpu_check.main(["--out", str(tmp_path), "--torch-paths"]) == 0
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    assert seen == [(False, False), (True, True)]
+    assert reskv.residual.CUDA_FUSED_NEAREST and reskv.attention.CUDA_FUSED_DECODE
+
+
 def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
     torch.manual_seed(0)
     backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)

@@ -27,6 +27,8 @@ alternative CUDA paths (``CONSTRUCTION_VARIANTS``): the nearest-centre kernel's 
 and cluster sums by sort and segment sum (``reskv.residual.CUDA_SORTED_CLUSTER_SUMS``), to choose
 among them on a GPU (issue 22); and each +ResKV request decodes again eagerly with the gated layers'
 torch form instead of the fused decode kernel (``reskv.attention.CUDA_FUSED_DECODE``, issue 24).
+``--torch-paths`` runs everything with both Triton kernels off (``KERNEL_SWITCHES``), should one fail
+to compile on the device.
 
 Without CUDA the same command runs everything at tiny sizes on the CPU (what the test suite
 does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/efficiency.{png,pdf}``.
@@ -35,6 +37,7 @@ does), so the script cannot rot. Writes ``<out>/gpu_check.json`` and ``<out>/eff
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -51,6 +54,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import reskv.attention
+import reskv.decode_kernel
 import reskv.nearest_kernel
 import reskv.residual
 from baselines import METHODS, build_method
@@ -89,13 +93,17 @@ TIE_TOLERANCE = 1e-5
 OUTPUT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.03}
 # The construction's paths ``--compare-paths`` times each +ResKV construction on besides the
 # default (row key: the switch patched for that timing).
+TORCH_NEAREST = (reskv.residual, "CUDA_FUSED_NEAREST", False)
 CONSTRUCTION_VARIANTS = {
     "construct_s_tf32x3_nearest": (reskv.nearest_kernel, "PRODUCT_PRECISION", "tf32x3"),
-    "construct_s_torch_nearest": (reskv.residual, "CUDA_FUSED_NEAREST", False),
+    "construct_s_torch_nearest": TORCH_NEAREST,
     "construct_s_sorted_sums": (reskv.residual, "CUDA_SORTED_CLUSTER_SUMS", True),
 }
 # The decode path ``--compare-paths`` decodes each +ResKV request again on: the gated layers' torch form.
 TORCH_DECODE = (reskv.attention, "CUDA_FUSED_DECODE", False)
+# ``--torch-paths``: every Triton kernel off for a run, should one fail to compile on the device's
+# Triton (the kernels were tested under Triton 3.9's interpreter on CPU, the GPU image has 3.6).
+KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)
@@ -511,6 +519,10 @@ def check_machine(device: str) -> dict:
     if info["cuda_available"] and reskv.residual.CUDA_FUSED_NEAREST and reskv.nearest_kernel.available():
         version, precision = reskv.nearest_kernel.triton.__version__, reskv.nearest_kernel.PRODUCT_PRECISION
         info["nearest_centers"] = f"Triton {version} kernel, {precision} products"
+    # reskv.attention.shared_softmax_attention for a gated layer's decode step: likewise.
+    info["gated_decode_attention"] = "torch (logits, gate, softmax, values' product)"
+    if info["cuda_available"] and reskv.attention.CUDA_FUSED_DECODE and reskv.decode_kernel.available():
+        info["gated_decode_attention"] = f"Triton {reskv.decode_kernel.triton.__version__} kernel, 2 launches"
     return info
 
 
@@ -720,6 +732,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "and decode each +ResKV request again with the torch attention (TORCH_DECODE)",
     )
     parser.add_argument(
+        "--torch-paths",
+        action="store_true",
+        help="run with every Triton kernel off (KERNEL_SWITCHES): the torch forms they replace",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         type=Path,
@@ -731,6 +748,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    with contextlib.ExitStack() as switched:
+        for switch in KERNEL_SWITCHES if args.torch_paths else ():
+            switched.enter_context(mock.patch.object(*switch))
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``main``'s work: the checks ``args`` ask for, the report written and summarised."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
