@@ -208,7 +208,7 @@ def shared_softmax_attention(
     if queries.is_cuda and CUDA_FUSED_DECODE and bias.shape[1] == 1:
         from reskv import decode_kernel  # imports Triton (~0.5 s), which the CPU never runs
 
-        if decode_kernel.available():
+        if decode_kernel.available() and queries.shape[1] <= decode_kernel.MAX_ROWS:
             return decode_kernel.gated_attention(queries, keys, values, bias, residual_slots, scaling, rule)
     logits = fp32_logits(queries, keys, bias, scaling)
     p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)

@@ -38,6 +38,9 @@ except ImportError:
 # 8 KV heads make up to 128 programs, about an H100's 132 SMs). Not tuned on a GPU yet.
 SLOT_TILE = 64
 MAX_CHUNKS = 16
+# Query rows a program holds: a decode step's query heads per KV head (4 for Llama-3.1-8B). More rows
+# (a prompt's queries) would not fit a program's registers; they take the torch form.
+MAX_ROWS = 64
 
 
 def available() -> bool:
