@@ -188,17 +188,16 @@ def shared_softmax_attention(
     The gate multiplies every entry's softmax weight by ``g(q)``: that is ``log g(q)`` added to the
     entries' logits, so one softmax over ``[entries ; main]`` with the entries' bias ``beta * log(c_j)
     + log g(q)`` is the shared softmax (reskv.md, Eqs. reskv and gate). ``g`` needs the main part's
-    ``p_max``, its largest softmax probability, first. So with entries and the gate on, the fp32 logits
-    are computed once (``fp32_logits``), ``p_max`` is read from their main part, ``log g`` is added to
-    the entries' logits in place, and one fp32 softmax weighs the values (``softmax_values``); on CUDA,
-    for one decoded token, ``reskv.decode_kernel`` does all that in two launches
-    (``CUDA_FUSED_DECODE``). A layer without entries or without the gate (a base method) is one SDPA
-    call with its bias. An SDPA call
-    after a separate pass over the main logits would read the main keys twice: on CPU that pass cost
-    as much as a base step's attention, this form 1.1-1.3x it (scripts.bench.engine, "Decode
-    attention"). Equal to ``joint_attention`` up to fp rounding (tests/test_fast_paths.py);
-    ``joint_attention`` stays the reference, used where the residual share is measured and by the
-    no-shared-softmax ablation.
+    ``p_max``, its largest softmax probability, first. So with entries and the gate on, the fp32
+    logits are computed once (``fp32_logits``), ``p_max`` is read from their main part, ``log g`` is
+    added to the entries' logits in place, and one fp32 softmax weighs the values
+    (``softmax_values``); on CUDA, for one decoded token, ``reskv.decode_kernel`` does all that in
+    two launches (``CUDA_FUSED_DECODE``). A layer without entries or without the gate (a base
+    method) is one SDPA call with its bias. An SDPA call after a separate pass over the main logits
+    would read the main keys twice: on CPU that pass cost as much as a base step's attention, this
+    form 1.1-1.3x it (scripts.bench.engine, "Decode attention"). Equal to ``joint_attention`` up to
+    fp rounding (tests/test_fast_paths.py); ``joint_attention`` stays the reference, used where the
+    residual share is measured and by the no-shared-softmax ablation.
     """
     if not (residual_slots and rule.gate):
         mask = bias.to(queries.dtype)[:, None]  # SDPA takes a float mask in the queries' dtype

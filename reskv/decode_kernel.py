@@ -4,19 +4,20 @@
 Eagerly that layer takes at least 8 aten ops (the logits, the main softmax and its max, the gate's
 two ops, the in-place add, the softmax, the values' product; in half precision also casts) where a
 base layer takes one SDPA call and its mask's conversion, and on a GPU each op costs the host ~23 us
-whatever its size (results/gpu/README.md). Not run on a GPU yet: ``scripts.bench.gpu_check
---compare-paths`` decodes each +ResKV request with it and without it (``CUDA_FUSED_DECODE``). Here the slots
-are split into chunks; a program of the first kernel takes one KV head's query rows over one chunk
-and keeps two running softmaxes, one over the main cache's slots and one over the entries'
-(``m``, the largest logit; ``l``, the sum of ``exp(logit - m)``; ``acc``, the values weighed by
-those). The second kernel merges each head's chunks: the main part's ``l`` over its own maximum is
-``1 / p_max`` (reskv.md, Eq. gate), which gives ``log g``; the entries' part, shifted by ``log g``,
-and the main part are then referred to their common maximum and normalised together. That is the
-shared softmax with the entries' bias ``beta * log(c_j) + log g(q)``, the same rule as the torch
-form up to fp rounding (tests/test_fast_paths.py, under Triton's interpreter on CPU). Keys and
-values are read once, in their own dtype, products and softmax in fp32 (IEEE, no TF32).
+whatever its size (results/gpu/README.md). Here the slots are split into chunks; a program of the
+first kernel takes one KV head's query rows over one chunk and keeps two running softmaxes, one over
+the main cache's slots and one over the entries' (``m``, the largest logit; ``l``, the sum of
+``exp(logit - m)``; ``acc``, the values weighed by those). The second kernel merges each head's
+chunks: the main part's ``l`` over its own maximum is ``1 / p_max`` (reskv.md, Eq. gate), which
+gives ``log g``; the entries' part, shifted by ``log g``, and the main part are then referred to
+their common maximum and normalised together. That is the shared softmax with the entries' bias
+``beta * log(c_j) + log g(q)``, the same rule as the torch form up to fp rounding
+(tests/test_fast_paths.py, under Triton's interpreter on CPU). Keys and values are read once, in
+their own dtype, products and softmax in fp32 (IEEE, no TF32).
 
-Triton is optional: without it ``available`` is false and the torch form runs.
+Not run on a GPU yet: ``scripts.bench.gpu_check --compare-paths`` decodes each +ResKV request with
+it and without it (``reskv.attention.CUDA_FUSED_DECODE``). Triton is optional: without it
+``available`` is false and the torch form runs.
 """
 
 from __future__ import annotations
