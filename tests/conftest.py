@@ -81,3 +81,27 @@ def journaled_samples(runs_dir: Path) -> int:
         except FileNotFoundError:
             continue
     return count
+
+
+# Triton reads TRITON_INTERPRET when it is imported, so a kernel runs under its interpreter in a child
+# process: it reads the cases, calls the kernel on each and writes the results back.
+INTERPRETED_KERNEL = """
+import importlib, sys, torch
+module, name = sys.argv[1].split(":")
+kernel = getattr(importlib.import_module(module), name)
+cases = torch.load(sys.argv[2], weights_only=False)  # the test's own file (DecodeRules in it)
+torch.save([kernel(*case) for case in cases], sys.argv[3])
+"""
+
+
+def interpreted(kernel: str, cases: list[tuple], tmp_path: Path) -> list:
+    """``kernel`` (``"module:function"``, a Triton kernel's launcher) called on each case on CPU tensors
+    under Triton's interpreter (``TRITON_INTERPRET=1``), in a child process; its results."""
+    inputs, outputs = tmp_path / "cases.pt", tmp_path / "out.pt"
+    torch.save(cases, inputs)
+    subprocess.run(
+        [sys.executable, "-c", INTERPRETED_KERNEL, kernel, str(inputs), str(outputs)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        check=True,
+    )
+    return torch.load(outputs)

@@ -9,9 +9,6 @@ calls the code under test.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +23,7 @@ from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import lloyd_assignments
 from reskv.scoring import LayerObservation, causal_attention_probs
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS, cached_tiny_backbone
+from tests.conftest import TOKENS, cached_tiny_backbone, interpreted
 
 PROMPT_LENGTH = 300
 
@@ -132,16 +129,6 @@ def test_the_decode_path_equals_the_two_matmul_softmax(observation, rule, slots)
     torch.testing.assert_close(decoded.double(), expected, rtol=1e-5, atol=1e-6)
 
 
-# Triton reads TRITON_INTERPRET when it is imported, so the kernel runs in a child process: it reads
-# the cases the test wrote and writes the kernel's outputs back.
-INTERPRETED_DECODE = """
-import sys, torch
-from reskv import decode_kernel
-cases = torch.load(sys.argv[1], weights_only=False)  # the test's own file, DecodeRules in it
-torch.save([decode_kernel.gated_attention(*case) for case in cases], sys.argv[2])
-"""
-
-
 def test_the_fused_decode_kernel_equals_the_two_matmul_softmax(observation, tmp_path):
     """``reskv/decode_kernel.py`` (CUDA's gated decode step) under Triton's interpreter on CPU equals the
     plain rule, with padded main slots and unused entries: for four rules (a gate clamped at ``g_min``
@@ -169,13 +156,7 @@ def test_the_fused_decode_kernel_equals_the_two_matmul_softmax(observation, tmp_
     expected.append(expected[0])
     cases.append((queries.bfloat16(), keys.bfloat16(), values.bfloat16(), bias, slots, scaling, rule))
     expected.append(plain_attention_of(cases[-1], observation))
-    torch.save(cases, tmp_path / "cases.pt")
-    subprocess.run(
-        [sys.executable, "-c", INTERPRETED_DECODE, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-    )
-    fused = torch.load(tmp_path / "out.pt")
+    fused = interpreted("reskv.decode_kernel:gated_attention", cases, tmp_path)
     for output, plain in zip(fused[:-1], expected[:-1], strict=True):
         assert output.dtype == torch.float32
         torch.testing.assert_close(output.double(), plain, rtol=1e-5, atol=1e-6)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,7 +26,7 @@ from reskv.residual import (
 from reskv.scoring import LayerObservation
 from scripts.bench.engine import kmeans_peak_memory
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS
+from tests.conftest import TOKENS, interpreted
 
 PROMPT_LENGTH = 300
 NO_GATE = DecodeRule(gate=False)
@@ -410,16 +407,6 @@ def test_nearest_centers_over_a_padded_width_are_the_plain_first_minimum(num_cen
     assert torch.equal(nearest_centers(points, centers, 1 << 30, bias), torch.tensor(expected))
 
 
-# Triton reads TRITON_INTERPRET when it is imported, so the kernel runs in a child process: it reads
-# the cases the test wrote and writes the kernel's indices back.
-INTERPRETED_NEAREST = """
-import sys, torch
-from reskv import nearest_kernel
-cases = torch.load(sys.argv[1])
-torch.save([nearest_kernel.nearest(*case) for case in cases], sys.argv[2])
-"""
-
-
 def integer_case(rows: int, num_points: int, num_centers: int, dim: int, seed: int) -> tuple:
     """Points and centres of small integers, so every distance is exact in fp32 whatever order the
     products sum in (the kernel's and the BLAS's alike) and equal distances are ties, not rounding.
@@ -457,13 +444,7 @@ def test_fused_nearest_kernel_gives_the_plain_loops_first_nearest_centre(tmp_pat
             tied += [point.count(min(point)) > 1 for point in distances.tolist()]
         expected.append(torch.tensor(indices))
         assert torch.equal(nearest_centers(points, centers, 1 << 30, bias), expected[-1])
-    torch.save(inputs, tmp_path / "cases.pt")
-    subprocess.run(
-        [sys.executable, "-c", INTERPRETED_NEAREST, str(tmp_path / "cases.pt"), str(tmp_path / "nearest.pt")],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-    )
-    got = torch.load(tmp_path / "nearest.pt")
+    got = interpreted("reskv.nearest_kernel:nearest", inputs, tmp_path)
     for fused, plain in zip(got, expected, strict=True):
         assert fused.dtype == torch.long and torch.equal(fused, plain)
     assert sum(tied) > len(tied) / 2  # most indices were decided by the tie rule
