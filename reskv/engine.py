@@ -397,7 +397,7 @@ class Prefill:
             raise ValueError(COMPILED_WITHOUT_SHARED_SOFTMAX)
         self._check_request(max_new_tokens, answer_ids)
         prepared = self._prepare(method, setting, max_new_tokens, answer_ids is not None)
-        step = self.compiled_next_logits if decode == "compiled" else self.next_logits
+        step = self.decode_step(decode)
         start = time.perf_counter()
         token_ids = self._decode(
             prepared.cache,
@@ -449,7 +449,7 @@ class Prefill:
             stackable[start : start + decode_batch] for start in range(0, len(stackable), decode_batch)
         ]
         batches += [[row] for row in order if row not in stackable]
-        step = self.compiled_next_logits if decode == "compiled" else self.next_logits
+        step = self.decode_step(decode)
         for batch in batches:
             # Room for the answer in each row's own buffers too: the question fed to a query-agnostic
             # cache attends over all its slots, so its rounding depends on their number (a batch of one
@@ -651,6 +651,11 @@ class Prefill:
     def compiled_next_logits(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
         """``next_logits`` of one token through ``compiled_step`` (``compiled_next_logits``)."""
         return compiled_next_logits(self.backbone, token_ids, cache)
+
+    def decode_step(self, decode: str) -> Callable[[Sequence[int], ResKVCache], Tensor]:
+        """The step a ``decode`` mode (``DECODE_MODES``) feeds each token through: ``compiled_next_logits``
+        for ``"compiled"``, else ``next_logits``."""
+        return self.compiled_next_logits if decode == "compiled" else self.next_logits
 
     def _decode(
         self,

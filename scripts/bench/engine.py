@@ -91,7 +91,7 @@ def decode_step_seconds(
     ``Prefill.generate`` would. ``decode="compiled"`` steps through ``Prefill.compiled_next_logits``,
     one more step per cache first, untimed: the step compiles (or loads its graph) at its first call."""
     first_token = prefill.generate(build_method("full"), "aware", 1).token_ids[0]
-    step = prefill.compiled_next_logits if decode == "compiled" else prefill.next_logits
+    step = prefill.decode_step(decode)
     untimed = 1 if decode == "compiled" else 0
     caches = {name: decode_cache(prefill, method, tokens + untimed) for name, method in methods.items()}
     next_tokens = dict.fromkeys(methods, first_token)
