@@ -37,7 +37,7 @@ import torch
 import transformers
 from torch.autograd.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 PROC_STATUS = Path("/proc/self/status")
 
@@ -229,9 +229,14 @@ def peak_site(model: torch.nn.Module) -> Iterator[PeakSite]:
 
 
 def causal_sdpa_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:
-    """FLOPs of PyTorch's CPU flash attention (not in torch's FLOP registry): torch's SDPA formula,
-    halved for a causal prompt, whose masked upper triangle the kernel skips."""
-    flops = sdpa_flop_count(query, key, value)
+    """FLOPs of PyTorch's CPU flash attention (not in torch's FLOP registry) from the shapes of its
+    arguments: ``q k^T`` and ``p v`` for every query head, each reading its group's key and value head,
+    halved for a causal prompt, whose masked upper triangle the kernel skips. Torch's own formula
+    (``flop_counter.sdpa_flop_count``) is the same, but its releases up to 2.11 (the GPU image's)
+    refuse fewer key heads than query heads, which every grouped-query model here has."""
+    batch, query_heads, query_length, head_dim = query
+    key_length, value_dim = key[2], value[3]
+    flops = 2 * batch * query_heads * query_length * key_length * (head_dim + value_dim)
     return flops // 2 if is_causal else flops
 
 

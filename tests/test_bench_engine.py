@@ -4,6 +4,7 @@ and how its decode timing steps the caches."""
 from __future__ import annotations
 
 import statistics
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,12 @@ def test_counted_flops_of_a_matmul_and_of_causal_and_full_attention():
     # The causal kernel skips the masked half.
     causal = counted_gflop(F.scaled_dot_product_attention, query, key, value, None, 0.0, True)
     assert causal * 1e9 == full // 2
+    # Grouped-query attention: 4 query heads over 2 key/value heads, each query head as above.
+    query = torch.randn(1, 4, 8, 4)
+    grouped = counted_gflop(
+        partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=True), query, key, value
+    )
+    assert grouped * 1e9 == 4 * 1024 // 2
 
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
