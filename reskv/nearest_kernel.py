@@ -31,10 +31,14 @@ try:
 except ImportError:
     triton = None
 
-# Tile sizes, not tuned on a GPU yet: ``scripts.bench.gpu_check --compare-paths`` times the
-# construction with this kernel and with the torch path, which decides between them.
+# Tile sizes and warps per program, not timed on a GPU yet: ``scripts.bench.gpu_check
+# --compare-paths`` times the construction with this kernel and with the torch path, which decides
+# between them. Sized so that ptxas keeps the tiles in registers on sm_90 for head dims 16-256
+# (``python -m scripts.bench.kernel_resources``): 64 x 64 tiles with 4 warps spilled 6.8 KiB a
+# thread at head dim 128 in IEEE fp32.
 POINT_TILE = 64
-CENTER_TILE = 64
+CENTER_TILE = 32
+NUM_WARPS = 8
 # ``tl.dot``'s input precision. "ieee" is fp32 arithmetic on the CUDA cores, as cuBLAS's fp32
 # ``baddbmm``; "tf32x3" (three TF32 tensor-core products, fp32-like accuracy without IEEE bits) is
 # the faster candidate should the kernel prove compute-bound, timed by ``--compare-paths`` too.
@@ -68,6 +72,7 @@ def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
         CENTER_TILE=CENTER_TILE,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
         PRECISION=PRODUCT_PRECISION,
+        num_warps=NUM_WARPS,
     )
     return nearest_index
 

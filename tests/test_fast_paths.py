@@ -133,7 +133,9 @@ def test_the_fused_decode_kernel_equals_the_two_matmul_softmax(observation, tmp_
     """``reskv/decode_kernel.py`` (CUDA's gated decode step) under Triton's interpreter on CPU equals the
     plain rule, with padded main slots and unused entries: for four rules (a gate clamped at ``g_min``
     among them), with 200 spare slots (bias ``-inf``, zero keys, as a static buffer's) that leave the
-    last chunks with no slot to attend, and with bf16 keys and values (its output then bf16)."""
+    last chunks with no slot to attend, with 70 entries (three chunks of entries, the last of them all
+    unused in head 0, and main chunks starting off a tile's boundary), and with bf16 keys and values
+    (its output then bf16)."""
     pytest.importorskip("triton")
     rules = [DecodeRule(), DecodeRule(beta=0.0), DecodeRule(g_min=0.99), DecodeRule(tau=0.7, alpha=3.0)]
     cases, expected = [], []
@@ -154,6 +156,11 @@ def test_the_fused_decode_kernel_equals_the_two_matmul_softmax(observation, tmp_
         + (slots, scaling, rule)
     )
     expected.append(expected[0])
+    (many_queries, many_keys, many_values, many_bias, _), plain = padded_layer_with_entries(
+        observation, rule, slots=70, unused=25
+    )
+    cases.append((many_queries, many_keys, many_values, many_bias, 70, scaling, rule))
+    expected.append(plain)
     cases.append((queries.bfloat16(), keys.bfloat16(), values.bfloat16(), bias, slots, scaling, rule))
     expected.append(plain_attention_of(cases[-1], observation))
     fused = interpreted("reskv.decode_kernel:gated_attention", cases, tmp_path)

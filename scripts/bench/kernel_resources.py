@@ -1,0 +1,155 @@
+"""What ptxas gives each Triton kernel of the project on a GPU, read on a machine without one (issues
+22 and 24).
+
+    python -m scripts.bench.kernel_resources              # sm_90: the H100 and H200
+    python -m scripts.bench.kernel_resources --arch 80    # an A100
+
+Triton compiles each kernel for the GPU architecture with its own bundled toolchain (the one it uses
+on the GPU, so the figures are the GPU's for the installed Triton), at the tiles and warps its
+launcher uses (``reskv.nearest_kernel``'s and ``reskv.decode_kernel``'s constants), for the head
+dims of the paper's backbones (128) and the embedded model (64) and each cache dtype. Triton's
+``cuobjdump`` then reads the registers a thread holds and the stack bytes it keeps in local memory:
+a kernel whose tiles do not fit its registers spills them there and reads them back in its inner
+loop. Needs Triton (the ``kernels`` extra), no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from reskv import decode_kernel, nearest_kernel
+
+HEAD_DIMS = (64, 128)
+CACHE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One compilation of a kernel: its argument types, constexpr values and warps per program."""
+
+    name: str
+    kernel: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas gave one compiled kernel."""
+
+    registers: int  # per thread
+    stack_bytes: int  # per thread, in local memory: spilled registers
+    shared_bytes: int  # per program
+
+
+def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
+    """The compilations the launchers make for ``head_dim`` and a cache in ``cache_dtype``: the
+    nearest-centre kernel (fp32 points, both product precisions ``nearest_kernel`` offers) and the
+    gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS``)."""
+    dim_tile = max(16, 1 << (head_dim - 1).bit_length())
+    rows = max(16, decode_kernel.MAX_ROWS)
+    nearest = [
+        KernelBuild(
+            f"nearest ({precision})",
+            nearest_kernel._nearest_kernel,
+            {"points": "*fp32", "centers": "*fp32", "center_norms": "*fp32", "nearest_index": "*i64"}
+            | dict.fromkeys(["num_points", "num_centers", "dim"], "i32"),
+            {
+                "POINT_TILE": nearest_kernel.POINT_TILE,
+                "CENTER_TILE": nearest_kernel.CENTER_TILE,
+                "DIM_TILE": dim_tile,
+                "PRECISION": precision,
+            },
+            nearest_kernel.NUM_WARPS,
+        )
+        for precision in ("ieee", "tf32x3")
+    ]
+    partials = dict.fromkeys(["partial_max", "partial_sum", "partial_output"], "*fp32")
+    chunk = KernelBuild(
+        "decode chunks",
+        decode_kernel._chunk_kernel,
+        dict.fromkeys(["queries", "keys", "values"], f"*{cache_dtype}")
+        | {"bias": "*fp32"}
+        | partials
+        | dict.fromkeys(["rows", "num_slots", "dim", "residual_slots", "chunk_slots", "entry_chunks"], "i32")
+        | {"scaling": "fp32"},
+        {"ROW_TILE": rows, "SLOT_TILE": decode_kernel.SLOT_TILE, "DIM_TILE": dim_tile},
+        decode_kernel.NUM_WARPS,
+    )
+    merge = KernelBuild(
+        "decode merge",
+        decode_kernel._merge_kernel,
+        partials
+        | {"output": f"*{cache_dtype}"}
+        | dict.fromkeys(["rows", "dim", "chunks", "entry_chunks"], "i32")
+        | dict.fromkeys(["alpha_tau", "alpha", "log_g_min"], "fp32"),
+        {"ROW_TILE": rows, "DIM_TILE": dim_tile},
+        4,  # Triton's default: the launcher names none
+    )
+    return nearest + [chunk, merge]
+
+
+def compiled_resources(build: KernelBuild, arch: int) -> Resources:
+    """Compile ``build`` for CUDA architecture ``arch`` (90: sm_90) and read its cubin's resource use."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = build.signature | dict.fromkeys(build.constexprs, "constexpr")
+    compiled = triton.compile(
+        ASTSource(fn=build.kernel, signature=signature, constexprs=build.constexprs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": build.num_warps},
+    )
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    figures = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    return Resources(int(figures["REG"]), int(figures["STACK"]), compiled.metadata.shared)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, major and minor (90)")
+    args = parser.parse_args(argv)
+    import triton
+
+    title = f"Triton {triton.__version__} kernels compiled for sm_{args.arch} (ptxas, per thread)"
+    table = Table(title=title)
+    for column in ("kernel", "head dim", "cache dtype", "warps", "registers", "spilled bytes", "shared KiB"):
+        table.add_column(column, justify="right")
+    for head_dim in HEAD_DIMS:
+        for cache_dtype in CACHE_DTYPES:
+            for build in kernel_builds(head_dim, cache_dtype):
+                if build.name.startswith("nearest") and cache_dtype != "fp32":
+                    continue  # the k-means reads fp32 points whatever the cache holds
+                resources = compiled_resources(build, args.arch)
+                table.add_row(
+                    build.name,
+                    str(head_dim),
+                    cache_dtype,
+                    str(build.num_warps),
+                    str(resources.registers),
+                    str(resources.stack_bytes),
+                    f"{resources.shared_bytes / 1024:.0f}",
+                )
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()
