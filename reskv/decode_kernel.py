@@ -35,11 +35,12 @@ try:
 except ImportError:
     triton = None
 
-# Slots a program reads at a time, and at most how many chunks a head's slots are split into (so
-# 8 KV heads make up to 128 programs, about an H100's 132 SMs); warps per program. Not timed on a GPU
-# yet, but sized so that ptxas keeps every tile in registers on sm_90 for head dims 16-256 in fp32,
-# bf16 and fp16 (``python -m scripts.bench.kernel_resources``): 64-slot tiles with 4 warps spilled
-# 0.7-1 KiB a thread at head dim 128.
+# Slots a program reads at a time; about how many chunks a head's slots are split into (the entries'
+# and the main slots' apart, so at most 2 more: 8 KV heads make 128-144 programs, about an H100's
+# 132 SMs); warps per program. Not timed on a GPU yet, but sized so that ptxas keeps every tile in
+# registers on sm_90 at head dims 64 and 128 in fp32, bf16 and fp16 (``python -m
+# scripts.bench.kernel_resources``): the first version's 64-slot tiles with 4 warps spilled 1.1-1.7 KiB
+# a thread at head dim 128.
 SLOT_TILE = 32
 MAX_CHUNKS = 16
 NUM_WARPS = 8

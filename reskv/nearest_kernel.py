@@ -33,7 +33,7 @@ except ImportError:
 
 # Tile sizes and warps per program, not timed on a GPU yet: ``scripts.bench.gpu_check
 # --compare-paths`` times the construction with this kernel and with the torch path, which decides
-# between them. Sized so that ptxas keeps the tiles in registers on sm_90 for head dims 16-256
+# between them. Sized so that ptxas keeps the tiles in registers on sm_90 at head dims 64 and 128
 # (``python -m scripts.bench.kernel_resources``): 64 x 64 tiles with 4 warps spilled 6.8 KiB a
 # thread at head dim 128 in IEEE fp32.
 POINT_TILE = 64
