@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import reskv.attention
+import reskv.decode_kernel
 import reskv.nearest_kernel
 import reskv.residual
 from baselines import build_method
@@ -141,6 +142,26 @@ def test_torch_paths_turns_every_kernel_off_for_the_run_only(monkeypatch, tmp_pa
     assert gpu_check.main(["--out", str(tmp_path)]) == 0
     assert seen == [(False, False), (True, True)]
     assert reskv.residual.CUDA_FUSED_NEAREST and reskv.attention.CUDA_FUSED_DECODE
+
+
+def test_the_machine_block_names_each_kernel_with_the_tiles_its_launcher_uses(monkeypatch):
+    """Where CUDA runs the kernels, the report says which tiles and warps its timings are of (the
+    launchers' constants, set here to values no kernel ships with)."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(gpu_check, "machine", lambda: {"cuda_available": True})
+    monkeypatch.setattr(gpu_check, "matmul_gflops", lambda *args, **kwargs: 1.0)
+    for module, name, value in [
+        (reskv.nearest_kernel, "POINT_TILE", 128),
+        (reskv.nearest_kernel, "CENTER_TILE", 16),
+        (reskv.nearest_kernel, "NUM_WARPS", 2),
+        (reskv.decode_kernel, "SLOT_TILE", 48),
+        (reskv.decode_kernel, "NUM_WARPS", 1),
+    ]:
+        monkeypatch.setattr(module, name, value)
+    info = gpu_check.check_machine("cpu")
+    kernel = f"Triton {triton.__version__} kernel"
+    assert info["nearest_centers"] == f"{kernel}, ieee products, 128 x 16 tiles, 2 warps"
+    assert info["gated_decode_attention"] == f"{kernel}, 2 launches, 48-slot tiles, 1 warps"
 
 
 def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():

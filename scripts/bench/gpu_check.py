@@ -517,12 +517,19 @@ def check_machine(device: str) -> dict:
     # reskv.residual.nearest_centers: the Triton kernel on CUDA where it imports, else the torch path.
     info["nearest_centers"] = "torch (baddbmm + argmin)"
     if info["cuda_available"] and reskv.residual.CUDA_FUSED_NEAREST and reskv.nearest_kernel.available():
-        version, precision = reskv.nearest_kernel.triton.__version__, reskv.nearest_kernel.PRODUCT_PRECISION
-        info["nearest_centers"] = f"Triton {version} kernel, {precision} products"
+        kernel = reskv.nearest_kernel
+        info["nearest_centers"] = (
+            f"Triton {kernel.triton.__version__} kernel, {kernel.PRODUCT_PRECISION} products, "
+            f"{kernel.POINT_TILE} x {kernel.CENTER_TILE} tiles, {kernel.NUM_WARPS} warps"
+        )
     # reskv.attention.shared_softmax_attention for a gated layer's decode step: likewise.
     info["gated_decode_attention"] = "torch (logits, gate, softmax, values' product)"
     if info["cuda_available"] and reskv.attention.CUDA_FUSED_DECODE and reskv.decode_kernel.available():
-        info["gated_decode_attention"] = f"Triton {reskv.decode_kernel.triton.__version__} kernel, 2 launches"
+        kernel = reskv.decode_kernel
+        info["gated_decode_attention"] = (
+            f"Triton {kernel.triton.__version__} kernel, 2 launches, "
+            f"{kernel.SLOT_TILE}-slot tiles, {kernel.NUM_WARPS} warps"
+        )
     return info
 
 
