@@ -44,6 +44,9 @@ except ImportError:
 SLOT_TILE = 32
 MAX_CHUNKS = 16
 NUM_WARPS = 8
+# No contraction of a multiply and an add into one FMA outside the products: the softmax's updates
+# round as torch's elementwise ops do, whatever Triton's default (on up to 3.9, off from 3.10).
+FP_FUSION = False
 # Query rows a program holds: a decode step's query heads per KV head (4 for Llama-3.1-8B, 7 for
 # Qwen2.5-7B, padded to a tile of 16). More rows (a prompt's queries, or groups of 32 or 64 query
 # heads, whose tiles spill at head dim 128) take the torch form.
@@ -84,14 +87,15 @@ def gated_attention(
     _chunk_kernel[(num_heads, chunks)](
         queries, keys, values, bias, partial_max, partial_sum, partial_output,
         rows, num_slots, dim, residual_slots, chunk_slots, entry_chunks, scaling,
-        ROW_TILE=row_tile, SLOT_TILE=SLOT_TILE, DIM_TILE=dim_tile, num_warps=NUM_WARPS,
+        ROW_TILE=row_tile, SLOT_TILE=SLOT_TILE, DIM_TILE=dim_tile,
+        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     output = values.new_empty(num_heads, rows, dim)
     log_g_min = math.log(rule.g_min) if rule.g_min > 0 else -math.inf  # no clamp at g_min <= 0
     _merge_kernel[(num_heads,)](
         partial_max, partial_sum, partial_output, output,
         rows, dim, chunks, entry_chunks, rule.alpha * rule.tau, rule.alpha, log_g_min,
-        ROW_TILE=row_tile, DIM_TILE=dim_tile,
+        ROW_TILE=row_tile, DIM_TILE=dim_tile, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return output
 

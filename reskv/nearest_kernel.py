@@ -43,6 +43,9 @@ NUM_WARPS = 8
 # ``baddbmm``; "tf32x3" (three TF32 tensor-core products, fp32-like accuracy without IEEE bits) is
 # the faster candidate should the kernel prove compute-bound, timed by ``--compare-paths`` too.
 PRODUCT_PRECISION = "ieee"
+# No contraction of a multiply and an add into one FMA outside the product (``norms - 2 * products``
+# rounds the same either way, 2x being exact), whatever Triton's default (on up to 3.9, off from 3.10).
+FP_FUSION = False
 
 
 def available() -> bool:
@@ -73,6 +76,7 @@ def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
         PRECISION=PRODUCT_PRECISION,
         num_warps=NUM_WARPS,
+        enable_fp_fusion=FP_FUSION,
     )
     return nearest_index
 

@@ -33,13 +33,15 @@ CACHE_DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class KernelBuild:
-    """One compilation of a kernel: its argument types, constexpr values and warps per program."""
+    """One compilation of a kernel: its argument types, constexpr values, warps per program and
+    whether multiplies and adds may fuse (the launcher's ``num_warps`` and ``enable_fp_fusion``)."""
 
     name: str
     kernel: object
     signature: dict
     constexprs: dict
     num_warps: int
+    fp_fusion: bool
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
                 "PRECISION": precision,
             },
             nearest_kernel.NUM_WARPS,
+            nearest_kernel.FP_FUSION,
         )
         for precision in ("ieee", "tf32x3")
     ]
@@ -84,6 +87,7 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
         | {"scaling": "fp32"},
         {"ROW_TILE": rows, "SLOT_TILE": decode_kernel.SLOT_TILE, "DIM_TILE": dim_tile},
         decode_kernel.NUM_WARPS,
+        decode_kernel.FP_FUSION,
     )
     merge = KernelBuild(
         "decode merge",
@@ -94,6 +98,7 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
         | dict.fromkeys(["alpha_tau", "alpha", "log_g_min"], "fp32"),
         {"ROW_TILE": rows, "DIM_TILE": dim_tile},
         4,  # Triton's default: the launcher names none
+        decode_kernel.FP_FUSION,
     )
     return nearest + [chunk, merge]
 
@@ -108,7 +113,7 @@ def compiled_resources(build: KernelBuild, arch: int) -> Resources:
     compiled = triton.compile(
         ASTSource(fn=build.kernel, signature=signature, constexprs=build.constexprs),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": build.num_warps},
+        options={"num_warps": build.num_warps, "enable_fp_fusion": build.fp_fusion},
     )
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as folder:
