@@ -56,9 +56,9 @@ class Resources:
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     """The compilations the launchers make for ``head_dim`` and a cache in ``cache_dtype``: the
     nearest-centre kernel (fp32 points, both product precisions ``nearest_kernel`` offers) and the
-    gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS``)."""
-    dim_tile = max(16, 1 << (head_dim - 1).bit_length())
-    rows = max(16, decode_kernel.MAX_ROWS)
+    gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows). A tile is
+    a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
+    dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
     nearest = [
         KernelBuild(
             f"nearest ({precision})",
