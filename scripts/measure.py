@@ -232,8 +232,8 @@ def causal_sdpa_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, 
     """FLOPs of PyTorch's CPU flash attention (not in torch's FLOP registry) from the shapes of its
     arguments: ``q k^T`` and ``p v`` for every query head, each reading its group's key and value head,
     halved for a causal prompt, whose masked upper triangle the kernel skips. Torch's own formula
-    (``flop_counter.sdpa_flop_count``) is the same, but its releases up to 2.11 (the GPU image's)
-    refuse fewer key heads than query heads, which every grouped-query model here has."""
+    (``flop_counter.sdpa_flop_count``) is the same, but torch 2.11's (the GPU image's) refuses fewer
+    key heads than query heads, which every grouped-query model here has (2.13's accepts them)."""
     batch, query_heads, query_length, head_dim = query
     key_length, value_dim = key[2], value[3]
     flops = 2 * batch * query_heads * query_length * key_length * (head_dim + value_dim)
