@@ -514,23 +514,31 @@ def check_machine(device: str) -> dict:
         if info["cuda_available"] and info["flash_attn_importable"]
         else "sdpa"
     )
-    # reskv.residual.nearest_centers: the Triton kernel on CUDA where it imports, else the torch path.
-    info["nearest_centers"] = "torch (baddbmm + argmin)"
-    if info["cuda_available"] and reskv.residual.CUDA_FUSED_NEAREST and reskv.nearest_kernel.available():
-        kernel = reskv.nearest_kernel
-        info["nearest_centers"] = (
-            f"Triton {kernel.triton.__version__} kernel, {kernel.PRODUCT_PRECISION} products, "
-            f"{kernel.POINT_TILE} x {kernel.CENTER_TILE} tiles, {kernel.NUM_WARPS} warps"
-        )
-    # reskv.attention.shared_softmax_attention for a gated layer's decode step: likewise.
-    info["gated_decode_attention"] = "torch (logits, gate, softmax, values' product)"
-    if info["cuda_available"] and reskv.attention.CUDA_FUSED_DECODE and reskv.decode_kernel.available():
-        kernel = reskv.decode_kernel
-        info["gated_decode_attention"] = (
-            f"Triton {kernel.triton.__version__} kernel, 2 launches, "
-            f"{kernel.SLOT_TILE}-slot tiles, {kernel.NUM_WARPS} warps"
-        )
+    # reskv.residual.nearest_centers, and reskv.attention.shared_softmax_attention for a gated layer's
+    # decode step: each a Triton kernel on CUDA where it imports and its switch is on, else torch.
+    nearest, decode = reskv.nearest_kernel, reskv.decode_kernel
+    info["nearest_centers"] = kernel_path(
+        info["cuda_available"] and reskv.residual.CUDA_FUSED_NEAREST,
+        nearest,
+        f"{nearest.PRODUCT_PRECISION} products, {nearest.POINT_TILE} x {nearest.CENTER_TILE} tiles, "
+        f"{nearest.NUM_WARPS} warps",
+        "torch (baddbmm + argmin)",
+    )
+    info["gated_decode_attention"] = kernel_path(
+        info["cuda_available"] and reskv.attention.CUDA_FUSED_DECODE,
+        decode,
+        f"2 launches, {decode.SLOT_TILE}-slot tiles, {decode.NUM_WARPS} warps",
+        "torch (logits, gate, softmax, values' product)",
+    )
     return info
+
+
+def kernel_path(switched_on: bool, kernel, details: str, torch_path: str) -> str:
+    """What a run's path is where ``kernel`` (a Triton module of ``reskv``) could run: the kernel with
+    its ``details`` when ``switched_on`` (CUDA and its switch) and Triton imports, else ``torch_path``."""
+    if switched_on and kernel.available():
+        return f"Triton {kernel.triton.__version__} kernel, {details}"
+    return torch_path
 
 
 PANELS = (
