@@ -24,7 +24,7 @@ from baselines.registry import (
 from reskv.config import ResidualConfig
 
 if TYPE_CHECKING:
-    from reskv.engine import Method
+    from reskv.method import Method
     from reskv.scoring import TokenScorer
 
 __all__ = ["BASE_METHODS", "METHODS", "RESIDUAL_BASES", "RESIDUAL_SUFFIX", "build_method", "build_scorer"]
@@ -68,7 +68,7 @@ def build_method(
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {list(METHODS)}")
     if name == FULL_METHOD:
-        from reskv.engine import Method
+        from reskv.method import Method
 
         return Method(FULL_METHOD)
     if ratio is None or not 0 < ratio < 1:
@@ -79,7 +79,7 @@ def build_method(
             f"residual settings given for {name!r}; use one of "
             f"{[b + RESIDUAL_SUFFIX for b in RESIDUAL_BASES]}"
         )
-    from reskv.engine import Method
+    from reskv.method import Method
 
     scorer = build_scorer(base_of(name), seed, options)
     return Method(name, ratio, scorer, (residual or ResidualConfig()) if with_residual else None)

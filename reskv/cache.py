@@ -1,6 +1,7 @@
 """KV caches that plug into transformers through its public extension points.
 
-``ResKVCache`` is a ``transformers.Cache`` whose layers are either
+``ResKVCache`` is a ``transformers.Cache`` whose layers (``AttendingLayer``: transformers'
+``CacheLayerMixin`` plus the attention of the queries fed to them) are either
 
 - ``ObservedLayer``: an exact, growing cache (a ``DynamicLayer``) that can record, while the
   prompt is prefilled, what the scorers need: the last observation-window queries and, for
@@ -9,13 +10,14 @@
   forward and then drops its full keys and values (``Prefill(..., retain="compressed")``);
 - ``CompressedLayer``: the exact main cache (ragged heads padded with masked slots) plus the
   residual entries, attended with the shared-softmax rule of ``reskv.attention``; or
-- ``StackedLayer``: compressed layers of several generations of one prompt as one batch.
+- ``StackedLayer``: compressed layers of several generations of one prompt as one batch; or
+- ``reskv.quality.ProbeLayer``: a full layer and a method's, fed the same tokens, compared.
 
 The attention function registered as ``"reskv"`` with transformers' ``AttentionInterface``
 hands every call to the layer that holds the state; the model code is used unchanged. Masks
 are built here, not by transformers: a custom attention name gets ``attention_mask=None``.
 Batch size 1 throughout, but for ``StackedLayer``: each prompt is compressed on its own, and the
-generations of one prompt may then decode together, one row each (issue 25).
+generations of one prompt may then decode together, one row each.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+from abc import abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 
 import torch
@@ -106,7 +109,23 @@ def causal_bias(own_slots: Tensor, slots: int, group_size: int) -> Tensor:
     return additive_mask(visible).repeat(group_size, 1)
 
 
-class ObservedLayer(DynamicLayer):
+class AttendingLayer(CacheLayerMixin):
+    """A layer of a ``ResKVCache``: it holds keys and values as transformers' ``CacheLayerMixin``
+    declares, and computes the attention of the queries fed to it (``reskv_attention`` hands it every
+    call of its model layer), so that the layer kind, not the model code, decides how to attend."""
+
+    @abstractmethod
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        """The attention output ``[B, q, H, d]`` of ``query`` ``[B, H, q, d]`` (the model's layer
+        ``module``) over this layer, once ``update`` has written the new ``key`` and ``value`` and
+        returned them (``[B, H_kv, k, d]``): the ``q`` queries are the last ``q`` tokens written."""
+
+    def fork(self) -> AttendingLayer:
+        """A twin to extend (more prompt tokens, or decoding) without touching this layer."""
+        raise TypeError(f"a {type(self).__name__} serves one forward or one decode and is never forked")
+
+
+class ObservedLayer(DynamicLayer, AttendingLayer):
     """An exact layer; while ``observation_window > 0`` it records queries (and H2O statistics)."""
 
     def __init__(self, observation_window: int = 0, accumulate: bool = False):
@@ -191,7 +210,7 @@ class CompressingLayer(ObservedLayer):
 
 def static_address(buffer: Tensor, slots_dim: int | None = None) -> Tensor:
     """``buffer``, marked as written in place at a fixed address by a compiled step: CUDA graphs
-    (``reskv.engine.compiled_step``) skip a graph that mutates any other input, and with
+    (``reskv.decoding.compiled_step``) skip a graph that mutates any other input, and with
     ``guard=False`` a new cache re-records the graph instead of recompiling it (transformers'
     ``StaticLayer`` marks its buffers the same way). Its ``slots_dim`` is marked dynamic: every
     layer's capacity differs between caches, and left to torch._dynamo's automatic dynamic shapes,
@@ -202,7 +221,7 @@ def static_address(buffer: Tensor, slots_dim: int | None = None) -> Tensor:
     return buffer
 
 
-class CompressedLayer(CacheLayerMixin):
+class CompressedLayer(AttendingLayer):
     """Residual entries + main cache after compression, in static-capacity buffers; new tokens are
     appended to main, exact.
 
@@ -321,9 +340,9 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def fork(self, observation_window: int = 0, accumulate: bool = False) -> CompressedLayer:
+    def fork(self) -> CompressedLayer:
         """A twin to extend without touching this layer: it sees only the written slots, so its first
-        ``update`` copies the buffers into new ones (the arguments are ``ObservedLayer.fork``'s)."""
+        ``update`` copies the buffers into new ones."""
         twin = copy.copy(self)
         twin._set_buffers(
             *(buffer[..., : self.filled, :] for buffer in (self._keys, self._values)),
@@ -397,8 +416,8 @@ class CompressedLayer(CacheLayerMixin):
         return self._ungrouped(output, query), residual_share
 
 
-class StackedLayer(CacheLayerMixin):
-    """One layer of several generations of one prompt, decoded together as one batch (issue 25).
+class StackedLayer(AttendingLayer):
+    """One layer of several generations of one prompt, decoded together as one batch.
 
     Each row is a ``CompressedLayer`` (any method, the full one as ``CompressedLayer.exact``) copied
     into ``[B, H_kv, capacity, d]`` buffers: its written slots first, ``-inf`` bias up to the longest
@@ -497,9 +516,9 @@ class StackedLayer(CacheLayerMixin):
 
 
 class ResKVCache(Cache):
-    """A cache of ``ObservedLayer`` / ``CompressedLayer`` objects, one per model layer."""
+    """A cache of ``AttendingLayer`` objects, one per model layer."""
 
-    def __init__(self, layers: list[CacheLayerMixin]):
+    def __init__(self, layers: list[AttendingLayer]):
         super().__init__(layers=layers)
 
     @classmethod
@@ -517,9 +536,9 @@ class ResKVCache(Cache):
         """A cache for one prefill forward that compresses each layer as it runs (``CompressingLayer``)."""
         return cls([CompressingLayer(observation_window, accumulate, compressors) for _ in range(num_layers)])
 
-    def fork(self, observation_window: int = 0, accumulate: bool = False) -> ResKVCache:
+    def fork(self) -> ResKVCache:
         """An exact copy to extend (more prompt tokens or decoding) without touching this one."""
-        return ResKVCache([layer.fork(observation_window, accumulate) for layer in self.layers])
+        return ResKVCache([layer.fork() for layer in self.layers])
 
     @classmethod
     def stacked(cls, caches: list[ResKVCache], spare_slots: int) -> ResKVCache:
@@ -527,10 +546,6 @@ class ResKVCache(Cache):
         ``spare_slots`` decoded tokens; every layer of every cache must be a ``CompressedLayer``."""
         by_layer = zip(*(cache.layers for cache in caches), strict=True)
         return cls([StackedLayer(list(layers), spare_slots) for layers in by_layer])
-
-    def written_slots(self) -> int:
-        """Slots written in all layers of a cache of ``CompressedLayer``s (entries, main, appended)."""
-        return sum(layer.filled for layer in self.layers)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` of a stacked cache (``StackedLayer.keep``)."""

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (reskv.md)
 # How a generation decodes: one eager forward per token, or one compiled graph per token
-# (``reskv.engine.compiled_step``).
+# (``reskv.decoding.compiled_step``).
 DECODE_MODES = ("eager", "compiled")
 # The compiled step is one graph only through the shared softmax's masked form (reskv.md, the compiled
 # step); the ablation without it slices its entries by a host count, a graph per pattern of layers,

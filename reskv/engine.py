@@ -27,140 +27,17 @@ import torch
 from torch import Tensor
 
 from reskv.backbones import Backbone
-from reskv.cache import CACHE_KWARG, CompressedLayer, ObservedLayer, ResKVCache
-from reskv.compress import CompressedLayerState, compress_layers
-from reskv.config import (
-    COMPILED_WITHOUT_SHARED_SOFTMAX,
-    DECODE_MODES,
-    NO_RESIDUAL_RULE,
-    SETTINGS,
-    DecodeRule,
-    ResidualConfig,
-)
+from reskv.cache import ResKVCache
+from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, SETTINGS
+from reskv.decoding import compiled_next_logits, forward, greedy, static_cache
+from reskv.method import DEFAULT_OBSERVATION_WINDOW, Method, attended_slots
 from reskv.prompting import tokenize_prompt
-from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
-from reskv.scoring import LayerObservation, TokenScorer
+from reskv.quality import QualityProbe, TeacherForced
+from reskv.scoring import LayerObservation
 
-# Bound on the keys and values of the layers compressed together: ResKV's work on them is stacked
-# into one copy, so that its ops are paid once per batch, not once per layer (a GPU's host pays
-# ~23 us per op whatever its size; issue 22). 4 GiB holds all 32 layers of an 8B-shaped model up to
-# 32K tokens in bf16 (8 layers at 131K), a transient well within a GPU's memory.
-LAYER_BATCH_BYTES = 4 << 30
-# On CPU a batch holds at most 8 MiB of keys and values: one layer of the embedded model at 4K (6 MB).
-# Stacking saves per-op time, which matters on CPU only for small layers (the tests' tiny models
-# compress 30% faster stacked), while a large stack's transients fall out of the CPU's caches: the
-# proxy's loss logits are 410 MB for the embedded model's 30 layers at 4K, 14 MB for one. ResKV's
-# construction on that prompt took 3.6 s in one-layer batches and 4.4 s stacked at ratio 0.5, 2.3 s
-# and 2.7 s at 0.9 (snapkv+reskv minus snapkv, 2 threads, medians of 3 interleaved in one run; this
-# host's speed drifted by 15% from run to run, so compare the two, not the seconds). The bits are the
-# same (tests/test_in_prefill.py compares the two).
-CPU_LAYER_BATCH_BYTES = 8 << 20
 # Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
 # compressed during the forward and freed ("compressed"; reskv.md, "Where the full cache lives").
 RETAIN = ("full", "compressed")
-# Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
-# the validation proxy (96 fit + 32 validation).
-DEFAULT_OBSERVATION_WINDOW = 128
-
-
-@dataclass(frozen=True)
-class Method:
-    """A compression method: a base scorer at a ratio, optionally with a residual cache.
-
-    ``scorer is None`` is the full cache (the ratio is then ignored).
-    """
-
-    name: str
-    ratio: float | None = None
-    scorer: TokenScorer | None = None
-    residual: ResidualConfig | None = None
-
-    @property
-    def observation_window(self) -> int:
-        needed = [DEFAULT_OBSERVATION_WINDOW]
-        if self.scorer is not None:
-            needed.append(self.scorer.window)
-        if self.residual is not None:
-            needed.append(self.residual.observation_window)
-        return max(needed)
-
-    @property
-    def decode_rule(self) -> DecodeRule:
-        """How its cache is attended: the residual's rule (a ``ResidualConfig`` is one), or without a
-        residual ``NO_RESIDUAL_RULE``."""
-        return self.residual or NO_RESIDUAL_RULE
-
-    @property
-    def retained_fraction(self) -> float:
-        """The share of the prompt its cache holds (1 for the full cache): what orders a grid's rows."""
-        return 1.0 if self.scorer is None else 1.0 - self.ratio
-
-    @property
-    def needs_accumulated_attention(self) -> bool:
-        return self.scorer is not None and self.scorer.needs_accumulated_attention
-
-    def compress(self, cache: ResKVCache, scaling: float) -> tuple[ResKVCache, dict]:
-        """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged.
-
-        Layers are compressed in batches (``layer_batches``): ResKV's own work runs once per batch."""
-        if self.scorer is None:
-            return cache.fork(), {"compressed": False}
-        observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
-        states = []
-        for batch in layer_batches(observations):
-            states += self.compress_batch(batch, len(cache.layers))
-        kept = [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
-        return self.assemble(kept, observations[0].seq_len)
-
-    def compress_batch(
-        self, observations: list[LayerObservation], num_layers: int
-    ) -> list[CompressedLayerState | None]:
-        """``compress_layers`` with this method's scorer, ratio and residual, in a ``num_layers`` model."""
-        return compress_layers(observations, self.scorer, self.ratio, self.residual, num_layers)
-
-    def assemble(
-        self, layers: Sequence[CompressedLayerState | ObservedLayer], seq_len: int
-    ) -> tuple[ResKVCache, dict]:
-        """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
-        covers the ``seq_len``-token prompt) and its statistics; ``layers`` are left unchanged: a
-        ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer`` is forked."""
-        rule = self.decode_rule
-        cache_layers, per_layer = [], []
-        for layer in layers:
-            if isinstance(layer, ObservedLayer):
-                cache_layers.append(layer.fork())
-                continue
-            cache_layers.append(CompressedLayer(layer, seq_len, rule))
-            per_layer.append(layer.stats)
-        stats = {"compressed": bool(per_layer)}
-        if per_layer:
-            stats["budget"] = per_layer[0]["budget"]
-            for key in ("main_slots", "residual_entries", "residual_slots"):
-                stats[key] = [layer_stats[key] for layer_stats in per_layer]
-        return ResKVCache(cache_layers), stats
-
-
-def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
-    """Attended slots per layer and KV head of a cache ``Method.compress`` just returned with ``stats``:
-    main tokens plus used entries, from the host's counts where the statistics hold them
-    (``ResKVCache.slots`` reads the same from the device, one sync per compressed layer)."""
-    if "main_slots" not in stats:
-        return cache.slots()
-    return [
-        [main + entries for main, entries in zip(*counts, strict=True)]
-        for counts in zip(stats["main_slots"], stats["residual_entries"], strict=True)
-    ]
-
-
-def layer_batches(observations: list[LayerObservation]) -> list[list[LayerObservation]]:
-    """Consecutive layers whose keys and values together hold at most ``LAYER_BATCH_BYTES`` on CUDA,
-    ``CPU_LAYER_BATCH_BYTES`` elsewhere (at least one layer a batch). ResKV stacks a batch into one
-    copy (``reskv.scoring.stack_layers``)."""
-    obs = observations[0]
-    layer_bytes = 2 * obs.keys.numel() * obs.keys.element_size()
-    batch_bytes = LAYER_BATCH_BYTES if obs.keys.is_cuda else CPU_LAYER_BATCH_BYTES
-    per_batch = max(1, batch_bytes // layer_bytes)
-    return [observations[start : start + per_batch] for start in range(0, len(observations), per_batch)]
 
 
 @dataclass
@@ -175,27 +52,11 @@ class Generation:
 
 
 @dataclass
-class _PrefilledState:
+class PrefilledState:
+    """An exact forward's cache (read it through forks: ``ResKVCache.fork``) and its next-token logits."""
+
     cache: ResKVCache
     last_logits: Tensor
-
-
-@dataclass
-class _FullReference:
-    """What the full cache gives for the quality measures, computed once per prompt."""
-
-    forced_ids: list[int]  # its greedy continuation, FORCED_STEPS tokens
-    forced_logits: Tensor  # [FORCED_STEPS, V]: its next-token logits after each of them
-    answer_log_probs: dict[tuple[int, ...], float] = field(default_factory=dict)
-
-
-@dataclass
-class _TeacherForced:
-    """A generation's logits along the reference answer (``[1 + n, V]``: after the prompt, then after
-    each answer token but the last) and along the full cache's forced tokens (``[FORCED_STEPS, V]``)."""
-
-    answered: Tensor
-    forced: Tensor
 
 
 @dataclass
@@ -252,16 +113,16 @@ class Prefill:
         self.context_length = context_length
         config = backbone.model.config
         self.max_positions = config.max_position_embeddings
-        self._check_positions(0)
+        self.check_positions(0)
         self.observation_window = max([DEFAULT_OBSERVATION_WINDOW] + [m.observation_window for m in methods])
         self.accumulate = any(m.needs_accumulated_attention for m in methods)
         self.scaling = backbone.head_dim**-0.5
         self.timings: dict[str, float] = {}
-        self._context: _PrefilledState | None = None
+        self._context: PrefilledState | None = None
         if retain == "full":
             self._context = self._prefill(self.prompt_ids[:context_length], "prefill_s")
-        self._whole_prompt: _PrefilledState | None = None
-        self._full_reference: _FullReference | None = None
+        self._whole_prompt: PrefilledState | None = None
+        self._probe = QualityProbe(self)
 
     def _require_full_cache(self, what: str) -> None:
         """Refuse ``what`` where the full cache is not kept."""
@@ -271,7 +132,7 @@ class Prefill:
                 "layer during the prefill; use a Prefill with retain='full' (the default) for it"
             )
 
-    def _prefill(self, token_ids: Sequence[int], timing: str) -> _PrefilledState:
+    def _prefill(self, token_ids: Sequence[int], timing: str) -> PrefilledState:
         """An exact forward over ``token_ids`` from an empty cache, timed as ``timings[timing]``: the
         cache is kept (retain="full"), or each layer compressed for every method as it runs."""
         start = time.perf_counter()
@@ -284,11 +145,11 @@ class Prefill:
                 for method in self.methods
             }
             cache = ResKVCache.compressing(num_layers, self.observation_window, self.accumulate, compressors)
-        state = _PrefilledState(cache, self.next_logits(token_ids, cache))
+        state = PrefilledState(cache, self.next_logits(token_ids, cache))
         self.timings[timing] = time.perf_counter() - start
         return state
 
-    def _check_positions(self, max_new_tokens: int) -> None:
+    def check_positions(self, max_new_tokens: int) -> None:
         """Refuse to run past the backbone's positions (the runner checks earlier and skips)."""
         needed = len(self.prompt_ids) + max_new_tokens
         if needed > self.max_positions:
@@ -303,51 +164,40 @@ class Prefill:
     ) -> Tensor:
         """The next-token logits after ``token_ids`` fed to ``cache`` (``[V]``), or after each of them
         (``[n, V]``); ``cache`` (a prefilled one, or one from ``compressed``) is extended in place."""
-        logits = self._forward(
-            torch.tensor([list(token_ids)], device=self.backbone.device), cache, every_position
+        logits = forward(
+            self.backbone, torch.tensor([list(token_ids)], device=self.backbone.device), cache, every_position
         )
         return logits[0] if every_position else logits[0, -1]
 
-    @torch.inference_mode()
-    def _forward(self, token_ids: Tensor, cache: ResKVCache, every_position: bool) -> Tensor:
-        """The logits of ``token_ids`` ``[B, n]`` fed to ``cache`` (one sequence, or ``B`` stacked rows),
-        extended in place: ``[B, n, V]``, or ``[B, 1, V]`` for the last position only."""
-        return self.backbone.model(
-            input_ids=token_ids,
-            use_cache=True,
-            logits_to_keep=0 if every_position else 1,
-            **{self.backbone.cache_argument: cache, CACHE_KWARG: cache},
-        ).logits
-
-    def _prompt_state(self) -> _PrefilledState:
-        """The whole prompt, exact: the context cache extended with the question (computed once); with
-        retain="compressed", one forward over the whole prompt compressing as it goes."""
+    def prefilled(self, setting: str) -> PrefilledState:
+        """The exact forward a setting compresses, run on first use: the whole prompt (query-aware: the
+        context cache extended with the question; with retain="compressed", one forward over the whole
+        prompt compressing as it goes) or the context (query-agnostic). Read its cache through forks."""
+        if setting not in SETTINGS:
+            raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
+        if setting == "agnostic":
+            if self._context is None:  # retain="compressed": the context forward runs on first use
+                self._context = self._prefill(self.prompt_ids[: self.context_length], "prefill_s")
+            return self._context
         if self._whole_prompt is None and self.retain == "compressed":
             self._whole_prompt = self._prefill(self.prompt_ids, "prompt_prefill_s")
         elif self._whole_prompt is None:
             start = time.perf_counter()
-            cache = self._context.cache.fork(self.observation_window, self.accumulate)
+            # Observed again: the question's queries are the last ones a query-aware method scores.
+            cache = ResKVCache(
+                [layer.fork(self.observation_window, self.accumulate) for layer in self._context.cache.layers]
+            )
             question = self.prompt_ids[self.context_length :]
             logits = self.next_logits(question, cache) if question else self._context.last_logits
-            self._whole_prompt = _PrefilledState(cache, logits)
+            self._whole_prompt = PrefilledState(cache, logits)
             self.timings["question_prefill_s"] = time.perf_counter() - start
         return self._whole_prompt
-
-    def _source(self, setting: str) -> _PrefilledState:
-        """What a setting compresses: the whole prompt (query-aware) or the context (query-agnostic)."""
-        if setting not in SETTINGS:
-            raise ValueError(f"unknown setting {setting!r}; choose one of {list(SETTINGS)}")
-        if setting == "aware":
-            return self._prompt_state()
-        if self._context is None:  # retain="compressed": the context forward runs on first use
-            self._context = self._prefill(self.prompt_ids[: self.context_length], "prefill_s")
-        return self._context
 
     def observations(self, setting: str = "agnostic") -> list[LayerObservation]:
         """Per-layer views of the prefilled cache a setting compresses (the context for query-agnostic,
         the whole prompt for query-aware); read-only, for analyses such as the evicted-key figure."""
         self._require_full_cache("observations()")
-        layers = self._source(setting).cache.layers
+        layers = self.prefilled(setting).cache.layers
         return [layer.observation(index, self.scaling) for index, layer in enumerate(layers)]
 
     def compressed(self, method: Method, setting: str = "aware") -> tuple[ResKVCache, dict]:
@@ -356,7 +206,7 @@ class Prefill:
         retain="compressed", a new cache over the states its forward stored for ``method``."""
         seq_len = len(self.prompt_ids) if setting == "aware" else self.context_length
         if self.retain == "full":
-            cache, stats = method.compress(self._source(setting).cache, self.scaling)
+            cache, stats = method.compress(self.prefilled(setting).cache, self.scaling)
         else:
             if method.scorer is None:
                 self._require_full_cache("the full method")
@@ -366,7 +216,7 @@ class Prefill:
                     "forward compresses only for the methods listed then: pass that Method object in "
                     "Prefill(..., methods=[...])"
                 )
-            layers = self._source(setting).cache.layers
+            layers = self.prefilled(setting).cache.layers
             cache, stats = method.assemble([layer.compressed[method] for layer in layers], seq_len)
         stats["prompt_tokens"] = len(self.prompt_ids)
         stats["compressed_tokens"] = seq_len
@@ -421,7 +271,7 @@ class Prefill:
         decode_batch: int = 16,
     ) -> Iterator[tuple[int, Generation]]:
         """``generate`` for several (method, setting) requests decoded together in batches of at most
-        ``decode_batch`` rows (issue 25): yields ``(index into requests, generation)`` as each batch ends.
+        ``decode_batch`` rows: yields ``(index into requests, generation)`` as each batch ends.
         16 rows decoded the paper's RULER grid fastest on a 2-core CPU (``results/README.md``).
 
         The requests are ordered by the share of the prompt their caches hold and cut into batches, so
@@ -431,8 +281,8 @@ class Prefill:
         decodes as ``generate`` does, bit for bit, in any ``decode`` mode (``decode_batch=1`` is
         ``generate`` per request); so does a request without the shared softmax, which the stacked
         attention does not compute. Larger batches decode eagerly, and with ``answer_ids`` compute the
-        quality measures' teacher-forced logits in one forward too (``_teacher_forced_rows``; the probe
-        of attention error and residual share runs per row). In a batch, ``decode_s`` is the batch's
+        quality measures' teacher-forced logits in one forward too (``QualityProbe.teacher_forced_rows``;
+        the probe of attention error and residual share runs per row). In a batch, ``decode_s`` is the batch's
         time shared equally by its rows (their sum is the time spent), likewise the batched part of
         ``quality_s``, and ``decode_batch`` is its number of rows."""
         if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
@@ -468,7 +318,9 @@ class Prefill:
             teacher_forced, quality_s = [None] * len(batch), 0.0
             if answer_ids is not None and len(batch) > 1:
                 start = time.perf_counter()
-                teacher_forced = self._teacher_forced_rows(prepared, answer_ids)
+                teacher_forced = self._probe.teacher_forced_rows(
+                    [row.prompted for row in prepared], [row.logits for row in prepared], answer_ids
+                )
                 quality_s = (time.perf_counter() - start) / len(batch)
             for row, request, answer, forced in zip(batch, prepared, answers, teacher_forced, strict=True):
                 request.timings |= {
@@ -479,7 +331,7 @@ class Prefill:
                 yield row, self._finish(request, answer, answer_ids, forced, quality_s)
 
     def _check_request(self, max_new_tokens: int, answer_ids: Sequence[int] | None) -> None:
-        self._check_positions(max_new_tokens)
+        self.check_positions(max_new_tokens)
         if answer_ids is not None:
             self._require_full_cache("the quality measures (answer_ids)")
 
@@ -491,7 +343,7 @@ class Prefill:
         cache, stats = self.compressed(method, setting)
         timings["compress_s"] = time.perf_counter() - start
         compressed = cache.fork() if with_quality else None  # before the question
-        logits = self._source(setting).last_logits
+        logits = self.prefilled(setting).last_logits
         question = self.prompt_ids[self.context_length :]
         cache.reserve((len(question) if setting == "agnostic" else 0) + spare_slots)
         if setting == "agnostic" and question:
@@ -517,7 +369,7 @@ class Prefill:
         device = self.backbone.device
 
         def step(token_ids: list[int]) -> Tensor:
-            return self._forward(torch.tensor(token_ids, device=device)[:, None], cache, False)[:, -1]
+            return forward(self.backbone, torch.tensor(token_ids, device=device)[:, None], cache)[:, -1]
 
         logits = torch.stack([row.logits for row in rows])
         return greedy(
@@ -529,7 +381,7 @@ class Prefill:
         prepared: _Prepared,
         token_ids: list[int],
         answer_ids: Sequence[int] | None,
-        teacher_forced: _TeacherForced | None = None,
+        teacher_forced: TeacherForced | None = None,
         batch_quality_s: float = 0.0,
     ) -> Generation:
         """The generation of ``token_ids``: its text and, with ``answer_ids``, its quality measures
@@ -539,7 +391,7 @@ class Prefill:
         quality = None
         if answer_ids is not None:
             start = time.perf_counter()
-            quality = self._quality(
+            quality = self._probe.measures(
                 prepared.setting,
                 prepared.compressed,
                 prepared.prompted,
@@ -549,104 +401,6 @@ class Prefill:
             )
             prepared.timings["quality_s"] = time.perf_counter() - start + batch_quality_s
         return Generation(token_ids, text, prepared.stats, prepared.timings, quality)
-
-    def _teacher_forced(self, cache: ResKVCache, last_logits: Tensor, token_ids: Sequence[int]) -> Tensor:
-        """``[1 + n, V]``: ``last_logits``, then the logits after each of ``token_ids`` fed to ``cache``."""
-        if not token_ids:
-            return last_logits[None]
-        return torch.cat([last_logits[None], self.next_logits(token_ids, cache, every_position=True)])
-
-    def _reference(self) -> _FullReference:
-        """The full cache's greedy continuation and its logits along it (``reskv.quality``)."""
-        if self._full_reference is None:
-            whole = self._prompt_state()
-            self._check_positions(FORCED_STEPS)
-            forced_ids = self._decode(whole.cache.fork(), whole.last_logits, FORCED_STEPS, 0, set())
-            logits = self._teacher_forced(whole.cache.fork(), whole.last_logits, forced_ids)[1:]
-            self._full_reference = _FullReference(forced_ids, logits)
-        return self._full_reference
-
-    def _answer_log_prob(self, cache: ResKVCache, last_logits: Tensor, answer_ids: tuple[int, ...]) -> float:
-        logits = self._teacher_forced(cache, last_logits, answer_ids[:-1])
-        return sequence_log_prob(logits, torch.tensor(answer_ids, device=logits.device))
-
-    def _measured_answer(self, answer_ids: Sequence[int]) -> tuple[int, ...]:
-        """The reference answer the quality measures score: a long one (a LongBench summary) is cut where
-        the backbone's positions end."""
-        return tuple(answer_ids)[: self.max_positions - len(self.prompt_ids)]
-
-    def _teacher_forced_rows(self, rows: list[_Prepared], answer_ids: Sequence[int]) -> list[_TeacherForced]:
-        """The teacher-forced logits of the quality measures for a batch of ``rows`` in one forward: each
-        row's prompted cache twice (``ResKVCache.stacked``), fed the answer and the full cache's forced
-        tokens; the shorter feed is padded at its end, which no earlier position sees."""
-        answer_ids, forced_ids = self._measured_answer(answer_ids), self._reference().forced_ids
-        feeds = [list(answer_ids[:-1]), list(forced_ids)]
-        length = max(len(feed) for feed in feeds)
-        padded = [feed + forced_ids[:1] * (length - len(feed)) for feed in feeds]
-        prompted = [static_cache(row.prompted, 0) for row in rows]
-        cache = ResKVCache.stacked(prompted + prompted, length)
-        ids = torch.tensor([padded[0]] * len(rows) + [padded[1]] * len(rows), device=self.backbone.device)
-        logits = self._forward(ids, cache, every_position=True)
-        answered, forced = logits[: len(rows), : len(feeds[0])], logits[len(rows) :, : len(forced_ids)]
-        return [
-            _TeacherForced(torch.cat([row.logits[None], row_answered]), row_forced)
-            for row, row_answered, row_forced in zip(rows, answered, forced, strict=True)
-        ]
-
-    def _quality(
-        self,
-        setting: str,
-        compressed: ResKVCache,
-        prompted: ResKVCache,
-        last_logits: Tensor,
-        answer_ids: Sequence[int],
-        teacher_forced: _TeacherForced | None = None,
-    ) -> dict:
-        """``reskv.quality``'s measures of one generation: ``compressed`` is the method's cache before
-        the question (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt;
-        ``teacher_forced`` the logits along the answer and the forced tokens, when a batch computed them
-        (``_teacher_forced_rows``)."""
-        reference = self._reference()
-        whole = self._prompt_state()
-        answer_ids = self._measured_answer(answer_ids)
-        if teacher_forced is None:
-            teacher_forced = _TeacherForced(
-                self._teacher_forced(prompted.fork(), last_logits, answer_ids[:-1]),
-                self._teacher_forced(prompted, last_logits, reference.forced_ids)[1:],
-            )
-        quality: dict = {"answer_tokens": len(answer_ids)}
-        if answer_ids:
-            if answer_ids not in reference.answer_log_probs:
-                reference.answer_log_probs[answer_ids] = self._answer_log_prob(
-                    whole.cache.fork(), whole.last_logits, answer_ids
-                )
-            full = reference.answer_log_probs[answer_ids]
-            answered = teacher_forced.answered
-            own = sequence_log_prob(answered, torch.tensor(answer_ids, device=answered.device))
-            quality.update(answer_log_prob=own, answer_log_prob_full=full, answer_log_prob_gap=own - full)
-        forced_logits = teacher_forced.forced
-        quality["kl"] = float(kl_divergence(reference.forced_logits, forced_logits).mean())
-        # The probe feeds what the method's cache has not seen yet (the question, query-agnostic)
-        # and the forced tokens; only the forced tokens' queries are measured.
-        fed = list(self.prompt_ids[self.context_length :]) if setting == "agnostic" else []
-        probe = ResKVCache(
-            [
-                ProbeLayer(full_layer, method_layer, len(reference.forced_ids))
-                for full_layer, method_layer in zip(
-                    self._source(setting).cache.fork().layers, compressed.layers, strict=True
-                )
-            ]
-        )
-        self.next_logits(fed + reference.forced_ids, probe)
-        errors = torch.stack([layer.attention_error for layer in probe.layers])
-        shares = torch.stack([layer.residual_share for layer in probe.layers])
-        quality.update(
-            attention_error=float(errors.mean()),
-            residual_share=float(shares.mean()),
-            attention_error_by_layer=significant(errors),
-            residual_share_by_layer=significant(shares),
-        )
-        return quality
 
     def compiled_next_logits(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
         """``next_logits`` of one token through ``compiled_step`` (``compiled_next_logits``)."""
@@ -664,11 +418,10 @@ class Prefill:
         max_new_tokens: int,
         min_new_tokens: int,
         stop_ids: set[int],
-        step=None,
+        step: Callable[[Sequence[int], ResKVCache], Tensor],
     ) -> list[int]:
-        """Greedy decoding of one cache (``greedy`` with one row). ``step`` computes the next logits of one
-        token (``next_logits`` unless given)."""
-        step = step or self.next_logits
+        """Greedy decoding of one cache (``greedy`` with one row); ``step`` computes the next logits of one
+        token (``decode_step``)."""
         (token_ids,) = greedy(
             logits[None],
             lambda token_ids: step(token_ids, cache)[None],
@@ -678,83 +431,6 @@ class Prefill:
             stop_ids,
         )
         return token_ids
-
-
-def greedy(
-    logits: Tensor,
-    step: Callable[[list[int]], Tensor],
-    keep: Callable[[list[int]], None] | None,
-    max_new_tokens: int,
-    min_new_tokens: int,
-    stop_ids: set[int],
-) -> list[list[int]]:
-    """Greedy answers of ``B`` rows from their next-token logits ``[B, V]``; the stop token itself is not
-    part of an answer. Until ``min_new_tokens`` tokens exist, stop tokens cannot be chosen.
-    ``step(token_ids)`` feeds one token per remaining row and returns their next logits; when some rows
-    stop and others go on, ``keep(rows)`` is told which rows (indices among the remaining) go on first."""
-    answers: list[list[int]] = [[] for _ in range(logits.shape[0])]
-    remaining = list(range(logits.shape[0]))  # the answers the rows of ``logits`` belong to
-    stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
-    for produced in range(max_new_tokens):
-        if produced < min_new_tokens:
-            logits = logits.index_fill(-1, stop_index, float("-inf"))
-        next_ids = logits.argmax(dim=-1).tolist()
-        going_on = [row for row, token_id in enumerate(next_ids) if token_id not in stop_ids]
-        for row in going_on:
-            answers[remaining[row]].append(next_ids[row])
-        if not going_on or produced + 1 == max_new_tokens:
-            break
-        if len(going_on) < len(remaining):
-            keep(going_on)
-            remaining = [remaining[row] for row in going_on]
-        logits = step([next_ids[row] for row in going_on])
-    return answers
-
-
-def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
-    """``cache`` with every exact layer (the full method's) copied into a static-capacity
-    ``CompressedLayer`` without entries, with ``spare_slots``: one decode path for every method, no
-    copy of the cache per step (an exact layer's ``update`` concatenates), and the static shapes a
-    compiled step needs."""
-    return ResKVCache(
-        [
-            layer if isinstance(layer, CompressedLayer) else CompressedLayer.exact(layer, spare_slots)
-            for layer in cache.layers
-        ]
-    )
-
-
-@functools.cache
-def compiled_step(model: torch.nn.Module, cache_argument: str):
-    """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
-    graph break): ``(token [1, 1], position [1, 1], cache) -> logits [V]``, for a cache of
-    ``CompressedLayer``s (``static_cache``). On CUDA its kernels are replayed as CUDA graphs
-    (``mode="reduce-overhead"``), which removes the per-op host cost a decode step is bound by (issue 24)."""
-
-    def step(token: Tensor, position: Tensor, cache: ResKVCache) -> Tensor:
-        output = model(
-            input_ids=token,
-            position_ids=position,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_argument: cache, CACHE_KWARG: cache},
-        )
-        return output.logits[0, -1]
-
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
-    return torch.compile(step, fullgraph=True, mode=mode)
-
-
-def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
-    """The next-token logits ``[V]`` after one token through ``compiled_step``: the host claims the
-    cache's slot first, so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
-    (token_id,) = token_ids
-    position = cache.get_seq_length()
-    cache.claim(1)
-    device = backbone.device
-    return compiled_step(backbone.model, backbone.cache_argument)(
-        torch.tensor([[token_id]], device=device), torch.tensor([[position]], device=device), cache
-    )
 
 
 def single_sequence(prompt_ids: Sequence[int] | Tensor) -> list[int]:

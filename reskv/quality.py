@@ -1,4 +1,4 @@
-"""How close a compressed cache keeps the model to the full cache, beyond exact match (issue 10).
+"""How close a compressed cache keeps the model to the full cache, beyond exact match.
 
 Per prompt and method, against the full cache (the exact prefill of the same prompt):
 
@@ -13,18 +13,25 @@ Per prompt and method, against the full cache (the exact prefill of the same pro
   of both caches fed the full model's hidden states, so errors do not compound across layers
   (``ProbeLayer``), and the share of attention mass that went to residual entries.
 
-``reskv.engine.Prefill.generate(..., answer_ids=...)`` runs them; what the full cache computes is
-computed once per prompt. Both sides go through the same code, so the full cache measured against
-itself gives KL 0, log-likelihood gap 0 and attention error 0 exactly.
+``reskv.engine.Prefill.generate(..., answer_ids=...)`` runs them through a ``QualityProbe``; what
+the full cache computes is computed once per prompt. Both sides go through the same code, so the
+full cache measured against itself gives KL 0, log-likelihood gap 0 and attention error 0 exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
-from transformers.cache_utils import CacheLayerMixin
 
-from reskv.cache import CompressedLayer
+from reskv.cache import AttendingLayer, CompressedLayer, ResKVCache
+from reskv.decoding import forward, greedy, static_cache
+
+if TYPE_CHECKING:
+    from reskv.engine import Prefill
 
 FORCED_STEPS = 16
 
@@ -49,7 +56,7 @@ def significant(values: Tensor, digits: int = 6) -> list[float]:
     return [float(f"{value:.{digits}g}") for value in values.tolist()]
 
 
-class ProbeLayer(CacheLayerMixin):
+class ProbeLayer(AttendingLayer):
     """One layer of the full cache and the same layer of a method's cache, fed the same tokens.
 
     ``update`` appends the model's new keys and values to both; ``attend`` returns the full layer's
@@ -61,7 +68,7 @@ class ProbeLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, reference: CacheLayerMixin, method: CacheLayerMixin, measured_rows: int):
+    def __init__(self, reference: AttendingLayer, method: AttendingLayer, measured_rows: int):
         super().__init__()
         self.reference, self.method = reference, method
         self.measured_rows = measured_rows
@@ -99,3 +106,134 @@ class ProbeLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+@dataclass
+class TeacherForced:
+    """A generation's logits along the reference answer (``[1 + n, V]``: after the prompt, then after
+    each answer token but the last) and along the full cache's forced tokens (``[FORCED_STEPS, V]``)."""
+
+    answered: Tensor
+    forced: Tensor
+
+
+class QualityProbe:
+    """The measures above for the generations of one prompt (``Prefill``, which keeps the full cache):
+    what the full cache gives (its greedy continuation of ``FORCED_STEPS`` tokens, its logits along
+    them, its log-likelihood of each reference answer) is computed once, on first use."""
+
+    def __init__(self, prefill: Prefill):
+        self.prefill = prefill
+        self._forced: tuple[list[int], Tensor] | None = None
+        self._answer_log_probs: dict[tuple[int, ...], float] = {}
+
+    def reference(self) -> tuple[list[int], Tensor]:
+        """The full cache's greedy continuation and its next-token logits after each of those tokens
+        (``[FORCED_STEPS, V]``)."""
+        if self._forced is None:
+            prefill = self.prefill
+            whole = prefill.prefilled("aware")
+            prefill.check_positions(FORCED_STEPS)
+            cache = whole.cache.fork()
+            (forced_ids,) = greedy(
+                whole.last_logits[None],
+                lambda token_ids: prefill.next_logits(token_ids, cache)[None],
+                None,
+                FORCED_STEPS,
+                0,
+                set(),
+            )
+            logits = self.teacher_forced(whole.cache.fork(), whole.last_logits, forced_ids)[1:]
+            self._forced = forced_ids, logits
+        return self._forced
+
+    def measured_answer(self, answer_ids: Sequence[int]) -> tuple[int, ...]:
+        """The reference answer the measures score: a long one (a LongBench summary) is cut where the
+        backbone's positions end."""
+        prefill = self.prefill
+        return tuple(answer_ids)[: prefill.max_positions - len(prefill.prompt_ids)]
+
+    def teacher_forced(self, cache: ResKVCache, last_logits: Tensor, token_ids: Sequence[int]) -> Tensor:
+        """``[1 + n, V]``: ``last_logits``, then the logits after each of ``token_ids`` fed to ``cache``."""
+        if not token_ids:
+            return last_logits[None]
+        return torch.cat([last_logits[None], self.prefill.next_logits(token_ids, cache, every_position=True)])
+
+    def teacher_forced_rows(
+        self, prompted: Sequence[ResKVCache], last_logits: Sequence[Tensor], answer_ids: Sequence[int]
+    ) -> list[TeacherForced]:
+        """The teacher-forced logits of several generations (each ``prompted`` cache with its
+        ``last_logits`` after the prompt) in one forward: each cache twice (``ResKVCache.stacked``), fed
+        the answer and the full cache's forced tokens; the shorter feed is padded at its end, which no
+        earlier position sees."""
+        answer_ids, (forced_ids, _) = self.measured_answer(answer_ids), self.reference()
+        feeds = [list(answer_ids[:-1]), list(forced_ids)]
+        length = max(len(feed) for feed in feeds)
+        padded = [feed + forced_ids[:1] * (length - len(feed)) for feed in feeds]
+        caches = [static_cache(cache, 0) for cache in prompted]
+        rows = len(caches)
+        stacked = ResKVCache.stacked(caches + caches, length)
+        backbone = self.prefill.backbone
+        ids = torch.tensor([padded[0]] * rows + [padded[1]] * rows, device=backbone.device)
+        logits = forward(backbone, ids, stacked, every_position=True)
+        answered, forced = logits[:rows, : len(feeds[0])], logits[rows:, : len(forced_ids)]
+        return [
+            TeacherForced(torch.cat([row_logits[None], row_answered]), row_forced)
+            for row_logits, row_answered, row_forced in zip(last_logits, answered, forced, strict=True)
+        ]
+
+    def measures(
+        self,
+        setting: str,
+        compressed: ResKVCache,
+        prompted: ResKVCache,
+        last_logits: Tensor,
+        answer_ids: Sequence[int],
+        teacher_forced: TeacherForced | None = None,
+    ) -> dict:
+        """The measures of one generation: ``compressed`` is the method's cache before the question
+        (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt;
+        ``teacher_forced`` the logits along the answer and the forced tokens, when a batch computed them
+        (``teacher_forced_rows``)."""
+        prefill = self.prefill
+        forced_ids, forced_logits = self.reference()
+        whole = prefill.prefilled("aware")
+        answer_ids = self.measured_answer(answer_ids)
+        if teacher_forced is None:
+            teacher_forced = TeacherForced(
+                self.teacher_forced(prompted.fork(), last_logits, answer_ids[:-1]),
+                self.teacher_forced(prompted, last_logits, forced_ids)[1:],
+            )
+        quality: dict = {"answer_tokens": len(answer_ids)}
+        if answer_ids:
+            if answer_ids not in self._answer_log_probs:
+                logits = self.teacher_forced(whole.cache.fork(), whole.last_logits, answer_ids[:-1])
+                self._answer_log_probs[answer_ids] = sequence_log_prob(
+                    logits, torch.tensor(answer_ids, device=logits.device)
+                )
+            full = self._answer_log_probs[answer_ids]
+            answered = teacher_forced.answered
+            own = sequence_log_prob(answered, torch.tensor(answer_ids, device=answered.device))
+            quality.update(answer_log_prob=own, answer_log_prob_full=full, answer_log_prob_gap=own - full)
+        quality["kl"] = float(kl_divergence(forced_logits, teacher_forced.forced).mean())
+        # The probe feeds what the method's cache has not seen yet (the question, query-agnostic)
+        # and the forced tokens; only the forced tokens' queries are measured.
+        fed = list(prefill.prompt_ids[prefill.context_length :]) if setting == "agnostic" else []
+        probe = ResKVCache(
+            [
+                ProbeLayer(full_layer, method_layer, len(forced_ids))
+                for full_layer, method_layer in zip(
+                    prefill.prefilled(setting).cache.fork().layers, compressed.layers, strict=True
+                )
+            ]
+        )
+        prefill.next_logits(fed + forced_ids, probe)
+        errors = torch.stack([layer.attention_error for layer in probe.layers])
+        shares = torch.stack([layer.residual_share for layer in probe.layers])
+        quality.update(
+            attention_error=float(errors.mean()),
+            residual_share=float(shares.mean()),
+            attention_error_by_layer=significant(errors),
+            residual_share_by_layer=significant(shares),
+        )
+        return quality

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reskv.attention import joint_attention, joint_buffers
 from reskv.backbones import tiny_backbone
 
 # pytest-xdist's workers share the machine's cores: each takes its share of torch's threads, and
@@ -105,3 +106,27 @@ def interpreted(kernel: str, cases: list[tuple], tmp_path: Path) -> list:
         check=True,
     )
     return torch.load(outputs)
+
+
+def separate_attention(
+    queries, main_keys, main_values, main_bias, residual_keys, residual_values, residual_log_counts,
+    scaling, rule, evicted_fraction=None,
+):  # fmt: skip
+    """``reskv.attention.joint_attention`` (the spec's form of the decode rule) over a main cache and
+    residual entries given apart, as ``joint_buffers`` lays them out in a compressed layer: outputs
+    ``[H_kv, Q, d]`` for grouped queries ``[H_kv, Q, d]``; ``main_bias`` carries padding (0 or -inf)."""
+    keys, values, bias = joint_buffers(
+        residual_keys, residual_values, residual_log_counts, main_keys, main_values, main_bias, rule.beta
+    )
+    return joint_attention(
+        queries, keys, values, bias, residual_keys.shape[1], scaling, rule, evicted_fraction
+    )
+
+
+def state_attention(state, queries, scaling, rule):
+    """``separate_attention`` over a ``CompressedLayerState`` as compressed (nothing appended)."""
+    residual = state.residual
+    return separate_attention(
+        queries, state.main_keys, state.main_values, state.main_bias,
+        residual.keys, residual.values, residual.log_counts, scaling, rule, state.evicted_fraction,
+    )  # fmt: skip

@@ -16,7 +16,8 @@ from baselines import build_method
 from reskv.backbones import tiny_backbone
 from reskv.cache import CompressedLayer, ResKVCache
 from reskv.config import DecodeRule, plain_rule
-from reskv.engine import Prefill, static_cache
+from reskv.decoding import static_cache
+from reskv.engine import Prefill
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
 from tests.conftest import TINY_RUN, TOKENS, cached_tiny_backbone

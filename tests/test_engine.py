@@ -12,11 +12,12 @@ from reskv.attention import DecodeRule
 from reskv.backbones import BackboneError, load_backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache, reskv_attention
 from reskv.compress import CompressedLayerState, ResidualConfig, budget_for, compress_layer
-from reskv.engine import Method, Prefill, generate
+from reskv.engine import Prefill, generate
+from reskv.method import Method
 from reskv.residual import ResidualEntries
 from reskv.scoring import causal_attention_probs
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS, cached_tiny_backbone
+from tests.conftest import TOKENS, cached_tiny_backbone, state_attention
 
 
 @pytest.fixture
@@ -64,13 +65,14 @@ def test_full_cache_gives_the_same_answer_in_both_settings(prefill):
 def test_one_prefill_serves_many_runs_without_changing(prefill):
     before = [
         (layer.keys.clone(), layer.values.clone(), layer.queries.clone())
-        for layer in prefill._context.cache.layers
+        for layer in prefill.prefilled("agnostic").cache.layers
     ]
     first = prefill.generate(build_method("snapkv+reskv", 0.8), "agnostic", 6)
     for name in METHODS:
         prefill.generate(build_method(name, 0.7), "aware", 3)
         prefill.generate(build_method(name, 0.7), "agnostic", 3)
-    for (keys, values, queries), layer in zip(before, prefill._context.cache.layers, strict=True):
+    context_layers = prefill.prefilled("agnostic").cache.layers
+    for (keys, values, queries), layer in zip(before, context_layers, strict=True):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
         assert torch.equal(queries, layer.queries)
     assert prefill.generate(build_method("snapkv+reskv", 0.8), "agnostic", 6).token_ids == first.token_ids
@@ -97,7 +99,7 @@ def test_h2o_statistics_captured_in_chunks_equal_the_direct_column_sums(backbone
     monkeypatch.setattr("reskv.scoring.QUERY_CHUNK", 16)
     record_all = build_method("h2o+reskv", 0.5, residual=ResidualConfig(fit_queries=400))
     prefill = Prefill(backbone, random_prompt(TOKENS, 90, seed=4), 70, [record_all])
-    for layer in prefill._prompt_state().cache.layers:  # context in one pass, question in another
+    for layer in prefill.prefilled("aware").cache.layers:  # context in one pass, question in another
         keys = layer.keys[0]
         assert layer.queries.shape[1] == keys.shape[1] == 90
         probs = causal_attention_probs(layer.queries, keys, range(90), prefill.scaling)
@@ -106,7 +108,7 @@ def test_h2o_statistics_captured_in_chunks_equal_the_direct_column_sums(backbone
 
 
 def layer_observation(prefill, layer_idx=1):
-    return prefill._context.cache.layers[layer_idx].observation(layer_idx, prefill.scaling)
+    return prefill.prefilled("agnostic").cache.layers[layer_idx].observation(layer_idx, prefill.scaling)
 
 
 def test_without_validation_every_head_uses_the_fixed_ratio(prefill):
@@ -124,9 +126,9 @@ def test_no_shared_softmax_mixes_branches_by_gate_times_evicted_share(prefill):
     assert int(state.residual.entries_per_head.min()) > 0
     queries = obs.queries[:, -2:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
     rule = method.residual
-    mixed = state.attend(queries, obs.scaling, rule)
+    mixed = state_attention(state, queries, obs.scaling, rule)
     without_residual = dataclasses.replace(state, residual=ResidualEntries.empty(obs.num_kv_heads, obs.keys))
-    main_only = without_residual.attend(queries, obs.scaling, rule)
+    main_only = state_attention(without_residual, queries, obs.scaling, rule)
     logits = queries.float() @ state.residual.keys.float().transpose(1, 2) * obs.scaling
     residual_probs = (logits + state.residual.log_counts[:, None, :]).softmax(dim=-1)
     residual_only = residual_probs @ state.residual.values.float()
@@ -201,7 +203,7 @@ def test_a_batch_of_prompts_is_refused_naming_its_size(backbone, prefill):
         Prefill(backbone, [first, second], 10, [])
     single = Prefill(backbone, torch.tensor([first]), 10, [])  # [1, s] is one sequence
     assert single.prompt_ids == first
-    cache, _ = build_method("snapkv", 0.6).compress(prefill._context.cache, prefill.scaling)
+    cache, _ = build_method("snapkv", 0.6).compress(prefill.prefilled("agnostic").cache, prefill.scaling)
     attention = backbone.model.model.layers[0].self_attn
     query = torch.zeros(2, 6, 1, 16)
     key = torch.zeros(2, 2, 1, 16)
@@ -214,7 +216,7 @@ def test_a_batch_of_prompts_is_refused_naming_its_size(backbone, prefill):
 def test_min_new_tokens_masks_the_stop_ids_until_reached(prefill):
     """transformers' min_length: a stop id that would win the first step is skipped for the runner-up."""
     full = build_method("full")
-    logits = prefill._prompt_state().last_logits
+    logits = prefill.prefilled("aware").last_logits
     first, runner_up = logits.topk(2).indices.tolist()
     assert prefill.generate(full, "aware", 4, stop_token_ids=[first]).token_ids == []
     forced = prefill.generate(full, "aware", 4, stop_token_ids=[first], min_new_tokens=1).token_ids

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from baselines import build_scorer
-from reskv.attention import gate_values, joint_attention, residual_attention, shared_softmax_attention
+from reskv.attention import gate_values, joint_attention, shared_softmax_attention
 from reskv.cache import CompressedLayer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.config import DecodeRule
@@ -23,7 +23,7 @@ from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import lloyd_assignments
 from reskv.scoring import LayerObservation, causal_attention_probs
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS, cached_tiny_backbone, interpreted
+from tests.conftest import TOKENS, cached_tiny_backbone, interpreted, separate_attention
 
 PROMPT_LENGTH = 300
 
@@ -33,7 +33,7 @@ def observation(request) -> LayerObservation:
     prefill = Prefill(
         cached_tiny_backbone(*request.param), random_prompt(TOKENS, PROMPT_LENGTH, seed=5), PROMPT_LENGTH
     )
-    return prefill._context.cache.layers[1].observation(1, prefill.scaling)
+    return prefill.prefilled("agnostic").cache.layers[1].observation(1, prefill.scaling)
 
 
 def plain_attention(queries, main_keys, main_values, main_bias, entries, scaling, rule: DecodeRule):
@@ -227,7 +227,7 @@ def test_single_normalisation_equals_the_lse_merge(observation):
     queries = torch.cat([last * sharpness for sharpness in (1, 30, 100, 300)], dim=1)
     main_peak = (queries @ obs.keys.transpose(1, 2) * obs.scaling).softmax(-1).amax(-1)
     assert main_peak.min() < 0.05 and main_peak.max() > 0.5
-    output = residual_attention(
+    output = separate_attention(
         queries, obs.keys, obs.values, None, keys, values, log_counts, obs.scaling, rule
     )
     expected = lse_merge_attention(
@@ -250,7 +250,7 @@ def test_entries_far_above_the_main_logits_do_not_overflow(observation):
     entry_logits = (queries @ keys.transpose(1, 2))[..., 0] * obs.scaling
     main_max = (queries @ obs.keys.transpose(1, 2)).amax(-1) * obs.scaling
     assert (entry_logits - main_max > 100).all()
-    output = residual_attention(
+    output = separate_attention(
         queries, obs.keys, obs.values, None, keys, values, log_counts, obs.scaling, rule
     )
     expected = plain_attention(
@@ -277,10 +277,10 @@ def test_a_head_without_entries_gives_exactly_the_main_only_output(observation, 
     keys, values, log_counts = random_entries(obs, slots=4, unused=4, seed=4)
     queries = obs.queries[:, -3:].reshape(obs.num_kv_heads, -1, obs.keys.shape[-1])
     evicted_fraction = torch.full((obs.num_kv_heads,), 0.4)
-    with_slots = residual_attention(
+    with_slots = separate_attention(
         queries, obs.keys, obs.values, None, keys, values, log_counts, obs.scaling, rule, evicted_fraction
     )
-    without = residual_attention(
+    without = separate_attention(
         queries, obs.keys, obs.values, None, keys[:, :0], values[:, :0], log_counts[:, :0], obs.scaling, rule
     )
     assert not torch.isfinite(log_counts[0]).any() and torch.isfinite(log_counts[1:]).all()

@@ -12,7 +12,8 @@ import torch
 from baselines import build_method
 from reskv.cache import CACHE_KWARG, ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
-from reskv.engine import Prefill, greedy
+from reskv.decoding import greedy
+from reskv.engine import Prefill
 from scripts.measure import random_prompt
 from tests.conftest import TINY_RUN, TOKENS, cached_tiny_backbone
 

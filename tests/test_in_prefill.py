@@ -18,7 +18,8 @@ from baselines import METHODS, RESIDUAL_SUFFIX, build_method, build_scorer
 from baselines.registry import FULL_METHOD
 from reskv.cache import CompressingLayer
 from reskv.config import SETTINGS, ResidualConfig
-from reskv.engine import Method, Prefill, layer_batches
+from reskv.engine import Prefill
+from reskv.method import Method, layer_batches
 from scripts.bench.decode_counts import narrow_llama_8b_attention
 from scripts.measure import peak_allocated, random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
@@ -73,7 +74,7 @@ def states_after(prefill: Prefill, method: Method, setting: str) -> list:
 
 def states_during(prefill: Prefill, method: Method, setting: str) -> list:
     """The states the in-prefill forward of ``setting`` stored for ``method``, layer by layer."""
-    return [layer.compressed[method] for layer in prefill._source(setting).cache.layers]
+    return [layer.compressed[method] for layer in prefill.prefilled(setting).cache.layers]
 
 
 def assert_same_construction(ours, reference, exact: bool) -> None:

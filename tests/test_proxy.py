@@ -41,7 +41,7 @@ def observation(request) -> LayerObservation:
         PROMPT_LENGTH,
         [build_method("h2o", RATIO)],  # records H2O's prefill statistic for the deployed scores
     )
-    return prefill._context.cache.layers[1].observation(1, prefill.scaling)
+    return prefill.prefilled("agnostic").cache.layers[1].observation(1, prefill.scaling)
 
 
 # ---- float64 reference, written from reskv.md --------------------------------------------------
@@ -351,7 +351,7 @@ def test_validation_split_is_96_fit_and_32_validation_queries(observation):
 def test_short_prompt_splits_3_to_1_and_moves_the_boundary():
     backbone = cached_tiny_backbone("tiny-qwen2", 6, 2)
     short = Prefill(backbone, random_prompt(TOKENS, 40, seed=2), 40, [build_method("snapkv+reskv", 0.5)])
-    obs = short._context.cache.layers[1].observation(1, short.scaling)
+    obs = short.prefilled("agnostic").cache.layers[1].observation(1, short.scaling)
     fit, validation = observation_split(obs, ResidualConfig())
     assert (fit.stop - fit.start, validation.stop - validation.start) == (30, 10)
     proxy = proxy_for(obs, "snapkv")

@@ -13,7 +13,8 @@ from baselines import build_method
 from benchmarks.item import Item
 from reskv.attention import joint_attention, joint_bias
 from reskv.config import ResidualConfig
-from reskv.engine import Method, Prefill
+from reskv.engine import Prefill
+from reskv.method import Method
 from reskv.quality import FORCED_STEPS, kl_divergence, sequence_log_prob
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone

@@ -11,9 +11,10 @@ import torch
 
 import reskv.residual
 from baselines import build_method, build_scorer
-from reskv.attention import DecodeRule, residual_attention
+from reskv.attention import DecodeRule
 from reskv.compress import ResidualConfig, budget_for, compress_layer
-from reskv.engine import Method, Prefill, attended_slots
+from reskv.engine import Prefill
+from reskv.method import Method, attended_slots
 from reskv.residual import (
     build_residual,
     cluster_sums,
@@ -26,7 +27,7 @@ from reskv.residual import (
 from reskv.scoring import LayerObservation
 from scripts.bench.engine import kmeans_peak_memory
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS, interpreted
+from tests.conftest import TOKENS, interpreted, separate_attention, state_attention
 
 PROMPT_LENGTH = 300
 NO_GATE = DecodeRule(gate=False)
@@ -40,7 +41,7 @@ def prefill(tiny) -> Prefill:
 
 @pytest.fixture
 def observation(prefill) -> LayerObservation:
-    return prefill._context.cache.layers[1].observation(1, prefill.scaling)
+    return prefill.prefilled("agnostic").cache.layers[1].observation(1, prefill.scaling)
 
 
 def decode_queries(obs: LayerObservation, count: int = 3, seed: int = 1) -> torch.Tensor:
@@ -58,7 +59,7 @@ def full_attention(queries: torch.Tensor, obs: LayerObservation) -> torch.Tensor
 def residual_output(queries, obs, kept, residual, rule=NO_GATE):
     """ResKV output with the main cache given as a kept mask over the prompt (masked, not gathered)."""
     bias = torch.zeros(kept.shape).masked_fill(~kept, float("-inf"))[:, None, :]
-    return residual_attention(
+    return separate_attention(
         queries,
         obs.keys,
         obs.values,
@@ -88,8 +89,8 @@ def test_1_budget_covering_the_prompt_is_the_full_cache(prefill, observation):
 def test_2_residual_off_everywhere_is_the_base_method(prefill, base):
     plain = build_method(base, 0.7)
     off = build_method(f"{base}+reskv", 0.7, residual=ResidualConfig(grid=(0.0,)))
-    plain_cache, _ = plain.compress(prefill._context.cache, prefill.scaling)
-    off_cache, stats = off.compress(prefill._context.cache, prefill.scaling)
+    plain_cache, _ = plain.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
+    off_cache, stats = off.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
     for plain_layer, off_layer in zip(plain_cache.layers, off_cache.layers, strict=True):
         assert torch.equal(plain_layer.keys, off_layer.keys)
         assert torch.equal(plain_layer.values, off_layer.values)
@@ -176,7 +177,7 @@ def test_5_shared_softmax_equals_the_lse_merge(observation, dtype):
     state = compress_layer(obs, build_scorer("snapkv"), WITH_ENTRIES["ratio"], rule)
     assert int(state.residual.entries_per_head.min()) > 0
     queries = decode_queries(obs, count=4).to(dtype)
-    merged = state.attend(queries, obs.scaling, rule)
+    merged = state_attention(state, queries, obs.scaling, rule)
     for kv_head in range(obs.num_kv_heads):
         for row in range(queries.shape[1]):  # every query head of the group, every query
             query = queries[kv_head, row].double()
@@ -212,7 +213,7 @@ def test_6_slots_never_exceed_the_budget_with_entries(prefill, base):
 def check_budget(prefill, method, ratio) -> dict:
     """Per layer and head: attended = main + used entries <= main + reserved = b (AdaKV: H_kv b)."""
     name = method.name
-    cache, stats = method.compress(prefill._context.cache, prefill.scaling)
+    cache, stats = method.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
     budget = budget_for(prefill.context_length, ratio)
     assert stats["budget"] == budget
     assert attended_slots(cache, stats) == cache.slots()  # the host's counts are what the device holds
@@ -241,7 +242,7 @@ def test_7_no_nan_or_inf(observation, dtype):
     queries = decode_queries(obs).to(dtype)
     closed_gate = DecodeRule(alpha=1e6, g_min=0.0)  # gate exactly 0 unless the main peak is below tau
     for rule in (WITH_ENTRIES["residual"], closed_gate):
-        output = state.attend(queries, obs.scaling, rule)
+        output = state_attention(state, queries, obs.scaling, rule)
         assert torch.isfinite(output).all()
     # Empty evicted side, and r larger than |E|.
     everything = torch.ones(obs.num_kv_heads, obs.seq_len, dtype=torch.bool)
@@ -283,8 +284,8 @@ def test_7_closed_gate_gives_exactly_the_main_only_output(observation):
 
 def test_8_deterministic_bit_for_bit(prefill):
     method = build_method("adakv+reskv", 0.8)
-    first, first_stats = method.compress(prefill._context.cache, prefill.scaling)
-    second, second_stats = method.compress(prefill._context.cache, prefill.scaling)
+    first, first_stats = method.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
+    second, second_stats = method.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
     assert first_stats == second_stats
     for a, b in zip(first.layers, second.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
@@ -495,8 +496,8 @@ def test_adakv_padded_cache_equals_the_per_head_computation_after_appended_token
     """Heads of uneven length are padded with masked slots; after appending tokens every head's
     output equals the unpadded float64 computation over its own main tokens and entries."""
     method = build_method("adakv+reskv", WITH_ENTRIES["ratio"], residual=WITH_ENTRIES["residual"])
-    cache, stats = method.compress(prefill._context.cache, prefill.scaling)
-    layer, obs = cache.layers[1], prefill._context.cache.layers[1].observation(1, prefill.scaling)
+    cache, stats = method.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
+    layer, obs = cache.layers[1], prefill.observations("agnostic")[1]
     assert len(set(stats["main_slots"][1])) > 1 and layer.main_bias is not None  # padding exists
     assert min(stats["residual_entries"][1]) > 0
     generator = torch.Generator().manual_seed(9)

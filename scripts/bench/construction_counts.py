@@ -26,12 +26,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import reskv.engine
+import reskv.method
 import reskv.residual
 from baselines import build_method
 from reskv.cache import ObservedLayer, ResKVCache
 from reskv.config import ResidualConfig, budget_for
-from reskv.engine import LAYER_BATCH_BYTES
+from reskv.method import LAYER_BATCH_BYTES
 from reskv.residual import DEVICE_MEMORY_SHARE, DISTANCE_CHUNK_BYTES, residual_size
 from scripts.bench.dispatch_counts import count_dispatch, count_parser
 
@@ -69,7 +69,7 @@ def synthetic_prefilled_cache(
 def gpu_layout():
     """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks, one padded k-means
     group per grid level, distances at the centres' own width, ``argmin`` for the nearest centre
-    (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.engine``)."""
+    (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
     with contextlib.ExitStack() as stack:
         for module, name, value in (
             (reskv.residual, "DISTANCE_CHUNK_BYTES", H100_BLOCK_BYTES),
@@ -77,7 +77,7 @@ def gpu_layout():
             (reskv.residual, "CPU_NARROWEST_PADDED_WIDTH", 0),
             (reskv.residual, "CPU_DISTANCE_WIDTH_MULTIPLE", 1),
             (reskv.residual, "CPU_VECTORISED_ARGMIN", False),
-            (reskv.engine, "CPU_LAYER_BATCH_BYTES", LAYER_BATCH_BYTES),
+            (reskv.method, "CPU_LAYER_BATCH_BYTES", LAYER_BATCH_BYTES),
         ):
             stack.enter_context(mock.patch.object(module, name, value))
         yield

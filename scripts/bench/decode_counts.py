@@ -6,8 +6,8 @@ A 32-layer Llama with the 8B model's attention (32 query heads, 8 KV heads, head
 hidden and MLP widths decodes one token over a cache compressed from random keys and values
 (``scripts.bench.construction_counts.synthetic_prefilled_cache``): the ops a decode step issues depend on
 the layers and the attention path, not on the widths. Every method decodes through the cache
-``Prefill.generate`` decodes (``reskv.engine.static_cache``), eagerly, then through the compiled step
-(``decode="compiled"``, ``reskv.engine.compiled_next_logits``), whose launches are the kernels in the
+``Prefill.generate`` decodes (``reskv.decoding.static_cache``), eagerly, then through the compiled step
+(``decode="compiled"``, ``reskv.decoding.compiled_next_logits``), whose launches are the kernels in the
 code inductor generates for it (``scripts.bench.dispatch_counts.compiled_kernels``; the CPU's C++
 kernels here, where a GPU compiles Triton ones, fused by the same scheduler). Compiling the 32 layers
 takes minutes on CPU (``--skip-compiled`` leaves it out). The count does not depend on the prompt's
@@ -24,7 +24,7 @@ from rich.table import Table
 from baselines import build_method
 from reskv.backbones import random_backbone
 from reskv.cache import CACHE_KWARG
-from reskv.engine import compiled_next_logits, static_cache
+from reskv.decoding import compiled_next_logits, static_cache
 from scripts.bench.construction_counts import LLAMA_ATTENTION, synthetic_prefilled_cache
 from scripts.bench.dispatch_counts import compiled_kernels, count_dispatch, count_parser
 

@@ -61,7 +61,8 @@ from baselines import METHODS, build_method
 from reskv.backbones import PAPER_SHAPES, Backbone, random_backbone
 from reskv.compress import compress_layer
 from reskv.config import DECODE_MODES, SETTINGS
-from reskv.engine import Method, Prefill
+from reskv.engine import Prefill
+from reskv.method import Method
 from scripts.measure import (
     MemoryPeak,
     counted_gflop,

@@ -32,7 +32,7 @@ from scripts.harness.store import (
 
 if TYPE_CHECKING:
     from reskv.backbones import Backbone
-    from reskv.engine import Method
+    from reskv.method import Method
 
 log = logging.getLogger(__name__)
 

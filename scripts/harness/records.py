@@ -87,7 +87,7 @@ class MethodLabel:
 
 
 class CacheStats(TypedDict, total=False):
-    """``cache_stats``: the compressed cache of one sample (``reskv.engine.Method.compress``)."""
+    """``cache_stats``: the compressed cache of one sample (``reskv.method.Method.compress``)."""
 
     compressed: bool
     budget: int  # retained slots per KV head, b (reskv.md, Budget)

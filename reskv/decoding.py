@@ -1,0 +1,107 @@
+"""Feeding tokens to a cache and greedy decoding: the model forward through a ``ResKVCache``, the
+static-capacity cache every generation decodes from, and the decode step compiled as one graph.
+
+    cache = static_cache(compressed_cache, spare_slots=max_new_tokens)
+    logits = forward(backbone, torch.tensor([[token_id]]), cache)[:, -1]
+    answers = greedy(logits, step, keep, max_new_tokens, min_new_tokens, stop_ids)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from reskv.backbones import Backbone
+from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
+
+
+@torch.inference_mode()
+def forward(backbone: Backbone, token_ids: Tensor, cache: ResKVCache, every_position: bool = False) -> Tensor:
+    """The logits of ``token_ids`` ``[B, n]`` fed to ``cache`` (one sequence, or ``B`` stacked rows),
+    extended in place: ``[B, n, V]``, or ``[B, 1, V]`` for the last position only."""
+    return backbone.model(
+        input_ids=token_ids,
+        use_cache=True,
+        logits_to_keep=0 if every_position else 1,
+        **{backbone.cache_argument: cache, CACHE_KWARG: cache},
+    ).logits
+
+
+def greedy(
+    logits: Tensor,
+    step: Callable[[list[int]], Tensor],
+    keep: Callable[[list[int]], None] | None,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    stop_ids: set[int],
+) -> list[list[int]]:
+    """Greedy answers of ``B`` rows from their next-token logits ``[B, V]``; the stop token itself is not
+    part of an answer. Until ``min_new_tokens`` tokens exist, stop tokens cannot be chosen.
+    ``step(token_ids)`` feeds one token per remaining row and returns their next logits; when some rows
+    stop and others go on, ``keep(rows)`` is told which rows (indices among the remaining) go on first."""
+    answers: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    remaining = list(range(logits.shape[0]))  # the answers the rows of ``logits`` belong to
+    stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
+    for produced in range(max_new_tokens):
+        if produced < min_new_tokens:
+            logits = logits.index_fill(-1, stop_index, float("-inf"))
+        next_ids = logits.argmax(dim=-1).tolist()
+        going_on = [row for row, token_id in enumerate(next_ids) if token_id not in stop_ids]
+        for row in going_on:
+            answers[remaining[row]].append(next_ids[row])
+        if not going_on or produced + 1 == max_new_tokens:
+            break
+        if len(going_on) < len(remaining):
+            keep(going_on)
+            remaining = [remaining[row] for row in going_on]
+        logits = step([next_ids[row] for row in going_on])
+    return answers
+
+
+def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
+    """``cache`` with every exact layer (the full method's) copied into a static-capacity
+    ``CompressedLayer`` without entries, with ``spare_slots``: one decode path for every method, no
+    copy of the cache per step (an exact layer's ``update`` concatenates), and the static shapes a
+    compiled step needs."""
+    return ResKVCache(
+        [
+            layer if isinstance(layer, CompressedLayer) else CompressedLayer.exact(layer, spare_slots)
+            for layer in cache.layers
+        ]
+    )
+
+
+@functools.cache
+def compiled_step(model: torch.nn.Module, cache_argument: str):
+    """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
+    graph break): ``(token [1, 1], position [1, 1], cache) -> logits [V]``, for a cache of
+    ``CompressedLayer``s (``static_cache``). On CUDA its kernels are replayed as CUDA graphs
+    (``mode="reduce-overhead"``), which removes the per-op host cost a decode step is bound by."""
+
+    def step(token: Tensor, position: Tensor, cache: ResKVCache) -> Tensor:
+        output = model(
+            input_ids=token,
+            position_ids=position,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument: cache, CACHE_KWARG: cache},
+        )
+        return output.logits[0, -1]
+
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    return torch.compile(step, fullgraph=True, mode=mode)
+
+
+def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
+    """The next-token logits ``[V]`` after one token through ``compiled_step``: the host claims the
+    cache's slot first, so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
+    (token_id,) = token_ids
+    position = cache.get_seq_length()
+    cache.claim(1)
+    device = backbone.device
+    return compiled_step(backbone.model, backbone.cache_argument)(
+        torch.tensor([[token_id]], device=device), torch.tensor([[position]], device=device), cache
+    )

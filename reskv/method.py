@@ -1,0 +1,128 @@
+"""A compression method (a base scorer at a ratio, optionally with a residual) and how it compresses
+a prefilled cache: layer by layer batches, each batch's ResKV work stacked into one copy.
+
+    method = Method("snapkv+reskv", 0.9, SnapKV(), ResidualConfig())
+    cache, stats = method.compress(prefilled_cache, scaling)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache
+from reskv.compress import CompressedLayerState, compress_layers
+from reskv.config import NO_RESIDUAL_RULE, DecodeRule, ResidualConfig
+from reskv.scoring import LayerObservation, TokenScorer
+
+# Bound on the keys and values of the layers compressed together: ResKV's work on them is stacked
+# into one copy, so its ops are paid once per batch, not once per layer (a GPU's host pays the same
+# per op whatever its size). 4 GiB holds all 32 layers of an 8B-shaped model up to 32K tokens in bf16.
+LAYER_BATCH_BYTES = 4 << 30
+# On CPU stacking saves per-op time only for small layers, while a large stack's transients fall out
+# of the caches; 8 MiB holds one layer of the embedded model at 4K (results/README.md has the timings).
+# The bits are the same either way (tests/test_in_prefill.py).
+CPU_LAYER_BATCH_BYTES = 8 << 20
+# Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
+# the validation proxy (96 fit + 32 validation).
+DEFAULT_OBSERVATION_WINDOW = 128
+
+
+@dataclass(frozen=True)
+class Method:
+    """A compression method: a base scorer at a ratio, optionally with a residual cache.
+
+    ``scorer is None`` is the full cache (the ratio is then ignored).
+    """
+
+    name: str
+    ratio: float | None = None
+    scorer: TokenScorer | None = None
+    residual: ResidualConfig | None = None
+
+    @property
+    def observation_window(self) -> int:
+        needed = [DEFAULT_OBSERVATION_WINDOW]
+        if self.scorer is not None:
+            needed.append(self.scorer.window)
+        if self.residual is not None:
+            needed.append(self.residual.observation_window)
+        return max(needed)
+
+    @property
+    def decode_rule(self) -> DecodeRule:
+        """How its cache is attended: the residual's rule (a ``ResidualConfig`` is one), or without a
+        residual ``NO_RESIDUAL_RULE``."""
+        return self.residual or NO_RESIDUAL_RULE
+
+    @property
+    def retained_fraction(self) -> float:
+        """The share of the prompt its cache holds (1 for the full cache): what orders a grid's rows."""
+        return 1.0 if self.scorer is None else 1.0 - self.ratio
+
+    @property
+    def needs_accumulated_attention(self) -> bool:
+        return self.scorer is not None and self.scorer.needs_accumulated_attention
+
+    def compress(self, cache: ResKVCache, scaling: float) -> tuple[ResKVCache, dict]:
+        """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged.
+
+        Layers are compressed in batches (``layer_batches``): ResKV's own work runs once per batch."""
+        if self.scorer is None:
+            return cache.fork(), {"compressed": False}
+        observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
+        states = []
+        for batch in layer_batches(observations):
+            states += self.compress_batch(batch, len(cache.layers))
+        kept = [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
+        return self.assemble(kept, observations[0].seq_len)
+
+    def compress_batch(
+        self, observations: list[LayerObservation], num_layers: int
+    ) -> list[CompressedLayerState | None]:
+        """``compress_layers`` with this method's scorer, ratio and residual, in a ``num_layers`` model."""
+        return compress_layers(observations, self.scorer, self.ratio, self.residual, num_layers)
+
+    def assemble(
+        self, layers: Sequence[CompressedLayerState | ObservedLayer], seq_len: int
+    ) -> tuple[ResKVCache, dict]:
+        """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
+        covers the ``seq_len``-token prompt) and its statistics; ``layers`` are left unchanged: a
+        ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer`` is forked."""
+        rule = self.decode_rule
+        cache_layers, per_layer = [], []
+        for layer in layers:
+            if isinstance(layer, ObservedLayer):
+                cache_layers.append(layer.fork())
+                continue
+            cache_layers.append(CompressedLayer(layer, seq_len, rule))
+            per_layer.append(layer.stats)
+        stats = {"compressed": bool(per_layer)}
+        if per_layer:
+            stats["budget"] = per_layer[0]["budget"]
+            for key in ("main_slots", "residual_entries", "residual_slots"):
+                stats[key] = [layer_stats[key] for layer_stats in per_layer]
+        return ResKVCache(cache_layers), stats
+
+
+def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
+    """Attended slots per layer and KV head of a cache ``Method.compress`` just returned with ``stats``:
+    main tokens plus used entries, from the host's counts where the statistics hold them
+    (``ResKVCache.slots`` reads the same from the device, one sync per compressed layer)."""
+    if "main_slots" not in stats:
+        return cache.slots()
+    return [
+        [main + entries for main, entries in zip(*counts, strict=True)]
+        for counts in zip(stats["main_slots"], stats["residual_entries"], strict=True)
+    ]
+
+
+def layer_batches(observations: list[LayerObservation]) -> list[list[LayerObservation]]:
+    """Consecutive layers whose keys and values together hold at most ``LAYER_BATCH_BYTES`` on CUDA,
+    ``CPU_LAYER_BATCH_BYTES`` elsewhere (at least one layer a batch). ResKV stacks a batch into one
+    copy (``reskv.scoring.stack_layers``)."""
+    obs = observations[0]
+    layer_bytes = 2 * obs.keys.numel() * obs.keys.element_size()
+    batch_bytes = LAYER_BATCH_BYTES if obs.keys.is_cuda else CPU_LAYER_BATCH_BYTES
+    per_batch = max(1, batch_bytes // layer_bytes)
+    return [observations[start : start + per_batch] for start in range(0, len(observations), per_batch)]
