@@ -320,26 +320,3 @@ def joint_buffers(
     )
     bias = joint_bias(residual_log_counts, main_bias, main_keys.shape[1], beta)
     return keys, values, torch.nn.functional.pad(bias, (0, spare_slots), value=float("-inf"))
-
-
-def residual_attention(
-    queries: Tensor,
-    main_keys: Tensor,
-    main_values: Tensor,
-    main_bias: Tensor | None,
-    residual_keys: Tensor,
-    residual_values: Tensor,
-    residual_log_counts: Tensor,
-    scaling: float,
-    rule: DecodeRule,
-    evicted_fraction: Tensor | None = None,
-) -> Tensor:
-    """``joint_attention`` over main cache and residual entries given apart: ``main_bias`` (0 or
-    ``-inf``, broadcastable to ``[H_kv, Q, n]``) carries padding and causality, ``residual_log_counts``
-    ``[H_kv, r]`` is ``-inf`` on unused slots, which then receive no softmax mass."""
-    keys, values, bias = joint_buffers(
-        residual_keys, residual_values, residual_log_counts, main_keys, main_values, main_bias, rule.beta
-    )
-    return joint_attention(
-        queries, keys, values, bias, residual_keys.shape[1], scaling, rule, evicted_fraction
-    )

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reskv.attention import padding_bias, residual_attention
-from reskv.config import DecodeRule, ResidualConfig, budget_for
+from reskv.attention import padding_bias
+from reskv.config import ResidualConfig, budget_for
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import (
     ResidualEntries,
@@ -43,22 +43,6 @@ class CompressedLayerState:
     def evicted_fraction(self) -> Tensor:
         """``|E| / s`` per KV head, for the no-shared-softmax ablation."""
         return (~self.kept).sum(dim=-1) / self.kept.shape[-1]
-
-    def attend(self, queries: Tensor, scaling: float, rule: DecodeRule) -> Tensor:
-        """Output ``[H_kv, Q, d]`` for grouped queries over this layer as compressed (nothing appended)."""
-        residual = self.residual
-        return residual_attention(
-            queries,
-            self.main_keys,
-            self.main_values,
-            self.main_bias,
-            residual.keys,
-            residual.values,
-            residual.log_counts,
-            scaling,
-            rule,
-            self.evicted_fraction,
-        )
 
 
 def kept_positions(kept: Tensor, longest: int) -> Tensor:

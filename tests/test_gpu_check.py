@@ -15,11 +15,15 @@ import reskv.nearest_kernel
 import reskv.residual
 from baselines import build_method
 from baselines.registry import METHODS
+from reskv.backbones import random_backbone
+from reskv.compress import compress_layer
 from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy
-from scripts.bench import gpu_check
 from scripts.bench.dispatch_counts import count_dispatch
+from scripts.bench.gpu_check import cli, correctness, efficiency, report
+from scripts.bench.gpu_check.efficiency import CONSTRUCTION_VARIANTS, CPU_SHRINK
 from scripts.measure import random_prompt
+from tests.conftest import state_attention
 
 
 def layer(
@@ -38,7 +42,7 @@ def layer(
 def test_compare_layers_takes_the_output_error_only_where_the_caches_agree():
     expected = [layer([True, False], [1], 1.0, [2], 2), layer([True, True], [0], 1.0, [2], 2)]
     got = [layer([True, False], [1], 1.5, [2], 2), layer([False, True], [0], 9.0, [2], 2)]
-    row = gpu_check.compare_layers("snapkv", got, expected)
+    row = correctness.compare_layers("snapkv", got, expected)
     assert row["layers_with_equal_caches"] == 1
     assert row["kept_agreement"] == pytest.approx((1.0 + 0.5) / 2)
     assert row["max_output_error"] == pytest.approx(0.5)  # |1.5 - 1| / 1 on the agreeing layer only
@@ -49,16 +53,39 @@ def test_compare_layers_takes_the_output_error_only_where_the_caches_agree():
 def test_a_kept_set_flip_between_tokens_of_equal_score_is_a_near_tie(scores, tie):
     expected = [layer([True, True, False], [0], 1.0, [2], 2, scores)]
     got = [layer([True, False, True], [0], 1.0, [2], 2, scores)]  # tokens 1 and 2 swapped
-    row = gpu_check.compare_layers("snapkv", got, expected)
+    row = correctness.compare_layers("snapkv", got, expected)
     assert row["layers_with_equal_caches"] == 0 and row["layers_with_near_tie_flips"] == int(tie)
-    assert gpu_check.passed({**row, "dtype": "fp32"}) is tie
+    assert correctness.passed({**row, "dtype": "fp32"}) is tie
+
+
+def test_layer_outputs_are_the_decode_steps_each_observed_query_as_one_step():
+    """The correctness check compares what a decode step computes: each of the last observed queries
+    attended alone over the compressed layer, equal to the spec's form (``joint_attention``) of that
+    query over the state's main part and entries."""
+    model = correctness.tiny_model(*correctness.TINY_MODELS["llama3.1-8b-instruct-h8-kv2"])
+    method = build_method("snapkv+reskv", 0.6)
+    prefill = Prefill(model, random_prompt(range(1, 512), 1024, seed=1), 992, [method])
+    results = correctness.layer_results(prefill, "snapkv+reskv", 0.6, "agnostic")
+    assert any(sum(layer["residual_slots"]) for layer in results)
+    for observation, layer in zip(prefill.observations("agnostic"), results, strict=True):
+        state = compress_layer(observation, method.scorer, 0.6, method.residual, len(results))
+        queries = observation.queries[:, -correctness.CHECK_QUERIES :]  # [H, n, d]
+        grouped = queries.transpose(0, 1).reshape(
+            queries.shape[1], observation.num_kv_heads, -1, queries.shape[-1]
+        )
+        expected = torch.stack(
+            [state_attention(state, step, observation.scaling, method.decode_rule) for step in grouped]
+        )  # [n, H_kv, G, d]
+        torch.testing.assert_close(
+            layer["output"], expected.reshape(layer["output"].shape), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_budget_rule_per_head_and_adakv_per_layer():
     uneven = layer([True], [0], 1.0, [5, 3], 4)
-    assert not gpu_check.budget_ok("snapkv", uneven)  # one head above b = 4
-    assert gpu_check.budget_ok("adakv+reskv", uneven)  # 8 <= 2 * 4 for the layer
-    assert not gpu_check.budget_ok("adakv", layer([True], [0], 1.0, [5, 4], 4))
+    assert not correctness.budget_ok("snapkv", uneven)  # one head above b = 4
+    assert correctness.budget_ok("adakv+reskv", uneven)  # 8 <= 2 * 4 for the layer
+    assert not correctness.budget_ok("adakv", layer([True], [0], 1.0, [5, 4], 4))
 
 
 @pytest.mark.parametrize(
@@ -84,7 +111,7 @@ def test_pass_rule(change, dtype, expected):
         "max_output_error": 0.0,
         **change,
     }
-    assert gpu_check.passed(row) is expected
+    assert correctness.passed(row) is expected
 
 
 # The CPU run splits the check's sweeps over two tiny models: every method (GQA group 4, fp32),
@@ -94,25 +121,25 @@ DTYPE_SWEEP_METHODS = ("snapkv", "snapkv+reskv")
 
 
 def report_of(out: Path, *arguments: str) -> dict:
-    assert gpu_check.main(["--out", str(out), *arguments]) == 0
+    assert cli.main(["--out", str(out), *arguments]) == 0
     return json.loads((out / "gpu_check.json").read_text())
 
 
 @pytest.mark.slow
 def test_cpu_run_of_every_method_writes_a_passing_report_and_the_figure(tmp_path):
-    report = report_of(tmp_path, "--models", METHOD_SWEEP_MODEL, "--dtypes", "fp32", "--methods", *METHODS)
-    assert report["machine"]["cuda_available"] is False and report["machine"]["attention_path"] == "sdpa"
-    assert report["machine"]["nearest_centers"] == "torch (baddbmm + argmin)"
-    correctness = report["correctness"]
+    written = report_of(tmp_path, "--models", METHOD_SWEEP_MODEL, "--dtypes", "fp32", "--methods", *METHODS)
+    assert written["machine"]["cuda_available"] is False and written["machine"]["attention_path"] == "sdpa"
+    assert written["machine"]["nearest_centers"] == "torch (baddbmm + argmin)"
+    checked = written["correctness"]
     # Every compressing method x 2 ratios x 2 settings.
-    assert len(correctness) == (len(METHODS) - 1) * 2 * 2 and report["correctness_passed"]
-    assert {row["method"] for row in correctness} == set(METHODS) - {"full"}
-    assert sum(row["residual_heads"] for row in correctness if "+reskv" in row["method"]) > 0
-    efficiency = [row for row in report["efficiency"] if row.get("status") == "ok"]
+    assert len(checked) == (len(METHODS) - 1) * 2 * 2 and written["correctness_passed"]
+    assert {row["method"] for row in checked} == set(METHODS) - {"full"}
+    assert sum(row["residual_heads"] for row in checked if "+reskv" in row["method"]) > 0
+    measured = [row for row in written["efficiency"] if row.get("status") == "ok"]
     # 2 shapes x 2 lengths x (full + 4 methods x 2 ratios).
-    assert len(efficiency) == 2 * 2 * 9
-    full = {(row["shape"], row["length"]): row for row in efficiency if row["method"] == "full"}
-    for row in efficiency:
+    assert len(measured) == 2 * 2 * 9
+    full = {(row["shape"], row["length"]): row for row in measured if row["method"] == "full"}
+    for row in measured:
         if row["method"] != "full":
             full_bytes = full[row["shape"], row["length"]]["cache_bytes_after_decode"]
             assert row["cache_bytes_after_decode"] < full_bytes
@@ -122,11 +149,11 @@ def test_cpu_run_of_every_method_writes_a_passing_report_and_the_figure(tmp_path
 @pytest.mark.slow
 def test_cpu_run_in_every_dtype_passes(tmp_path):
     arguments = ["--models", DTYPE_SWEEP_MODEL, "--methods", *DTYPE_SWEEP_METHODS, "--skip-efficiency"]
-    report = report_of(tmp_path, *arguments)
-    correctness = report["correctness"]
+    written = report_of(tmp_path, *arguments)
+    rows = written["correctness"]
     # 3 dtypes x 2 methods x 2 ratios x 2 settings, against the CPU fp32 reference.
-    assert len(correctness) == 3 * 2 * 2 * 2 and report["correctness_passed"]
-    assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)
+    assert len(rows) == 3 * 2 * 2 * 2 and written["correctness_passed"]
+    assert {row["dtype"] for row in rows} == set(correctness.DTYPES)
 
 
 def test_torch_paths_turns_every_kernel_off_for_the_run_only(monkeypatch, tmp_path):
@@ -134,12 +161,12 @@ def test_torch_paths_turns_every_kernel_off_for_the_run_only(monkeypatch, tmp_pa
     kernels' switches off, and both are on again after it."""
     seen = []
     monkeypatch.setattr(
-        gpu_check,
+        cli,
         "run",
         lambda args: seen.append((reskv.residual.CUDA_FUSED_NEAREST, reskv.attention.CUDA_FUSED_DECODE)) or 0,
     )
-    assert gpu_check.main(["--out", str(tmp_path), "--torch-paths"]) == 0
-    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    assert cli.main(["--out", str(tmp_path), "--torch-paths"]) == 0
+    assert cli.main(["--out", str(tmp_path)]) == 0
     assert seen == [(False, False), (True, True)]
     assert reskv.residual.CUDA_FUSED_NEAREST and reskv.attention.CUDA_FUSED_DECODE
 
@@ -148,8 +175,8 @@ def test_the_machine_block_names_each_kernel_with_the_tiles_its_launcher_uses(mo
     """Where CUDA runs the kernels, the report says which tiles and warps its timings are of (the
     launchers' constants, set here to values no kernel ships with)."""
     triton = pytest.importorskip("triton")
-    monkeypatch.setattr(gpu_check, "machine", lambda: {"cuda_available": True})
-    monkeypatch.setattr(gpu_check, "matmul_gflops", lambda *args, **kwargs: 1.0)
+    monkeypatch.setattr(report, "machine", lambda: {"cuda_available": True})
+    monkeypatch.setattr(report, "matmul_gflops", lambda *args, **kwargs: 1.0)
     for module, name, value in [
         (reskv.nearest_kernel, "POINT_TILE", 128),
         (reskv.nearest_kernel, "CENTER_TILE", 16),
@@ -158,7 +185,7 @@ def test_the_machine_block_names_each_kernel_with_the_tiles_its_launcher_uses(mo
         (reskv.decode_kernel, "NUM_WARPS", 1),
     ]:
         monkeypatch.setattr(module, name, value)
-    info = gpu_check.check_machine("cpu")
+    info = report.check_machine("cpu")
     kernel = f"Triton {triton.__version__} kernel"
     assert info["nearest_centers"] == f"{kernel}, ieee products, 128 x 16 tiles, 2 warps"
     assert info["gated_decode_attention"] == f"{kernel}, 2 launches, 48-slot tiles, 1 warps"
@@ -166,8 +193,8 @@ def test_the_machine_block_names_each_kernel_with_the_tiles_its_launcher_uses(mo
 
 def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
     torch.manual_seed(0)
-    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
-    rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=("snapkv+reskv",))
+    backbone = random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **CPU_SHRINK)
+    rows = efficiency.efficiency_rows(backbone, [96], [0.9], 2, method_names=("snapkv+reskv",))
     assert [(row["method"], row["ratio"], row["status"]) for row in rows] == [
         ("full", None, "ok"),
         ("snapkv+reskv", 0.9, "ok"),
@@ -203,9 +230,9 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
     monkeypatch.setattr(Prefill, "compressed", recorded)
     monkeypatch.setattr(Prefill, "generate", recorded_generate)
     torch.manual_seed(0)
-    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    backbone = random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **CPU_SHRINK)
     methods = ("snapkv", "snapkv+reskv")
-    rows = gpu_check.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_paths=True)
+    rows = efficiency.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_paths=True)
     # One construction on each path, +ResKV's (its base has no residual to compare).
     default = ("ieee", True, False)
     assert [(name, switches) for name, switches in constructions if switches != default] == [
@@ -221,10 +248,10 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
     assert rows[2]["torch_attention_same_tokens"] and rows[2]["decode_tokens_per_s_torch_attention"] > 0
     assert reskv.attention.CUDA_FUSED_DECODE  # restored
     tf32x3, torch_path, sorted_sums = (
-        rows[2][key] - rows[1]["construct_s"] for key in gpu_check.CONSTRUCTION_VARIANTS
+        rows[2][key] - rows[1]["construct_s"] for key in efficiency.CONSTRUCTION_VARIANTS
     )
-    assert all(rows[2][key.replace("construct_s_", "same_sizes_")] for key in gpu_check.CONSTRUCTION_VARIANTS)
-    lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
+    assert all(rows[2][key.replace("construct_s_", "same_sizes_")] for key in CONSTRUCTION_VARIANTS)
+    lines = report.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
     expected = f"(other paths: tf32x3 nearest {tf32x3:.3f}s, torch nearest {torch_path:.3f}s, "
     assert expected + f"sorted sums {sorted_sums:.3f}s);" in lines[1]
     torch_form = rows[2]["decode_tokens_per_s_torch_attention"] / rows[1]["decode_tokens_per_s"]
@@ -238,33 +265,33 @@ def test_compare_paths_marks_a_path_that_chose_other_residual_sizes(monkeypatch)
         "choose",
         lambda self, budgets: torch.zeros(len(budgets), dtype=torch.long),
     )
-    monkeypatch.setattr(gpu_check, "CONSTRUCTION_VARIANTS", {"construct_s_no_entries": no_entries})
+    monkeypatch.setattr(efficiency, "CONSTRUCTION_VARIANTS", {"construct_s_no_entries": no_entries})
     torch.manual_seed(0)
-    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    backbone = random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **CPU_SHRINK)
     methods = ("snapkv", "snapkv+reskv")
-    rows = gpu_check.efficiency_rows(backbone, [256], [0.6], 2, method_names=methods, compare_paths=True)
+    rows = efficiency.efficiency_rows(backbone, [256], [0.6], 2, method_names=methods, compare_paths=True)
     assert rows[2]["residual_heads"] > 0 and rows[2]["same_sizes_no_entries"] is False
-    lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
+    lines = report.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
     assert " (other sizes));" in lines[1]
 
 
 def test_the_figure_draws_only_the_panels_some_row_measured():
     eager = {"request_peak_bytes": 1, "cache_bytes_after_decode": 1, "decode_tokens_per_s": 1.0}
-    assert [panel[0] for panel in gpu_check.drawn_panels([eager, {"status": "OOM"}])] == [
+    assert [panel[0] for panel in report.drawn_panels([eager, {"status": "OOM"}])] == [
         "request_peak_bytes",
         "cache_bytes_after_decode",
         "decode_tokens_per_s",
     ]
     compiled = {**eager, "compiled_tokens_per_s": 2.0}
-    assert gpu_check.drawn_panels([eager, compiled]) == list(gpu_check.PANELS)
+    assert report.drawn_panels([eager, compiled]) == list(report.PANELS)
 
 
 def test_a_construction_profile_counts_the_calls_the_dispatch_counter_counts():
     torch.manual_seed(0)
-    backbone = gpu_check.random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **gpu_check.CPU_SHRINK)
+    backbone = random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **CPU_SHRINK)
     method = build_method("snapkv+reskv", 0.9)
     prefill = Prefill(backbone, random_prompt(range(1, 512), 96, seed=42), 96, [method])
-    profile = gpu_check.device_profile(torch.device("cpu"), prefill.compressed, method, "aware", top=1000)
+    profile = efficiency.device_profile(torch.device("cpu"), prefill.compressed, method, "aware", top=1000)
     with count_dispatch() as counts:
         prefill.compressed(method, "aware")
     calls = {op["op"]: op["calls"] for op in profile["top"]}
@@ -288,7 +315,7 @@ def test_kernel_totals_sum_each_kernels_launches_and_durations_largest_first():
         launch("copy", 60),
         launch("softmax", 4),
     ]
-    assert gpu_check.kernel_totals(events, top=2) == [
+    assert efficiency.kernel_totals(events, top=2) == [
         {"kernel": "gemm", "launches": 2, "device_s": pytest.approx(80e-6)},
         {"kernel": "copy", "launches": 1, "device_s": pytest.approx(60e-6)},
     ]
@@ -316,12 +343,12 @@ class CannedSource:
 
 def test_compiled_decode_reports_its_first_difference_from_eager_and_the_eager_gap_there():
     logits = [[0.0, 1.0, 3.0], [2.0, 1.75, 0.0], [0.0, 0.0, 1.0]]
-    row = gpu_check.compiled_decode(CannedSource([2, 1, 2], [2, 1, 2], logits), None, 3, [2, 0, 2])
+    row = efficiency.compiled_decode(CannedSource([2, 1, 2], [2, 1, 2], logits), None, 3, [2, 0, 2])
     assert row["compiled_tokens_per_s"] == 6.0 and row["compiled_repeats_itself"]
     # Step 1 differs (1 against eager's 0): eager's logits after one token, top two 2.0 and 1.75.
     assert not row["compiled_same_tokens"] and row["compiled_first_difference"] == 1
     assert row["eager_top2_gap_there"] == 0.25
-    row = gpu_check.compiled_decode(CannedSource([2, 0, 2], [2, 0, 1], logits), None, 3, [2, 0, 2])
+    row = efficiency.compiled_decode(CannedSource([2, 0, 2], [2, 0, 1], logits), None, 3, [2, 0, 2])
     assert row["compiled_same_tokens"] and not row["compiled_repeats_itself"]
     assert row["compiled_first_difference"] is None and row["eager_top2_gap_there"] is None
     assert "compiled_profile" not in row
@@ -329,7 +356,7 @@ def test_compiled_decode_reports_its_first_difference_from_eager_and_the_eager_g
 
 def test_a_profiled_compiled_decode_profiles_a_third_run_after_the_timed_one():
     source = CannedSource([2, 1, 2], [2, 1, 2], [[0.0, 1.0, 3.0]], third=[[2, 2, 2]])
-    row = gpu_check.compiled_decode(source, None, 3, [2, 1, 2], profile_on=torch.device("cpu"))
+    row = efficiency.compiled_decode(source, None, 3, [2, 1, 2], profile_on=torch.device("cpu"))
     assert source.runs == []  # all three runs taken
     assert row["compiled_repeats_itself"] and row["compiled_same_tokens"]  # from the first two alone
     assert row["compiled_profile"]["profiled_s"] > 0 and row["compiled_profile"]["top_kernels"] == []
@@ -362,7 +389,7 @@ def test_the_summary_prints_a_line_per_profile_with_its_top_kernels():
             "construct_profile": profile,
         },
     ]
-    lines = gpu_check.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
+    lines = report.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
     shared = (
         " 0.500s profiled, device busy 0.250s in 7 launches, 9 aten calls; top (device/host ms):"
         " aten::bmm x2 2.0/1.0; top kernels (ms): gemm_kernel x2 1.5"
