@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import torch
 from torch import Tensor
 
 from baselines.snapkv import SnapKV
@@ -23,24 +24,26 @@ ALPHA_DENOMINATOR = 10_000
 
 
 def safeguarded_caps(prefix_scores: Tensor, per_head: int, alpha: float) -> Tensor:
-    """Prefix slots ``[H]`` (long) per head, summing to ``H * per_head``; ``prefix_scores`` is ``[H, n]``.
+    """Prefix slots ``[..., H]`` (long) per head, summing to ``H * per_head`` in each layer;
+    ``prefix_scores`` is ``[..., H, n]`` (one layer, or layers stacked in front).
 
-    ``c_h`` counts head ``h`` among the top ``H * per_head`` of the flattened scores; ties go to the
-    lower head index, then the lower position (a stable sort of the head-major flattening). With
-    ``per_head < n`` every cap stays within the head's ``n`` tokens: ``cap_h`` is a convex
+    ``c_h`` counts head ``h`` among the layer's top ``H * per_head`` of its flattened scores; ties go
+    to the lower head index, then the lower position (a stable sort of the head-major flattening).
+    With ``per_head < n`` every cap stays within the head's ``n`` tokens: ``cap_h`` is a convex
     combination of ``c_h <= n`` and ``per_head < n``, and the extra unit only goes to a
     fractional ``cap_h < n`` (remainders sum to the number of units handed out, each below 1).
     """
-    num_heads = prefix_scores.shape[0]
+    *layers, num_heads, length = prefix_scores.shape
     total = num_heads * per_head
-    in_top = score_ranks(prefix_scores.reshape(1, -1))[0] < total
-    counts = in_top.reshape(num_heads, -1).sum(dim=-1)
+    in_top = score_ranks(prefix_scores.reshape(-1, num_heads * length)) < total
+    counts = in_top.reshape(-1, num_heads, length).sum(dim=-1)  # [layers, H]
     num, den = Fraction(alpha).limit_denominator(ALPHA_DENOMINATOR).as_integer_ratio()
     scaled = counts * (den - num) + num * per_head  # den * cap_h
     caps, remainders = scaled // den, scaled % den
     # The units still missing go to the largest remainders, one each: a head gets one when its
     # remainder ranks below the number missing (no count is read back from the device).
-    return caps + (score_ranks(remainders[None])[0] < total - caps.sum())
+    caps = caps + (score_ranks(remainders) < total - caps.sum(dim=-1, keepdim=True))
+    return caps.reshape(*layers, num_heads)
 
 
 class AdaKV(SnapKV):
@@ -61,9 +64,15 @@ class AdaKV(SnapKV):
         keeps its last ``budget`` tokens, the shared fallback) or ``budget - window`` covers the
         whole prefix (each head keeps everything; the selection clamps to ``s``).
         """
-        seq_len = scores.shape[1]
+        seq_len = scores.shape[-1]
         window = min(self.window, seq_len)
         per_head, prefix_len = budget - window, seq_len - window
         if per_head <= 0 or per_head >= prefix_len:
-            return super().head_budgets(scores, budget)
-        return safeguarded_caps(scores[:, :prefix_len], per_head, self.alpha) + window
+            return torch.full(scores.shape[:-1], budget, dtype=torch.long, device=scores.device)
+        return safeguarded_caps(scores[..., :prefix_len], per_head, self.alpha) + window
+
+    def stacked_head_budgets(
+        self, scores: Tensor, budget: int, *, first_layer: int, num_layers: int | None = None
+    ) -> Tensor:
+        """``head_budgets`` of every stacked layer at once (``safeguarded_caps`` per layer)."""
+        return self.head_budgets(scores, budget)

@@ -9,6 +9,7 @@ summarised by ``r`` k-means entries, ``r`` chosen per head by the validation pro
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from reskv.residual import (
     residual_size,
 )
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
-from reskv.selection import gather_tokens, select_main
+from reskv.selection import gather_rows, select_main, token_rows
 
 
 @dataclass
@@ -81,6 +82,61 @@ def level_groups(
     return [group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, device)]
 
 
+class SharedLayers:
+    """Layers of one prompt that several compressions take in turn (a sample's grid: every ratio, with
+    and without ResKV), and what each compression of them would compute alike, computed on first use
+    and kept: a base scorer's scores (independent of the ratio), the layers stacked along the heads,
+    and a (scorer, residual) pair's validation proxy (whose fit scores, ranking and full-attention
+    outputs are independent of the ratio; ``ValidationProxy.choose`` takes the budgets). The values
+    are those each compression computes alone, bit for bit; only the work is done once. Scorers are
+    told apart by class and attributes (``scorer_key``)."""
+
+    def __init__(self, observations: list[LayerObservation]):
+        self.observations = observations
+        self._scores: dict[Hashable, list[Tensor] | Tensor] = {}
+        self._stacked: LayerObservation | None = None
+        self._proxies: dict[Hashable, ValidationProxy | None] = {}
+
+    def scores(self, scorer: TokenScorer) -> list[Tensor]:
+        """``scorer.prompt_scores`` of each layer."""
+        key = scorer_key(scorer)
+        if key not in self._scores:
+            self._scores[key] = [scorer.prompt_scores(obs) for obs in self.observations]
+        return self._scores[key]
+
+    def stacked_scores(self, scorer: TokenScorer) -> Tensor:
+        """``scores`` of every layer as one ``[L * H_kv, s]`` tensor, layer-major (``stack_layers``)."""
+        key = scorer_key(scorer), "stacked"
+        if key not in self._scores:
+            self._scores[key] = torch.cat(self.scores(scorer))
+        return self._scores[key]
+
+    def stacked(self) -> LayerObservation:
+        """The layers as one observation (``stack_layers``): one copy, for ResKV's work."""
+        if self._stacked is None:
+            self._stacked = stack_layers(self.observations)
+        return self._stacked
+
+    def proxy(self, scorer: TokenScorer, residual: ResidualConfig) -> ValidationProxy | None:
+        """The validation proxy of ``scorer`` with ``residual`` on the stacked layers, or ``None`` when
+        too few queries were observed to validate on (``observation_split``)."""
+        key = scorer_key(scorer), residual
+        if key not in self._proxies:
+            stacked = self.stacked()
+            split = observation_split(stacked, residual)
+            self._proxies[key] = (
+                None
+                if split is None
+                else ValidationProxy(stacked, scorer, residual, split, len(self.observations))
+            )
+        return self._proxies[key]
+
+
+def scorer_key(scorer: TokenScorer) -> Hashable:
+    """What decides a scorer's scores: its class and its attributes (window, kernel, seed, ...)."""
+    return type(scorer), tuple(sorted(vars(scorer).items()))
+
+
 def compress_layer(
     obs: LayerObservation,
     scorer: TokenScorer,
@@ -93,7 +149,7 @@ def compress_layer(
 
 
 def compress_layers(
-    observations: list[LayerObservation],
+    layers: list[LayerObservation] | SharedLayers,
     scorer: TokenScorer,
     ratio: float,
     residual: ResidualConfig | None = None,
@@ -101,14 +157,19 @@ def compress_layers(
 ) -> list[CompressedLayerState | None]:
     """Compress layers of one prompt; ``None`` for each when the budget covers the prompt (the cache
     stays full, bit for bit). ``model_layers`` is the model's layer count, for scorers whose budgets
-    depend on the layer (PyramidKV).
+    depend on the layer (PyramidKV). ``layers`` given as ``SharedLayers`` share with the other
+    compressions of the same layers what does not depend on the ratio.
 
-    Each layer is scored, selected and gathered on its own, as the base method does. What ResKV
-    adds runs once for all the layers given, stacked along the heads (``stack_layers``): the
-    validation proxy and the k-means of the final entries. Every shape is planned from host
-    integers, so the device is read three times, whatever the number of layers (issue 22): the
-    heads' budgets, the chosen residual sizes, and the entries that survived (empty clusters).
+    Each layer is scored on its own, as the base method does; the heads' budgets are then allotted
+    for the layers together (``TokenScorer.stacked_head_budgets``), every head selected as a row of
+    one stack (each row as alone), and each layer's kept tokens gathered from its own keys and
+    values. What ResKV adds runs once for all the layers given, stacked along the heads
+    (``stack_layers``): the validation proxy and the k-means of the final entries. Every shape is
+    planned from host integers, so the device is read three times, whatever the number of layers:
+    the heads' budgets, the chosen residual sizes, and the entries that survived (empty clusters).
     """
+    shared = layers if isinstance(layers, SharedLayers) else SharedLayers(layers)
+    observations = shared.observations
     seq_len, num_layers = observations[0].seq_len, len(observations)
     budget = budget_for(seq_len, ratio)
     if seq_len <= budget:
@@ -118,53 +179,52 @@ def compress_layers(
             f"ratio {ratio} leaves no slot for a {seq_len}-token prompt: "
             f"budget_for({seq_len}, {ratio}) = {budget}"
         )
-    scores = [scorer.prompt_scores(obs) for obs in observations]
-    window = scorer.window
-    budgets = torch.stack(
-        [
-            scorer.head_budgets(layer_scores, budget, layer_idx=obs.layer_idx, num_layers=model_layers)
-            for obs, layer_scores in zip(observations, scores, strict=True)
-        ]
+    window, num_heads = scorer.window, observations[0].num_kv_heads
+    all_scores = shared.stacked_scores(scorer)  # [L * H_kv, s], layer-major
+    budgets = scorer.stacked_head_budgets(
+        all_scores.unflatten(0, (num_layers, num_heads)),
+        budget,
+        first_layer=observations[0].layer_idx,
+        num_layers=model_layers,
     ).tolist()
-    num_heads = len(budgets[0])
     sizes = [[0] * num_heads for _ in observations]
-    stacked = stack_layers(observations) if residual is not None else None
+    stacked = shared.stacked() if residual is not None else None
+    proxy = None
     if residual is not None and not residual.validate:
         sizes = [fixed_sizes(residual, layer_budgets, min(window, seq_len)) for layer_budgets in budgets]
-    elif residual is not None and (split := observation_split(stacked, residual)) is not None:
-        proxy = ValidationProxy(stacked, scorer, residual, split, num_layers)
+    elif residual is not None and (proxy := shared.proxy(scorer, residual)) is not None:
         sizes = proxy.choose(sum(budgets, [])).reshape(num_layers, num_heads).tolist()
-        if residual.final_selection == "fit":
-            fit_scores, window = proxy.fit_selection()
-            scores = list(fit_scores.split(num_heads))
-    main_sizes = [
-        [b - r for b, r in zip(layer_budgets, layer_sizes, strict=True)]
-        for layer_budgets, layer_sizes in zip(budgets, sizes, strict=True)
-    ]
-    main_counts = [[kept_count(size, seq_len) for size in layer_sizes] for layer_sizes in main_sizes]
-    kept = [
-        select_main(layer_scores, window, torch.tensor(layer_sizes))
-        for layer_scores, layer_sizes in zip(scores, main_sizes, strict=True)
-    ]
+    if residual is not None and proxy is not None and residual.final_selection == "fit":
+        all_scores, window = proxy.fit_selection()
+    main_sizes = [head - size for head, size in zip(sum(budgets, []), sum(sizes, []), strict=True)]
+    main_counts = [kept_count(size, seq_len) for size in main_sizes]
+    # Selected, positioned and indexed for all layers at once (each row is one head's, as alone), then
+    # gathered per layer from its own keys and values.
+    device = all_scores.device
+    all_kept = select_main(all_scores, window, torch.tensor(main_sizes))  # [L * H_kv, s]
     if residual is not None and any(map(any, sizes)):
-        entries, entry_counts = final_entries(stacked, kept, scores, sizes, main_counts, budgets, residual)
+        entries, entry_counts = final_entries(
+            stacked, all_kept, all_scores, sizes, main_counts, budgets, residual
+        )
     else:
         entries = [ResidualEntries.empty(num_heads, obs.keys) for obs in observations]
         entry_counts = [[0] * num_heads for _ in observations]
-    # Every layer's padding from one bias over all rows, each layer's a view of it: one op where a
-    # bias per layer took five per layer (issue 22's op count).
-    all_bias = padding_bias(sum(main_counts, []), kept[0].device)
+    # Every layer's padding from one bias over all rows, each layer's a view of it.
+    all_bias = padding_bias(main_counts, device)
+    heads = torch.arange(num_layers * num_heads, device=device) % num_heads
+    all_rows = token_rows(heads, kept_positions(all_kept, max(main_counts)), seq_len)
     states = []
     for layer, obs in enumerate(observations):
-        counts, layer_kept = main_counts[layer], kept[layer]
-        positions = kept_positions(layer_kept, max(counts))
+        rows = slice(layer * num_heads, (layer + 1) * num_heads)
+        counts, layer_kept = main_counts[rows], all_kept[rows]
         main_bias = None
         if all_bias is not None and min(counts) < max(counts):
-            main_bias = all_bias[layer * num_heads : (layer + 1) * num_heads, :, : max(counts)]
+            main_bias = all_bias[rows, :, : max(counts)]
         main_values = scorer.adjust_values(obs, layer_kept)
+        layer_rows = all_rows[rows, : max(counts)]
         state = CompressedLayerState(
-            gather_tokens(obs.keys, positions),
-            gather_tokens(main_values, positions),
+            gather_rows(obs.keys, layer_rows),
+            gather_rows(main_values, layer_rows),
             main_bias,
             entries[layer],
             layer_kept,
@@ -181,27 +241,28 @@ def compress_layers(
 
 def final_entries(
     stacked: LayerObservation,
-    kept: list[Tensor],
-    scores: list[Tensor],
+    kept: Tensor,
+    scores: Tensor,
     sizes: list[list[int]],
-    main_counts: list[list[int]],
+    main_counts: list[int],
     budgets: list[list[int]],
     config: ResidualConfig,
 ) -> tuple[list[ResidualEntries], list[list[int]]]:
-    """The deployed entries of every layer's heads (k-means of ``E = S \\ M``, reskv.md), clustered
-    for all layers at once, and the entries kept per layer and head (empty clusters dropped).
+    """The deployed entries of every layer's heads (k-means of ``E = S \\ M``, reskv.md; ``kept`` and
+    ``scores`` ``[L * H_kv, s]``, ``main_counts`` per row), clustered for all layers at once, and the
+    entries kept per layer and head (empty clusters dropped).
 
     A layer's entries are as wide as its largest ``min(r, |E|)``, the layout a layer compressed
     alone has, so that decode reads the same buffers."""
     num_heads, seq_len = len(sizes[0]), stacked.seq_len
     flat_sizes = sum(sizes, [])
-    point_counts = [seq_len - count for count in sum(main_counts, [])]
+    point_counts = [seq_len - count for count in main_counts]
     groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, stacked.keys.device)
     entries = build_residual(
         stacked.keys,
         stacked.values,
-        ~torch.cat(kept),
-        torch.cat(scores),
+        ~kept,
+        scores,
         torch.tensor(flat_sizes, device=stacked.keys.device),
         config.kmeans_iterations,
         groups,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache
-from reskv.compress import CompressedLayerState, compress_layers
+from reskv.compress import CompressedLayerState, SharedLayers, compress_layers
 from reskv.config import NO_RESIDUAL_RULE, DecodeRule, ResidualConfig
 from reskv.scoring import LayerObservation, TokenScorer
 
@@ -64,57 +64,78 @@ class Method:
     def needs_accumulated_attention(self) -> bool:
         return self.scorer is not None and self.scorer.needs_accumulated_attention
 
-    def compress(self, cache: ResKVCache, scaling: float) -> tuple[ResKVCache, dict]:
-        """A compressed copy of a prefilled cache and its statistics; ``cache`` is left unchanged.
-
-        Layers are compressed in batches (``layer_batches``): ResKV's own work runs once per batch."""
+    def compressed_layers(
+        self, cache: ResKVCache, scaling: float, shared: list[SharedLayers] | None = None
+    ) -> list[CompressedLayerState | ObservedLayer]:
+        """What this method's copy of a prefilled cache is made of, layer by layer: a compressed state,
+        or the prefilled layer itself where the budget covers the prompt (every layer of the full
+        cache); ``cache`` is left unchanged. Layers are compressed in batches (``shared_batches``):
+        ResKV's own work runs once per batch. ``shared`` are ``cache``'s batches as other compressions
+        of it shared them."""
         if self.scorer is None:
-            return cache.fork(), {"compressed": False}
-        observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
+            return list(cache.layers)
         states = []
-        for batch in layer_batches(observations):
+        for batch in shared or shared_batches(cache, scaling):
             states += self.compress_batch(batch, len(cache.layers))
-        kept = [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
-        return self.assemble(kept, observations[0].seq_len)
+        return [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
+
+    def compress(
+        self, cache: ResKVCache, scaling: float, shared: list[SharedLayers] | None = None
+    ) -> tuple[ResKVCache, dict]:
+        """A compressed copy of a prefilled cache (``compressed_layers`` assembled) and its statistics."""
+        return self.assemble(self.compressed_layers(cache, scaling, shared), cache.get_seq_length())
 
     def compress_batch(
-        self, observations: list[LayerObservation], num_layers: int
+        self, layers: list[LayerObservation] | SharedLayers, num_layers: int
     ) -> list[CompressedLayerState | None]:
         """``compress_layers`` with this method's scorer, ratio and residual, in a ``num_layers`` model."""
-        return compress_layers(observations, self.scorer, self.ratio, self.residual, num_layers)
+        return compress_layers(layers, self.scorer, self.ratio, self.residual, num_layers)
 
     def assemble(
         self, layers: Sequence[CompressedLayerState | ObservedLayer], seq_len: int
     ) -> tuple[ResKVCache, dict]:
         """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
-        covers the ``seq_len``-token prompt) and its statistics; ``layers`` are left unchanged: a
-        ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer`` is forked."""
+        covers the ``seq_len``-token prompt) and its statistics (``compression_stats``); ``layers`` are
+        left unchanged: a ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer``
+        is forked."""
         rule = self.decode_rule
-        cache_layers, per_layer = [], []
-        for layer in layers:
-            if isinstance(layer, ObservedLayer):
-                cache_layers.append(layer.fork())
-                continue
-            cache_layers.append(CompressedLayer(layer, seq_len, rule))
-            per_layer.append(layer.stats)
-        stats = {"compressed": bool(per_layer)}
-        if per_layer:
-            stats["budget"] = per_layer[0]["budget"]
-            for key in ("main_slots", "residual_entries", "residual_slots"):
-                stats[key] = [layer_stats[key] for layer_stats in per_layer]
-        return ResKVCache(cache_layers), stats
+        cache = ResKVCache(
+            [
+                layer.fork() if isinstance(layer, ObservedLayer) else CompressedLayer(layer, seq_len, rule)
+                for layer in layers
+            ]
+        )
+        return cache, compression_stats(layers)
 
 
-def attended_slots(cache: ResKVCache, stats: dict) -> list[list[int]]:
-    """Attended slots per layer and KV head of a cache ``Method.compress`` just returned with ``stats``:
-    main tokens plus used entries, from the host's counts where the statistics hold them
-    (``ResKVCache.slots`` reads the same from the device, one sync per compressed layer)."""
+def compression_stats(layers: Sequence[CompressedLayerState | ObservedLayer]) -> dict:
+    """What a compressed cache holds, from its layers' host-side statistics: whether it compressed
+    anything and, if so, the budget and, per layer and KV head, the main slots, the residual entries
+    kept and the residual size chosen (no device read)."""
+    per_layer = [layer.stats for layer in layers if not isinstance(layer, ObservedLayer)]
+    stats = {"compressed": bool(per_layer)}
+    if per_layer:
+        stats["budget"] = per_layer[0]["budget"]
+        for key in ("main_slots", "residual_entries", "residual_slots"):
+            stats[key] = [layer_stats[key] for layer_stats in per_layer]
+    return stats
+
+
+def attended_slots(layers: Sequence[CompressedLayerState | ObservedLayer], stats: dict) -> list[list[int]]:
+    """Attended slots per layer and KV head of a method's ``compressed_layers`` with their ``stats``:
+    main tokens plus used entries, or every token of an exact layer."""
     if "main_slots" not in stats:
-        return cache.slots()
+        return [[layer.keys.shape[-2]] * layer.keys.shape[1] for layer in layers]
     return [
         [main + entries for main, entries in zip(*counts, strict=True)]
         for counts in zip(stats["main_slots"], stats["residual_entries"], strict=True)
     ]
+
+
+def shared_batches(cache: ResKVCache, scaling: float) -> list[SharedLayers]:
+    """A prefilled cache's layers in ``layer_batches``, each ready to be shared by compressions."""
+    observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
+    return [SharedLayers(batch) for batch in layer_batches(observations)]
 
 
 def layer_batches(observations: list[LayerObservation]) -> list[list[LayerObservation]]:

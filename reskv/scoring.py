@@ -161,6 +161,19 @@ class TokenScorer:
         window included: ``[H_kv]`` long, ``budget`` each (PyramidKV spreads budgets over layers)."""
         return torch.full((scores.shape[0],), budget, dtype=torch.long, device=scores.device)
 
+    def stacked_head_budgets(
+        self, scores: Tensor, budget: int, *, first_layer: int, num_layers: int | None = None
+    ) -> Tensor:
+        """``head_budgets`` of consecutive layers from ``first_layer``, their scores stacked
+        ``[L, H_kv, s]``: ``[L, H_kv]``. One call per layer; a rule whose budgets can be computed for
+        the layers at once (AdaKV) overrides this, with the same values."""
+        return torch.stack(
+            [
+                self.head_budgets(layer_scores, budget, layer_idx=first_layer + offset, num_layers=num_layers)
+                for offset, layer_scores in enumerate(scores)
+            ]
+        )
+
     def adjust_values(self, obs: LayerObservation, kept: Tensor) -> Tensor:
         """Values after selection; ``kept`` is ``[H_kv, s]`` bool. Merging methods (CaM) override."""
         return obs.values

@@ -45,19 +45,6 @@ def select_main(scores: Tensor, window: int, main_sizes: Tensor) -> Tensor:
     return window_kept
 
 
-def gather_tokens(states: Tensor, positions: Tensor, heads: Tensor | None = None) -> Tensor:
-    """``states[heads[r], positions[r]]``: ``[R, n, d]`` rows gathered from ``[H, s, d]`` states.
-
-    By default row ``r`` reads head ``r % H``, so ``R`` may be a multiple of ``H`` (candidate
-    selections stacked along the head dimension). Row gathers by ``index_select`` copy whole
-    head-dim vectors, much faster on CPU than ``gather`` with an expanded index.
-    """
-    num_heads, seq_len, _ = states.shape
-    if heads is None:
-        heads = torch.arange(positions.shape[0], device=states.device) % num_heads
-    return gather_rows(states, token_rows(heads, positions, seq_len))
-
-
 def token_rows(heads: Tensor, positions: Tensor, seq_len: int) -> Tensor:
     """``gather_rows``'s index ``[R, n]``: token ``positions[r]`` of head ``heads[r]`` as a row of the
     ``[H * s, d]`` flattened states. Built once, it serves the keys' and the values' gathers."""

@@ -17,7 +17,6 @@ from baselines.cam import LAYER_SEED_STRIDE, CaM, merge_probabilities, merge_val
 from baselines.snapkv import SnapKV, window_attention
 from reskv.compress import compress_layer
 from reskv.scoring import LayerObservation
-from reskv.selection import gather_tokens
 
 D = 4
 SCALING = 1 / math.sqrt(D)
@@ -190,8 +189,8 @@ def test_keys_unchanged_and_selection_is_snapkvs():
     assert torch.equal(cam_state.main_keys, snap_state.main_keys)
     assert torch.equal(obs.keys, keys) and torch.equal(obs.values, values)  # inputs untouched
     merged = merge_values(values, attention_of(obs), uniforms_of(obs, 9))
-    positions = torch.stack([row.nonzero().squeeze(1) for row in cam_state.kept])
-    assert torch.equal(cam_state.main_values, gather_tokens(merged, positions))
+    kept = torch.stack([head_values[row] for head_values, row in zip(merged, cam_state.kept, strict=True)])
+    assert torch.equal(cam_state.main_values, kept)
     assert not torch.equal(cam_state.main_values, snap_state.main_values)
 
 

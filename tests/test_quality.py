@@ -106,11 +106,10 @@ class OneLayerOnly(Method):
 
     layer: int = 0
 
-    def compress(self, cache, scaling):
-        compressed, stats = build_method("snapkv", 0.7).compress(cache, scaling)
-        layers = cache.fork().layers
-        layers[self.layer] = compressed.layers[self.layer]
-        return type(cache)(layers), stats
+    def compressed_layers(self, cache, scaling, shared=None):
+        layers = list(cache.layers)
+        layers[self.layer] = build_method("snapkv", 0.7).compressed_layers(cache, scaling, shared)[self.layer]
+        return layers
 
 
 @pytest.mark.parametrize("setting", ["aware", "agnostic"])

@@ -213,10 +213,11 @@ def test_6_slots_never_exceed_the_budget_with_entries(prefill, base):
 def check_budget(prefill, method, ratio) -> dict:
     """Per layer and head: attended = main + used entries <= main + reserved = b (AdaKV: H_kv b)."""
     name = method.name
-    cache, stats = method.compress(prefill.prefilled("agnostic").cache, prefill.scaling)
+    layers = method.compressed_layers(prefill.prefilled("agnostic").cache, prefill.scaling)
+    cache, stats = method.assemble(layers, prefill.context_length)
     budget = budget_for(prefill.context_length, ratio)
     assert stats["budget"] == budget
-    assert attended_slots(cache, stats) == cache.slots()  # the host's counts are what the device holds
+    assert attended_slots(layers, stats) == cache.slots()  # the host's counts are what the device holds
     for slots, main, entries, reserved in zip(
         cache.slots(), stats["main_slots"], stats["residual_entries"], stats["residual_slots"], strict=True
     ):
