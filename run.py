@@ -96,8 +96,8 @@ def usage() -> str:
             "",
             "num_samples=N (null: every sample)   seed=42   max_new_tokens=N (cap; smoke tests only)",
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
-            "threads=N (torch CPU threads)   results_dir=DIR   decode=eager|compiled",
-            "decode_batch=N (configurations of a sample decoded together; 1: each alone)",
+            "threads=N (torch CPU threads)   results_dir=DIR   decode=auto|eager|compiled",
+            "decode_batch=N|auto (configurations of a sample decoded together; 1: each alone)",
             *(
                 f"{name}={override_text(option.default)} ({type(option.default).__name__})  {option.help}"
                 for name, option in OPTIONS.items()

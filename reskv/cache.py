@@ -26,7 +26,8 @@ import contextlib
 import copy
 import importlib.util
 from abc import abstractmethod
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ from reskv.attention import (
     additive_mask,
     joint_attention,
     joint_buffers,
+    population_bias,
     shared_softmax_attention,
     stacked_shared_softmax_attention,
 )
@@ -416,90 +418,139 @@ class CompressedLayer(AttendingLayer):
         return self._ungrouped(output, query), residual_share
 
 
-class StackedLayer(AttendingLayer):
-    """One layer of several generations of one prompt, decoded together as one batch.
+@dataclass
+class StackedRow:
+    """One row of a ``StackedLayer``: its slots as parts laid end to end (keys and values ``[H_kv, n, d]``,
+    bias ``[H_kv, 1, n]`` or ``None`` for 0), the first ``entry_slots`` of them residual entries, and
+    the rule its attention follows."""
 
-    Each row is a ``CompressedLayer`` (any method, the full one as ``CompressedLayer.exact``) copied
-    into ``[B, H_kv, capacity, d]`` buffers: its written slots first, ``-inf`` bias up to the longest
-    row's, then ``spare_slots`` that every row fills at the same slot, one per step. Every row
-    continues at the same position (the uncompressed prompt length), so one forward of ``B`` tokens
-    decodes them all; attention is ``reskv.attention.stacked_shared_softmax_attention`` over the
-    written slots, with each row's rule; several tokens fed together (teacher forcing) see each other
-    causally. ``keep`` drops rows that stopped, so finished rows cost nothing. Eager only: the
-    written count is a host integer, and rows change shape as they leave.
+    parts: list[tuple[Tensor, Tensor, Tensor | None]]
+    entry_slots: int
+    rule: DecodeRule
+
+    @property
+    def slots(self) -> int:
+        return sum(keys.shape[1] for keys, _, _ in self.parts)
+
+    @classmethod
+    def of(
+        cls, layer: CompressedLayerState | CompressedLayer | ObservedLayer, rule: DecodeRule
+    ) -> StackedRow:
+        """A method's layer as a row: a compressed state (its entries, with their population bias, then
+        its main part), a compressed layer's written slots, or every token of an exact layer."""
+        if isinstance(layer, CompressedLayerState):
+            residual = layer.residual
+            population = population_bias(residual.log_counts, rule.beta)[:, None, :]
+            entries = (residual.keys, residual.values, population)
+            return cls(
+                [entries, (layer.main_keys, layer.main_values, layer.main_bias)], residual.keys.shape[1], rule
+            )
+        if isinstance(layer, CompressedLayer):
+            written = slice(0, layer.filled)
+            part = (layer._keys[0, :, written], layer._values[0, :, written], layer._bias[..., written])
+            return cls([part], layer.residual_slots, layer.rule)
+        return cls([(layer.keys[0], layer.values[0], None)], 0, NO_RESIDUAL_RULE)
+
+
+class StackedLayer(AttendingLayer):
+    """One layer of several generations of one prompt decoded together as one batch, in static-capacity
+    buffers that a compiled step writes in place (as ``CompressedLayer`` does for one).
+
+    Each row (``StackedRow``: any method's compressed layer, or the full cache's exact one) is copied
+    into ``[B, H_kv, capacity, d]`` buffers: its slots first, ``-inf`` bias up to the longest row's,
+    then ``spare_slots`` that every row fills at the same slot, one per fed token, at a device-side
+    ``position``. Every row continues at the same position, so one forward of ``B`` tokens decodes
+    them all; attention is ``reskv.attention.stacked_shared_softmax_attention`` over every slot (the
+    unwritten ones weigh 0), with each row's rule, and several tokens fed together see each other
+    causally. A row that has stopped stays (it is fed a token whose output nobody reads), so shapes
+    never change. ``feed_bias`` is the bias new slots get per row: 0, or ``-inf`` for a row that a
+    forward only passes through (a query-aware row while the query-agnostic rows are fed the
+    question). ``rewind`` forgets the slots written since ``mark`` (teacher forcing from the prompt).
     """
 
     is_sliding = False
-    is_compileable = False
+    is_compileable = True
 
-    def __init__(self, layers: list[CompressedLayer], spare_slots: int):
+    def __init__(self, rows: Sequence[StackedRow], seq_len: int, spare_slots: int):
         super().__init__()
-        if any(not layer.rule.shared_softmax for layer in layers):
+        if any(not row.rule.shared_softmax for row in rows):
             raise ValueError("a layer without the shared softmax (joint_attention's ablation) decodes alone")
-        lengths = {layer.seq_len for layer in layers}
-        if len(lengths) != 1:
-            raise ValueError(f"stacked layers continue at one position, not at {sorted(lengths)}")
-        (self.seq_len,) = lengths
-        self.written = max(layer.filled for layer in layers)
-        first = layers[0]._keys
-        batch, num_kv_heads, capacity = len(layers), first.shape[1], self.written + spare_slots
-        self._keys, self._values = (
-            first.new_zeros(batch, num_kv_heads, capacity, first.shape[-1]) for _ in range(2)
-        )
-        self._bias = torch.full((batch, num_kv_heads, 1, capacity), float("-inf"), device=first.device)
-        self._entries = torch.zeros(batch, 1, 1, capacity, dtype=torch.bool, device=first.device)
-        for row, layer in enumerate(layers):
-            written = slice(0, layer.filled)
-            self._keys[row, :, written] = layer._keys[0, :, written]
-            self._values[row, :, written] = layer._values[0, :, written]
-            self._bias[row, ..., written] = layer._bias[..., written]
-            self._entries[row, ..., : layer.residual_slots] = True
-        self.gates = RowGates.of(
-            [layer.rule for layer in layers], [layer.residual_slots > 0 for layer in layers], first.device
-        )
-        self.device = first.device
+        self.seq_len, self.filled = seq_len, max(row.slots for row in rows)
+        first = rows[0].parts[0][0]
+        batch, num_kv_heads, head_dim = len(rows), first.shape[0], first.shape[-1]
+        self.capacity = self.filled + spare_slots
+        device = self.device = first.device
+        keys = first.new_zeros(batch, num_kv_heads, self.capacity, head_dim)
+        values = torch.zeros_like(keys, dtype=rows[0].parts[0][1].dtype)
+        bias = torch.full((batch, num_kv_heads, 1, self.capacity), float("-inf"), device=device)
+        entries = torch.zeros(batch, 1, 1, self.capacity, dtype=torch.bool, device=device)
+        for row, stacked in enumerate(rows):
+            start = 0
+            for part_keys, part_values, part_bias in stacked.parts:
+                slots = slice(start, start + part_keys.shape[1])
+                keys[row, :, slots] = part_keys
+                values[row, :, slots] = part_values
+                bias[row, ..., slots] = 0.0 if part_bias is None else part_bias
+                start = slots.stop
+            entries[row, ..., : stacked.entry_slots] = True
+        self._keys, self._values = (static_address(buffer, 2) for buffer in (keys, values))
+        self._bias, self._entries = (static_address(buffer, 3) for buffer in (bias, entries))
+        self.feed_bias = static_address(torch.zeros(batch, 1, 1, 1, device=device))
+        self.position = static_address(torch.tensor([self.filled], device=device))  # the next slot
+        # A row's gate counts as open wherever its rule has one, entries or not (with none, log g is
+        # added nowhere): which rows hold entries then changes no graph.
+        self.gates = RowGates.of([row.rule for row in rows], [True] * batch, device)
         self.is_initialized = True
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (indices into the current batch), in that order: one copy of their buffers."""
-        index = torch.tensor(rows, device=self.device)
-        self._keys, self._values, self._bias, self._entries = (
-            buffer.index_select(0, index) for buffer in (self._keys, self._values, self._bias, self._entries)
-        )
-        self.gates = self.gates.rows(rows)
+    def claim(self, tokens: int) -> None:
+        """Count ``tokens`` more written slots on the host (``CompressedLayer.claim``); the buffers never
+        grow: ``spare_slots`` were set for the whole generation."""
+        if self.filled + tokens > self.capacity:
+            raise ValueError(
+                f"{tokens} tokens exceed the stacked layer's {self.capacity - self.filled} spare slots"
+            )
+        self.filled += tokens
+        self.seq_len += tokens
+
+    def mark(self) -> None:
+        """Remember the slots written so far, for ``rewind``."""
+        self._marked = self.filled, self.seq_len
+
+    def rewind(self) -> None:
+        """Forget every slot written since ``mark``, and continue from there."""
+        self.filled, self.seq_len = self._marked
+        self._bias[..., self.filled :] = float("-inf")
+        self.position.fill_(self.filled)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         raise RuntimeError("a stacked layer is built from compressed layers, never lazily")
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         tokens = key_states.shape[-2]
-        if self.written + tokens > self._keys.shape[2]:
-            raise ValueError(
-                f"{tokens} tokens exceed the stacked layer's {self._keys.shape[2] - self.written} spare slots"
-            )
-        new = slice(self.written, self.written + tokens)
-        self._keys[:, :, new] = key_states
-        self._values[:, :, new] = value_states
-        self._bias[..., new] = 0.0
-        self.written += tokens
-        self.seq_len += tokens
-        return self._keys[:, :, : self.written], self._values[:, :, : self.written]
+        if not torch.compiler.is_compiling():
+            self.claim(tokens)
+        slots = self.position if tokens == 1 else self.position + torch.arange(tokens, device=self.device)
+        self._keys.index_copy_(2, slots, key_states)
+        self._values.index_copy_(2, slots, value_states)
+        self._bias.index_copy_(3, slots, self.feed_bias.expand(*self._bias.shape[:3], tokens))
+        self.position.add_(tokens)
+        return self._keys, self._values
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-        """Each row's shared-softmax attention over its written slots; ``q`` tokens fed together (the
-        last ``q`` written, as in teacher forcing) see each other causally."""
+        """Each row's shared-softmax attention over all its slots; ``q`` tokens fed together (the last
+        ``q`` written, as in teacher forcing) see each other causally."""
         batch, num_heads, query_len, head_dim = query.shape
-        num_kv_heads, written = self._keys.shape[1], slice(0, self.written)
-        bias = self._bias[..., written]
+        num_kv_heads = self._keys.shape[1]
+        bias = self._bias
         if query_len > 1:
-            own_slots = torch.arange(self.written - query_len, self.written, device=query.device)
-            bias = bias + causal_bias(own_slots, self.written, num_heads // num_kv_heads)
+            own_slots = self.position - query_len + torch.arange(query_len, device=query.device)
+            bias = bias + causal_bias(own_slots, self.capacity, num_heads // num_kv_heads)
         output = stacked_shared_softmax_attention(
             query.reshape(batch, num_kv_heads, -1, head_dim),
-            self._keys[:, :, written],
-            self._values[:, :, written],
+            self._keys,
+            self._values,
             bias,
-            self._entries[..., written],
+            self._entries,
             self.gates,
             scaling,
         )
@@ -509,7 +560,7 @@ class StackedLayer(AttendingLayer):
         return self.seq_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.written + query_length, 0
+        return self.capacity + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -541,16 +592,31 @@ class ResKVCache(Cache):
         return ResKVCache([layer.fork() for layer in self.layers])
 
     @classmethod
-    def stacked(cls, caches: list[ResKVCache], spare_slots: int) -> ResKVCache:
-        """The caches of several generations of one prompt as one batch (``StackedLayer``), with room for
-        ``spare_slots`` decoded tokens; every layer of every cache must be a ``CompressedLayer``."""
-        by_layer = zip(*(cache.layers for cache in caches), strict=True)
-        return cls([StackedLayer(list(layers), spare_slots) for layers in by_layer])
+    def stacked(cls, rows: Sequence[Sequence[StackedRow]], seq_len: int, spare_slots: int) -> ResKVCache:
+        """Several generations of one prompt as one batch (``StackedLayer``): ``rows[b][l]`` is row
+        ``b``'s layer ``l``; every row continues at position ``seq_len``, with room for ``spare_slots``
+        fed tokens."""
+        by_layer = zip(*rows, strict=True)
+        return cls([StackedLayer(layer_rows, seq_len, spare_slots) for layer_rows in by_layer])
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` of a stacked cache (``StackedLayer.keep``)."""
+    def mark(self) -> None:
+        """``StackedLayer.mark`` of every layer of a stacked cache."""
         for layer in self.layers:
-            layer.keep(rows)
+            layer.mark()
+
+    def rewind(self) -> None:
+        """``StackedLayer.rewind`` of every layer of a stacked cache."""
+        for layer in self.layers:
+            layer.rewind()
+
+    def feeding(self, rows: Tensor) -> None:
+        """Which rows of a stacked cache the next forwards write into (``StackedLayer.feed_bias``):
+        ``rows`` ``[B]`` bool; the others' new slots get ``-inf``."""
+        bias = torch.zeros(rows.shape, device=rows.device).masked_fill_(~rows, float("-inf"))[
+            :, None, None, None
+        ]
+        for layer in self.layers:
+            layer.feed_bias.copy_(bias)
 
     def claim(self, tokens: int) -> None:
         """Count on the host the ``tokens`` a compiled step is about to write (``CompressedLayer.claim``)."""

@@ -3,7 +3,7 @@ static-capacity cache every generation decodes from, and the decode step compile
 
     cache = static_cache(compressed_cache, spare_slots=max_new_tokens)
     logits = forward(backbone, torch.tensor([[token_id]]), cache)[:, -1]
-    answers = greedy(logits, step, keep, max_new_tokens, min_new_tokens, stop_ids)
+    answers = greedy(logits, step, max_new_tokens, min_new_tokens, stop_ids)
 """
 
 from __future__ import annotations
@@ -33,31 +33,30 @@ def forward(backbone: Backbone, token_ids: Tensor, cache: ResKVCache, every_posi
 def greedy(
     logits: Tensor,
     step: Callable[[list[int]], Tensor],
-    keep: Callable[[list[int]], None] | None,
     max_new_tokens: int,
     min_new_tokens: int,
     stop_ids: set[int],
 ) -> list[list[int]]:
     """Greedy answers of ``B`` rows from their next-token logits ``[B, V]``; the stop token itself is not
     part of an answer. Until ``min_new_tokens`` tokens exist, stop tokens cannot be chosen.
-    ``step(token_ids)`` feeds one token per remaining row and returns their next logits; when some rows
-    stop and others go on, ``keep(rows)`` is told which rows (indices among the remaining) go on first."""
+    ``step(token_ids)`` feeds one token per row and returns the rows' next logits: a row that has
+    stopped is fed its last choice again and its logits are not read, so the batch keeps its shape
+    (what a compiled step needs); decoding ends when every row has stopped. One host read a step."""
     answers: list[list[int]] = [[] for _ in range(logits.shape[0])]
-    remaining = list(range(logits.shape[0]))  # the answers the rows of ``logits`` belong to
+    going_on = [True] * logits.shape[0]
     stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
     for produced in range(max_new_tokens):
         if produced < min_new_tokens:
             logits = logits.index_fill(-1, stop_index, float("-inf"))
         next_ids = logits.argmax(dim=-1).tolist()
-        going_on = [row for row, token_id in enumerate(next_ids) if token_id not in stop_ids]
-        for row in going_on:
-            answers[remaining[row]].append(next_ids[row])
-        if not going_on or produced + 1 == max_new_tokens:
+        for row, token_id in enumerate(next_ids):
+            if going_on[row] and token_id in stop_ids:
+                going_on[row] = False
+            elif going_on[row]:
+                answers[row].append(token_id)
+        if not any(going_on) or produced + 1 == max_new_tokens:
             break
-        if len(going_on) < len(remaining):
-            keep(going_on)
-            remaining = [remaining[row] for row in going_on]
-        logits = step([next_ids[row] for row in going_on])
+        logits = step(next_ids)
     return answers
 
 
@@ -77,9 +76,10 @@ def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
 @functools.cache
 def compiled_step(model: torch.nn.Module, cache_argument: str):
     """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
-    graph break): ``(token [1, 1], position [1, 1], cache) -> logits [V]``, for a cache of
-    ``CompressedLayer``s (``static_cache``). On CUDA its kernels are replayed as CUDA graphs
-    (``mode="reduce-overhead"``), which removes the per-op host cost a decode step is bound by."""
+    graph break): ``(tokens [B, 1], positions [B, 1], cache) -> logits [B, V]``, for a cache of
+    ``CompressedLayer``s (``static_cache``, one row) or of ``StackedLayer``s (a grid's rows; a graph
+    per number of rows). On CUDA its kernels are replayed as CUDA graphs (``mode="reduce-overhead"``),
+    which removes the per-op host cost a decode step is bound by."""
 
     def step(token: Tensor, position: Tensor, cache: ResKVCache) -> Tensor:
         output = model(
@@ -89,19 +89,20 @@ def compiled_step(model: torch.nn.Module, cache_argument: str):
             logits_to_keep=1,
             **{cache_argument: cache, CACHE_KWARG: cache},
         )
-        return output.logits[0, -1]
+        return output.logits[:, -1]
 
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     return torch.compile(step, fullgraph=True, mode=mode)
 
 
 def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
-    """The next-token logits ``[V]`` after one token through ``compiled_step``: the host claims the
-    cache's slot first, so that the compiled graph reads no Python counter (``CompressedLayer.claim``)."""
-    (token_id,) = token_ids
+    """The next-token logits ``[B, V]`` after one token per row through ``compiled_step``: the host
+    claims the cache's slot first, so that the compiled graph reads no Python counter
+    (``CompressedLayer.claim``)."""
     position = cache.get_seq_length()
     cache.claim(1)
     device = backbone.device
+    tokens = torch.tensor(token_ids, device=device)[:, None]
     return compiled_step(backbone.model, backbone.cache_argument)(
-        torch.tensor([[token_id]], device=device), torch.tensor([[position]], device=device), cache
+        tokens, torch.full_like(tokens, position), cache
     )

@@ -18,6 +18,7 @@ forward compresses each layer for every registered method as its attention runs 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,12 +28,13 @@ import torch
 from torch import Tensor
 
 from reskv.backbones import Backbone
-from reskv.cache import ResKVCache
+from reskv.cache import ObservedLayer, ResKVCache
+from reskv.compress import CompressedLayerState, SharedLayers
 from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, SETTINGS
 from reskv.decoding import compiled_next_logits, forward, greedy, static_cache
-from reskv.method import DEFAULT_OBSERVATION_WINDOW, Method, attended_slots
+from reskv.method import DEFAULT_OBSERVATION_WINDOW, Method, attended_slots, compression_stats, shared_batches
 from reskv.prompting import tokenize_prompt
-from reskv.quality import QualityProbe, TeacherForced
+from reskv.quality import QualityProbe
 from reskv.scoring import LayerObservation
 
 # Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
@@ -57,19 +59,6 @@ class PrefilledState:
 
     cache: ResKVCache
     last_logits: Tensor
-
-
-@dataclass
-class _Prepared:
-    """A request compressed and fed its whole prompt, ready to decode (``Prefill._prepare``)."""
-
-    setting: str
-    cache: ResKVCache | None  # let go of once stacked for a batch
-    stats: dict
-    logits: Tensor  # after the whole prompt
-    timings: dict
-    compressed: ResKVCache | None  # for the quality measures: before the question (query-agnostic)
-    prompted: ResKVCache | None  # ... and after the whole prompt
 
 
 class Prefill:
@@ -122,7 +111,9 @@ class Prefill:
         if retain == "full":
             self._context = self._prefill(self.prompt_ids[:context_length], "prefill_s")
         self._whole_prompt: PrefilledState | None = None
-        self._probe = QualityProbe(self)
+        self.quality_probe = QualityProbe(self)
+        # Per setting, while a grid shares its constructions (``sharing_construction``).
+        self._shared: dict[str, list[SharedLayers]] | None = None
 
     def _require_full_cache(self, what: str) -> None:
         """Refuse ``what`` where the full cache is not kept."""
@@ -200,13 +191,21 @@ class Prefill:
         layers = self.prefilled(setting).cache.layers
         return [layer.observation(index, self.scaling) for index, layer in enumerate(layers)]
 
-    def compressed(self, method: Method, setting: str = "aware") -> tuple[ResKVCache, dict]:
-        """``method``'s compression of a copy of the cache ``setting`` compresses (the whole prompt
-        query-aware, the context query-agnostic: feed it the question) and its statistics; with
-        retain="compressed", a new cache over the states its forward stored for ``method``."""
+    def compressed_layers(
+        self, method: Method, setting: str = "aware"
+    ) -> tuple[list[CompressedLayerState | ObservedLayer], dict]:
+        """``method``'s compression of the cache ``setting`` compresses (the whole prompt query-aware, the
+        context query-agnostic), as the layers a cache is made of (``Method.compressed_layers``), and
+        its statistics; with retain="compressed", the states its forward stored for ``method``."""
         seq_len = len(self.prompt_ids) if setting == "aware" else self.context_length
         if self.retain == "full":
-            cache, stats = method.compress(self.prefilled(setting).cache, self.scaling)
+            cache = self.prefilled(setting).cache
+            shared = None
+            if self._shared is not None:
+                if setting not in self._shared:
+                    self._shared[setting] = shared_batches(cache, self.scaling)
+                shared = self._shared[setting]
+            layers = method.compressed_layers(cache, self.scaling, shared)
         else:
             if method.scorer is None:
                 self._require_full_cache("the full method")
@@ -216,12 +215,31 @@ class Prefill:
                     "forward compresses only for the methods listed then: pass that Method object in "
                     "Prefill(..., methods=[...])"
                 )
-            layers = self.prefilled(setting).cache.layers
-            cache, stats = method.assemble([layer.compressed[method] for layer in layers], seq_len)
-        stats["prompt_tokens"] = len(self.prompt_ids)
-        stats["compressed_tokens"] = seq_len
-        stats["slots"] = attended_slots(cache, stats)
+            layers = [layer.compressed[method] for layer in self.prefilled(setting).cache.layers]
+        stats = compression_stats(layers) | {
+            "prompt_tokens": len(self.prompt_ids),
+            "compressed_tokens": seq_len,
+        }
+        stats["slots"] = attended_slots(layers, stats)
+        return layers, stats
+
+    def compressed(self, method: Method, setting: str = "aware") -> tuple[ResKVCache, dict]:
+        """``method``'s compression of a copy of the cache ``setting`` compresses (feed it the question,
+        query-agnostic) and its statistics (``compressed_layers``, assembled)."""
+        layers, stats = self.compressed_layers(method, setting)
+        cache, _ = method.assemble(layers, stats["compressed_tokens"])
         return cache, stats
+
+    @contextlib.contextmanager
+    def sharing_construction(self) -> Iterator[None]:
+        """Within the block, the compressions of one setting share what every compression of its cache
+        computes alike (``reskv.compress.SharedLayers``: scores, stacked layers, validation proxies;
+        the same values bit for bit), which is let go of when the block ends."""
+        self._shared = {}
+        try:
+            yield
+        finally:
+            self._shared = None
 
     def generate(
         self,
@@ -245,99 +263,10 @@ class Prefill:
             raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_MODES)}")
         if decode == "compiled" and not method.decode_rule.shared_softmax:
             raise ValueError(COMPILED_WITHOUT_SHARED_SOFTMAX)
-        self._check_request(max_new_tokens, answer_ids)
-        prepared = self._prepare(method, setting, max_new_tokens, answer_ids is not None)
-        step = self.decode_step(decode)
-        start = time.perf_counter()
-        token_ids = self._decode(
-            prepared.cache,
-            prepared.logits,
-            max_new_tokens,
-            min_new_tokens,
-            self._stop_ids(stop_token_ids),
-            step,
-        )
-        prepared.timings |= {"decode_s": time.perf_counter() - start, "decode_tokens": len(token_ids)}
-        return self._finish(prepared, token_ids, answer_ids)
-
-    def generate_grid(
-        self,
-        requests: Sequence[tuple[Method, str]],
-        max_new_tokens: int = 32,
-        stop_token_ids: Sequence[int] = (),
-        min_new_tokens: int = 0,
-        answer_ids: Sequence[int] | None = None,
-        decode: str = "eager",
-        decode_batch: int = 16,
-    ) -> Iterator[tuple[int, Generation]]:
-        """``generate`` for several (method, setting) requests decoded together in batches of at most
-        ``decode_batch`` rows: yields ``(index into requests, generation)`` as each batch ends.
-        16 rows decoded the paper's RULER grid fastest on a 2-core CPU (``results/README.md``).
-
-        The requests are ordered by the share of the prompt their caches hold and cut into batches, so
-        that a batch pads its rows to similar lengths. A batch's requests are compressed as ``generate``
-        does, their caches stacked (``ResKVCache.stacked``) and decoded with one forward of all rows per
-        step; a row leaves when it stops. Only one batch's caches exist at a time. A batch of one
-        decodes as ``generate`` does, bit for bit, in any ``decode`` mode (``decode_batch=1`` is
-        ``generate`` per request); so does a request without the shared softmax, which the stacked
-        attention does not compute. Larger batches decode eagerly, and with ``answer_ids`` compute the
-        quality measures' teacher-forced logits in one forward too (``QualityProbe.teacher_forced_rows``;
-        the probe of attention error and residual share runs per row). In a batch, ``decode_s`` is the batch's
-        time shared equally by its rows (their sum is the time spent), likewise the batched part of
-        ``quality_s``, and ``decode_batch`` is its number of rows."""
-        if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
-            raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer")
-        if decode not in DECODE_MODES or (decode != "eager" and decode_batch > 1):
-            raise ValueError(
-                f"decode mode {decode!r} with decode_batch {decode_batch}: batches of several rows decode "
-                f"eagerly; choose decode_batch=1 or decode='eager' (modes: {list(DECODE_MODES)})"
-            )
-        self._check_request(max_new_tokens, answer_ids)
-        order = sorted(range(len(requests)), key=lambda row: requests[row][0].retained_fraction)
-        stackable = [row for row in order if requests[row][0].decode_rule.shared_softmax]
-        batches = [
-            stackable[start : start + decode_batch] for start in range(0, len(stackable), decode_batch)
-        ]
-        batches += [[row] for row in order if row not in stackable]
-        step = self.decode_step(decode)
-        for batch in batches:
-            # Room for the answer in each row's own buffers too: the question fed to a query-agnostic
-            # cache attends over all its slots, so its rounding depends on their number (a batch of one
-            # is then ``generate`` bit for bit, quality measures included).
-            prepared = [
-                self._prepare(*requests[row], max_new_tokens, answer_ids is not None) for row in batch
-            ]
-            start = time.perf_counter()
-            if len(batch) == 1:
-                stop_ids = self._stop_ids(stop_token_ids)
-                cache, logits = prepared[0].cache, prepared[0].logits
-                answers = [self._decode(cache, logits, max_new_tokens, min_new_tokens, stop_ids, step)]
-            else:
-                answers = self._decode_stacked(prepared, max_new_tokens, min_new_tokens, stop_token_ids)
-            seconds = (time.perf_counter() - start) / len(batch)
-            teacher_forced, quality_s = [None] * len(batch), 0.0
-            if answer_ids is not None and len(batch) > 1:
-                start = time.perf_counter()
-                teacher_forced = self._probe.teacher_forced_rows(
-                    [row.prompted for row in prepared], [row.logits for row in prepared], answer_ids
-                )
-                quality_s = (time.perf_counter() - start) / len(batch)
-            for row, request, answer, forced in zip(batch, prepared, answers, teacher_forced, strict=True):
-                request.timings |= {
-                    "decode_s": seconds,
-                    "decode_tokens": len(answer),
-                    "decode_batch": len(batch),
-                }
-                yield row, self._finish(request, answer, answer_ids, forced, quality_s)
-
-    def _check_request(self, max_new_tokens: int, answer_ids: Sequence[int] | None) -> None:
         self.check_positions(max_new_tokens)
-        if answer_ids is not None:
+        with_quality = answer_ids is not None
+        if with_quality:
             self._require_full_cache("the quality measures (answer_ids)")
-
-    def _prepare(self, method: Method, setting: str, spare_slots: int, with_quality: bool) -> _Prepared:
-        """``method``'s compressed cache after the whole prompt, with room for ``spare_slots`` tokens,
-        the logits after the prompt and, ``with_quality``, the forks the quality measures read."""
         timings = {}
         start = time.perf_counter()
         cache, stats = self.compressed(method, setting)
@@ -345,92 +274,43 @@ class Prefill:
         compressed = cache.fork() if with_quality else None  # before the question
         logits = self.prefilled(setting).last_logits
         question = self.prompt_ids[self.context_length :]
-        cache.reserve((len(question) if setting == "agnostic" else 0) + spare_slots)
+        cache.reserve((len(question) if setting == "agnostic" else 0) + max_new_tokens)
         if setting == "agnostic" and question:
             start = time.perf_counter()
             logits = self.next_logits(question, cache)
             timings["question_s"] = time.perf_counter() - start
         prompted = cache.fork() if with_quality else None  # after the whole prompt
-        # One decode path for every method, the full one included.
-        cache = static_cache(cache, spare_slots)
-        return _Prepared(setting, cache, stats, logits, timings, compressed, prompted)
+        cache = static_cache(cache, max_new_tokens)  # one decode path for every method, the full one too
+        step = self.decode_step(decode)
+        start = time.perf_counter()
+        (token_ids,) = greedy(
+            logits[None],
+            lambda token_ids: step(token_ids, cache)[None],
+            max_new_tokens,
+            min_new_tokens,
+            self.stop_ids(stop_token_ids),
+        )
+        timings |= {"decode_s": time.perf_counter() - start, "decode_tokens": len(token_ids)}
+        text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
+        quality = None
+        if with_quality:
+            start = time.perf_counter()
+            quality = self.quality_probe.measures(setting, compressed, prompted, logits, answer_ids)
+            timings["quality_s"] = time.perf_counter() - start
+        return Generation(token_ids, text, stats, timings, quality)
 
-    def _stop_ids(self, stop_token_ids: Sequence[int]) -> set[int]:
+    def stop_ids(self, stop_token_ids: Sequence[int]) -> set[int]:
         """The tokens that end an answer: ``stop_token_ids`` and the backbone's."""
         return set(stop_token_ids) | set(self.backbone.stop_token_ids)
 
-    def _decode_stacked(
-        self, rows: list[_Prepared], max_new_tokens: int, min_new_tokens: int, stop_token_ids: Sequence[int]
-    ) -> list[list[int]]:
-        """Greedy answers of ``rows`` decoded as one batch: their caches are stacked (and let go of)."""
-        cache = ResKVCache.stacked([row.cache for row in rows], max_new_tokens)
-        for row in rows:
-            row.cache = None
-        device = self.backbone.device
-
-        def step(token_ids: list[int]) -> Tensor:
-            return forward(self.backbone, torch.tensor(token_ids, device=device)[:, None], cache)[:, -1]
-
-        logits = torch.stack([row.logits for row in rows])
-        return greedy(
-            logits, step, cache.keep, max_new_tokens, min_new_tokens, self._stop_ids(stop_token_ids)
-        )
-
-    def _finish(
-        self,
-        prepared: _Prepared,
-        token_ids: list[int],
-        answer_ids: Sequence[int] | None,
-        teacher_forced: TeacherForced | None = None,
-        batch_quality_s: float = 0.0,
-    ) -> Generation:
-        """The generation of ``token_ids``: its text and, with ``answer_ids``, its quality measures
-        (``teacher_forced`` and its share ``batch_quality_s`` of their time, when its batch computed
-        them)."""
-        text = self.backbone.tokenizer.decode(token_ids, skip_special_tokens=True)
-        quality = None
-        if answer_ids is not None:
-            start = time.perf_counter()
-            quality = self._probe.measures(
-                prepared.setting,
-                prepared.compressed,
-                prepared.prompted,
-                prepared.logits,
-                answer_ids,
-                teacher_forced,
-            )
-            prepared.timings["quality_s"] = time.perf_counter() - start + batch_quality_s
-        return Generation(token_ids, text, prepared.stats, prepared.timings, quality)
-
     def compiled_next_logits(self, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:
         """``next_logits`` of one token through ``compiled_step`` (``compiled_next_logits``)."""
-        return compiled_next_logits(self.backbone, token_ids, cache)
+        return compiled_next_logits(self.backbone, token_ids, cache)[0]
 
     def decode_step(self, decode: str) -> Callable[[Sequence[int], ResKVCache], Tensor]:
         """The step a ``decode`` mode (``DECODE_MODES``) feeds each token through: ``compiled_next_logits``
         for ``"compiled"``, else ``next_logits``."""
         return self.compiled_next_logits if decode == "compiled" else self.next_logits
-
-    def _decode(
-        self,
-        cache: ResKVCache,
-        logits: Tensor,
-        max_new_tokens: int,
-        min_new_tokens: int,
-        stop_ids: set[int],
-        step: Callable[[Sequence[int], ResKVCache], Tensor],
-    ) -> list[int]:
-        """Greedy decoding of one cache (``greedy`` with one row); ``step`` computes the next logits of one
-        token (``decode_step``)."""
-        (token_ids,) = greedy(
-            logits[None],
-            lambda token_ids: step(token_ids, cache)[None],
-            None,
-            max_new_tokens,
-            min_new_tokens,
-            stop_ids,
-        )
-        return token_ids
 
 
 def single_sequence(prompt_ids: Sequence[int] | Tensor) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from reskv.cache import AttendingLayer, CompressedLayer, ResKVCache
-from reskv.decoding import forward, greedy, static_cache
+from reskv.decoding import forward, greedy
 
 if TYPE_CHECKING:
     from reskv.engine import Prefill
@@ -138,7 +138,6 @@ class QualityProbe:
             (forced_ids,) = greedy(
                 whole.last_logits[None],
                 lambda token_ids: prefill.next_logits(token_ids, cache)[None],
-                None,
                 FORCED_STEPS,
                 0,
                 set(),
@@ -159,28 +158,24 @@ class QualityProbe:
             return last_logits[None]
         return torch.cat([last_logits[None], self.prefill.next_logits(token_ids, cache, every_position=True)])
 
-    def teacher_forced_rows(
-        self, prompted: Sequence[ResKVCache], last_logits: Sequence[Tensor], answer_ids: Sequence[int]
+    def teacher_forced_stacked(
+        self, cache: ResKVCache, last_logits: Tensor, answer_ids: Sequence[int]
     ) -> list[TeacherForced]:
-        """The teacher-forced logits of several generations (each ``prompted`` cache with its
-        ``last_logits`` after the prompt) in one forward: each cache twice (``ResKVCache.stacked``), fed
-        the answer and the full cache's forced tokens; the shorter feed is padded at its end, which no
-        earlier position sees."""
+        """The teacher-forced logits of every row of a stacked cache (``ResKVCache.stacked``, marked after
+        the prompt: ``ResKVCache.mark``; ``last_logits`` ``[B, V]`` there), in two forwards of the
+        batch: the answer, then, rewound to the prompt, the full cache's forced tokens."""
         answer_ids, (forced_ids, _) = self.measured_answer(answer_ids), self.reference()
-        feeds = [list(answer_ids[:-1]), list(forced_ids)]
-        length = max(len(feed) for feed in feeds)
-        padded = [feed + forced_ids[:1] * (length - len(feed)) for feed in feeds]
-        caches = [static_cache(cache, 0) for cache in prompted]
-        rows = len(caches)
-        stacked = ResKVCache.stacked(caches + caches, length)
-        backbone = self.prefill.backbone
-        ids = torch.tensor([padded[0]] * rows + [padded[1]] * rows, device=backbone.device)
-        logits = forward(backbone, ids, stacked, every_position=True)
-        answered, forced = logits[:rows, : len(feeds[0])], logits[rows:, : len(forced_ids)]
-        return [
-            TeacherForced(torch.cat([row_logits[None], row_answered]), row_forced)
-            for row_logits, row_answered, row_forced in zip(last_logits, answered, forced, strict=True)
-        ]
+        backbone, rows = self.prefill.backbone, last_logits.shape[0]
+        fed = []
+        for feed in (list(answer_ids[:-1]), list(forced_ids)):
+            cache.rewind()
+            if feed:
+                ids = torch.tensor([feed] * rows, device=backbone.device)
+                fed.append(forward(backbone, ids, cache, every_position=True))
+            else:
+                fed.append(last_logits.new_zeros(rows, 0, last_logits.shape[-1]))
+        answered = torch.cat([last_logits[:, None], fed[0]], dim=1)
+        return [TeacherForced(answered[row], fed[1][row]) for row in range(rows)]
 
     def measures(
         self,
@@ -194,7 +189,7 @@ class QualityProbe:
         """The measures of one generation: ``compressed`` is the method's cache before the question
         (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt;
         ``teacher_forced`` the logits along the answer and the forced tokens, when a batch computed them
-        (``teacher_forced_rows``)."""
+        (``teacher_forced_stacked``)."""
         prefill = self.prefill
         forced_ids, forced_logits = self.reference()
         whole = prefill.prefilled("aware")

@@ -1,4 +1,5 @@
-"""The generations of one prompt decoded together as one batch (issue 25): each row as if alone."""
+"""The configurations of one prompt decoded together as one batch (``reskv.grid``): each row as if alone,
+eager and compiled, the batches cut to fit the device's memory."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import reskv.grid
 from baselines import build_method
-from reskv.cache import CACHE_KWARG, ResKVCache, StackedLayer
+from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
-from reskv.decoding import greedy
+from reskv.decoding import compiled_next_logits, forward, greedy
 from reskv.engine import Prefill
+from reskv.grid import GridRow, compress, decode_batches, decode_grid, grid_decoding, stacked_prompt
+from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
 from tests.conftest import TINY_RUN, TOKENS, cached_tiny_backbone
 
@@ -45,6 +49,7 @@ REQUESTS = [
         ),
     ]
 ]
+DEFAULT_RULES = [request for request in REQUESTS if request[2] in (None, "default")]
 
 
 @pytest.fixture(scope="module")
@@ -60,102 +65,138 @@ def requests(names=REQUESTS):
 
 
 def grid(prefill: Prefill, methods, **options) -> list:
-    """``generate_grid``'s generations in the order of the requests."""
-    generations = dict(prefill.generate_grid(methods, **options))
+    """``decode_grid``'s generations in the order of the requests."""
+    generations = dict(decode_grid(prefill, methods, **options))
     return [generations[row] for row in range(len(methods))]
 
 
-def prompted_cache(
-    prefill: Prefill, method, setting: str, spare_slots: int
-) -> tuple[ResKVCache, torch.Tensor]:
-    """What ``generate`` decodes from: the cache after the whole prompt and the logits there."""
-    prepared = prefill._prepare(method, setting, spare_slots, with_quality=False)
-    return prepared.cache, prepared.logits
+def alone_logits(prefill: Prefill, method, setting: str) -> torch.Tensor:
+    """``[1 + len(FORCED) - 1, V]``: what ``generate`` decodes from, after the prompt and along the
+    forced tokens."""
+    cache, _ = prefill.compressed(method, setting)
+    logits = prefill.prefilled(setting).last_logits
+    question = prefill.prompt_ids[prefill.context_length :]
+    if setting == "agnostic":
+        cache.reserve(len(question) + len(FORCED))
+        logits = prefill.next_logits(question, cache)
+    cache.reserve(len(FORCED))
+    return torch.stack([logits] + [prefill.next_logits([token], cache) for token in FORCED[:-1]])
+
+
+def prompted_batch(prefill: Prefill, methods, feeds: int) -> tuple[ResKVCache, torch.Tensor]:
+    """``methods`` compressed and stacked as ``decode_grid`` stacks a batch, after the whole prompt."""
+    rows = [GridRow(index, method, setting, 0) for index, (method, setting) in enumerate(methods)]
+    with prefill.sharing_construction():
+        for row in rows:
+            compress(prefill, row, quality=False, feeds=feeds)
+        return stacked_prompt(prefill, rows, feeds)
+
+
+def stacked_logits(prefill: Prefill, methods, step) -> torch.Tensor:
+    """``[rows, len(FORCED), V]``: the batch's logits after the prompt and along the forced tokens,
+    ``step(token_ids, cache)`` feeding one token per row."""
+    cache, logits = prompted_batch(prefill, methods, len(FORCED))
+    assert all(isinstance(layer, StackedLayer) for layer in cache.layers)
+    steps = [logits] + [step([token] * len(methods), cache) for token in FORCED[:-1]]
+    return torch.stack(steps, dim=1)
+
+
+def eager_step(prefill: Prefill):
+    """One token per row through the batch's eager forward: ``(token_ids, cache) -> [rows, V]``."""
+
+    def step(token_ids: list[int], cache: ResKVCache) -> torch.Tensor:
+        return forward(prefill.backbone, torch.tensor(token_ids)[:, None], cache)[:, -1]
+
+    return step
 
 
 def test_stacked_rows_get_the_logits_each_gets_alone(prefill):
-    """Along the same forced tokens, every row of one batch gets the logits its own cache gives it alone
-    (``shared_softmax_attention``, itself checked against the spec's loop): the padding to the longest
-    row and the per-row gate rules change nothing but fp32 rounding."""
-    alone, stacked_caches, first_logits = [], [], []
-    for method, setting in requests():
-        cache, logits = prompted_cache(prefill, method, setting, len(FORCED))
-        alone.append(torch.stack([logits] + [prefill.next_logits([token], cache) for token in FORCED[:-1]]))
-        cache, logits = prompted_cache(prefill, method, setting, len(FORCED))
-        stacked_caches.append(cache)
-        first_logits.append(logits)
-    stacked = ResKVCache.stacked(stacked_caches, len(FORCED))
-    assert all(isinstance(layer, StackedLayer) for layer in stacked.layers)
-    steps = [torch.stack(first_logits)]
-    for token in FORCED[:-1]:
-        ids = torch.full((len(first_logits), 1), token)
-        steps.append(
-            prefill.backbone.model(input_ids=ids, use_cache=True, **stacked_kwargs(prefill, stacked)).logits[
-                :, -1
-            ]
-        )
-    together = torch.stack(steps, dim=1)  # [rows, steps, V]
-    for row, expected in enumerate(alone):
+    """Along the same forced tokens, every row of one batch (both settings: the question fed to the
+    query-agnostic rows while the query-aware ones pass through) gets the logits its own cache gives
+    it alone (``shared_softmax_attention``, itself checked against the spec's loop): the padding to
+    the longest row and the per-row gate rules change nothing but fp32 rounding."""
+    methods = requests()
+    together = stacked_logits(prefill, methods, eager_step(prefill))
+    for row, (method, setting) in enumerate(methods):
+        expected = alone_logits(prefill, method, setting)
         torch.testing.assert_close(together[row], expected, rtol=0, atol=2e-5, msg=f"row {REQUESTS[row]}")
 
 
-def stacked_kwargs(prefill: Prefill, cache: ResKVCache) -> dict:
-    return {prefill.backbone.cache_argument: cache, CACHE_KWARG: cache}
+@pytest.mark.slow
+def test_the_compiled_batch_step_gives_the_eager_batch_logits(prefill):
+    """The batch's decode step compiled as one graph (``torch.compile(fullgraph=True)``: no graph break,
+    static shapes) gives the eager batch's logits to fp32 rounding, and one graph serves two grids whose
+    rows hold entries in other layers."""
+    torch._dynamo.reset()
+    methods = requests(DEFAULT_RULES)
+    eager = stacked_logits(prefill, methods, eager_step(prefill))
+
+    def compiled(token_ids, cache):
+        return compiled_next_logits(prefill.backbone, token_ids, cache)
+
+    first = stacked_logits(prefill, methods, compiled)
+    torch.testing.assert_close(first, eager, rtol=1e-4, atol=1e-5)
+    assert torch.equal(first.argmax(-1), eager.argmax(-1))
+    other = Prefill(prefill.backbone, random_prompt(TOKENS, 280, seed=4), 250)
+    stacked_logits(other, methods, compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def test_rows_kept_after_others_left_go_on_with_their_own_logits(prefill):
-    """``keep`` drops rows mid-decode and reorders the rest: each kept row's next logits still equal
-    its own cache's alone."""
-    methods = requests()
-    kept = [len(methods) - 1, 0, 5, 9]
-    alone = []
-    for method, setting in [methods[row] for row in kept]:
-        cache, _ = prompted_cache(prefill, method, setting, len(FORCED))
-        alone.append(torch.stack([prefill.next_logits([token], cache) for token in FORCED]))
-    stacked = ResKVCache.stacked(
-        [prompted_cache(prefill, m, s, len(FORCED))[0] for m, s in methods], len(FORCED)
-    )
-    together = []
-    for step, token in enumerate(FORCED):
-        if step == 2:
-            stacked.keep(kept)
-        rows = len(methods) if step < 2 else len(kept)
-        ids = torch.full((rows, 1), token)
-        logits = prefill.backbone.model(
-            input_ids=ids, use_cache=True, **stacked_kwargs(prefill, stacked)
-        ).logits
-        together.append(logits[:, -1] if step >= 2 else logits[kept, -1])
-    torch.testing.assert_close(torch.stack(together, dim=1), torch.stack(alone), rtol=0, atol=2e-5)
-
-
-def test_greedy_rows_stop_on_their_own_and_the_rest_go_on():
+def test_greedy_feeds_a_row_that_stopped_and_ignores_its_logits():
     """Scripted logits: row 0 stops at its third token, row 2 at its first (once ``min_new_tokens = 1``
-    allows it: its first choice is the stop token, masked), row 1 runs to ``max_new_tokens``."""
+    allows it: its first choice is the stop token, masked), row 1 runs to ``max_new_tokens``; every
+    step feeds all three rows, a stopped row its last choice."""
     stop, vocabulary = 9, 10
-    scripts = {0: [4, 5, stop], 1: [1, 2, 3, 4, 5], 2: [stop, stop]}
+    scripts = {0: [4, 5, stop, 1, 1], 1: [1, 2, 3, 4, 5], 2: [stop, stop, 2, 2, 2]}
     runner_up = {0: 6, 1: 6, 2: 7}  # each row's second choice: what the masked stop gives way to
+    fed = []
 
-    def logits_for(rows: list[int], produced: int) -> torch.Tensor:
-        logits = torch.zeros(len(rows), vocabulary)
-        for index, row in enumerate(rows):
-            logits[index, scripts[row][produced]] = 2.0
-            logits[index, runner_up[row]] = 1.0
+    def logits_at(produced: int) -> torch.Tensor:
+        logits = torch.zeros(3, vocabulary)
+        for row in range(3):
+            logits[row, scripts[row][produced]] = 2.0
+            logits[row, runner_up[row]] = 1.0
         return logits
 
-    remaining, kept_calls, produced = [0, 1, 2], [], [0]
-
     def step(token_ids: list[int]) -> torch.Tensor:
-        assert len(token_ids) == len(remaining)
-        produced[0] += 1
-        return logits_for(remaining, produced[0])
+        fed.append(token_ids)
+        return logits_at(len(fed))
 
-    def keep(rows: list[int]) -> None:
-        kept_calls.append(rows)
-        remaining[:] = [remaining[row] for row in rows]
-
-    answers = greedy(logits_for(remaining, 0), step, keep, 5, 1, {stop})
+    answers = greedy(logits_at(0), step, 5, 1, {stop})
     assert answers == [[4, 5], [1, 2, 3, 4, 5], [7]]
-    assert kept_calls == [[0, 1], [1]]
+    assert fed == [[4, 1, 7], [5, 2, stop], [stop, 3, 2], [1, 4, 2]]
+
+
+@pytest.mark.parametrize(
+    ("slots", "limit", "max_rows", "expected"),
+    [
+        # Ascending slots, rows padded to at most twice what they hold; bytes (10 a slot): rows x
+        # longest + the rows' own.
+        ([3, 1, 2, 4], None, None, [[1, 2, 0, 3]]),  # 4 x 4 = 16 <= 2 x 10
+        ([3, 1, 2, 4], None, 2, [[1, 2], [0, 3]]),
+        ([1, 1, 1, 6], None, None, [[0, 1, 2], [3]]),  # 4 x 6 = 24 > 2 x 9: the long row apart
+        # [1, 2]: (2*2 + 3)*10 = 70 fits 100; + 3: (3*3 + 6)*10 = 150 does not; [3, 4]: (2*4 + 7)*10 = 150.
+        ([3, 1, 2, 4], 100, None, [[1, 2], [0], [3]]),
+        ([50], 100, None, [[0]]),  # a row beyond the limit on its own decodes alone
+    ],
+)
+def test_batches_take_rows_in_ascending_slots_within_the_padding_the_memory_and_the_row_cap(
+    slots, limit, max_rows, expected
+):
+    assert decode_batches(slots, 10, limit, max_rows) == expected
+
+
+def test_a_grid_beyond_the_memory_limit_is_split_and_every_row_is_decoded(prefill, monkeypatch):
+    """A faked device memory that holds a stacked cache of about three rows: the grid is decoded in
+    batches within it, each row's tokens as alone."""
+    methods = requests(DEFAULT_RULES)
+    slot_bytes = reskv.grid.slot_bytes(prefill)
+    monkeypatch.setattr(reskv.grid, "memory_limit", lambda device: 3 * 2 * 320 * slot_bytes)
+    together = grid(prefill, methods, max_new_tokens=4)
+    sizes = [generation.timings["decode_batch"] for generation in together]
+    assert max(sizes) < len(methods) and max(sizes) > 1
+    alone = [prefill.generate(method, setting, max_new_tokens=4) for method, setting in methods]
+    assert [generation.token_ids for generation in together] == [generation.token_ids for generation in alone]
 
 
 BATCHED_QUALITY = ("answer_log_prob", "answer_log_prob_gap", "kl")  # teacher-forced as one batch
@@ -163,69 +204,82 @@ BATCHED_QUALITY = ("answer_log_prob", "answer_log_prob_gap", "kl")  # teacher-fo
 
 @pytest.mark.parametrize("answer", [[11, 205, 3, 3000, 41], [11]], ids=["answer", "one-token-answer"])
 def test_a_batch_of_one_is_generate_bit_for_bit_and_a_batch_its_quality_to_rounding(prefill, answer):
-    """``decode_batch=1`` decodes each request as ``generate`` does, quality measures included. In a
-    batch of 4, the teacher-forced measures (answer log-likelihood, KL along the forced tokens) come
-    from one forward of the batch's prompted caches and equal ``generate``'s to fp32 rounding; the
-    probe's (attention error, residual share) runs per row and is exact."""
-    methods = requests([request for request in REQUESTS if request[2] in (None, "default")])
+    """``max_rows=1`` decodes each request as ``generate`` does, quality measures included. In a batch,
+    the teacher-forced measures (answer log-likelihood, KL along the forced tokens) come from two
+    forwards of the batch and equal ``generate``'s to fp32 rounding; the probe's (attention error,
+    residual share) runs per row and is exact."""
+    methods = requests(DEFAULT_RULES)
     alone = [
         prefill.generate(method, setting, max_new_tokens=8, answer_ids=answer) for method, setting in methods
     ]
-    for decode_batch in (1, 4):
-        together = grid(prefill, methods, max_new_tokens=8, answer_ids=answer, decode_batch=decode_batch)
+    for max_rows in (1, None):
+        together = grid(prefill, methods, max_new_tokens=8, answer_ids=answer, max_rows=max_rows)
         for one, batched in zip(alone, together, strict=True):
             assert batched.token_ids == one.token_ids and batched.cache_stats == one.cache_stats
-            if decode_batch == 1:
+            if max_rows == 1:
                 assert batched.quality == one.quality
             exact = {key: value for key, value in one.quality.items() if key not in BATCHED_QUALITY}
             assert {key: batched.quality[key] for key in exact} == exact
             for key in BATCHED_QUALITY:
                 assert batched.quality[key] == pytest.approx(one.quality[key], rel=1e-5, abs=1e-6), key
-        assert max(generation.timings["decode_batch"] for generation in together) == decode_batch
+        batches = [generation.timings["decode_batch"] for generation in together]
+        if max_rows == 1:
+            assert batches == [1] * len(methods)
+        else:  # the full cache's rows apart (they would pad the others more than twice)
+            assert sorted(batches) == [2, 2] + [len(methods) - 2] * (len(methods) - 2)
 
 
-def test_a_row_without_the_shared_softmax_decodes_alone(prefill):
+def test_a_row_without_the_shared_softmax_decodes_alone_and_the_compiled_step_refuses_it(prefill):
     ablation = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(shared_softmax=False))
     methods = [(ablation, "aware"), *requests(REQUESTS[:3])]
-    together = grid(prefill, methods, max_new_tokens=4, decode_batch=8)
+    together = grid(prefill, methods, max_new_tokens=4, max_rows=8)
     assert [generation.timings["decode_batch"] for generation in together] == [1, 3, 3, 3]
     assert together[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
+    with pytest.raises(ValueError, match="decode=compiled runs the shared softmax's one graph"):
+        grid(prefill, methods, max_new_tokens=4, decode="compiled")
 
 
-def test_a_bad_decode_batch_or_a_compiled_batch_is_refused_naming_the_values(prefill):
-    with pytest.raises(ValueError, match="decode_batch 0 must be a positive integer"):
-        grid(prefill, requests(REQUESTS[:2]), decode_batch=0)
-    with pytest.raises(
-        ValueError, match="decode mode 'compiled' with decode_batch 2: .* choose decode_batch=1"
-    ):
-        grid(prefill, requests(REQUESTS[:2]), decode="compiled", decode_batch=2)
+def test_a_batch_step_makes_one_host_read(prefill):
+    """A batch's forward reads nothing back from the device (its slots are a device-side position);
+    greedy decoding reads the rows' choices once a step."""
+    methods = requests(DEFAULT_RULES)
+    cache, _ = prompted_batch(prefill, methods, len(FORCED))
+    step = eager_step(prefill)
+    step([FORCED[0]] * len(methods), cache)
+    with count_dispatch() as counts:
+        step([FORCED[1]] * len(methods), cache)
+    assert counts.syncs == 0 and counts.by_op["index_copy_"] == 3 * len(cache.layers)
+    with count_dispatch() as counts:
+        greedy(torch.zeros(len(methods), 8), lambda ids: torch.zeros(len(methods), 8), 5, 0, set())
+    assert counts.syncs == 5
 
 
-def test_batches_hold_rows_of_similar_length_and_only_one_batch_is_compressed_at_a_time(prefill, monkeypatch):
-    """Rows are ordered by the share of the prompt they keep (the full cache last), and a batch's
-    requests are compressed only when the previous batch has been handed out."""
-    methods = requests([request for request in REQUESTS if request[2] in (None, "default")])
-    events = []
-    prepare = Prefill._prepare
+@pytest.mark.parametrize(
+    ("device", "decode", "decode_batch", "expected"),
+    [
+        ("cuda", "auto", "auto", ("compiled", None)),
+        ("cpu", "auto", "auto", ("eager", 1)),
+        ("cuda", "eager", 4, ("eager", 4)),
+        ("cpu", "compiled", "auto", ("compiled", 1)),
+    ],
+)
+def test_auto_decodes_a_gpu_s_grid_compiled_in_one_batch_and_a_cpu_s_as_before(
+    device, decode, decode_batch, expected
+):
+    assert grid_decoding(decode, decode_batch, torch.device(device)) == expected
 
-    def recording_prepare(self, method, setting, *args):
-        events.append(("prepare", method.retained_fraction))
-        return prepare(self, method, setting, *args)
 
-    monkeypatch.setattr(Prefill, "_prepare", recording_prepare)
-    for _, generation in prefill.generate_grid(methods, max_new_tokens=3, decode_batch=4):
-        events.append(("yield", generation.timings["decode_batch"]))
-    kinds = "".join("p" if kind == "prepare" else "y" for kind, _ in events)
-    sizes = [4] * (len(methods) // 4) + ([len(methods) % 4] if len(methods) % 4 else [])
-    assert kinds == "".join("p" * size + "y" * size for size in sizes)
-    fractions = [value for kind, value in events if kind == "prepare"]
-    assert fractions == sorted(fractions) and fractions[-2:] == [1.0, 1.0]
+def test_a_bad_decode_choice_is_refused_naming_the_values():
+    with pytest.raises(ValueError, match=r"decode_batch 0 must be a positive integer or 'auto'"):
+        grid_decoding("eager", 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; choose one of \['auto', 'eager'"):
+        grid_decoding("fast", 1, torch.device("cpu"))
 
 
 @pytest.mark.slow
 def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_records_it(tmp_path):
     """``decode_batch=4``: every configuration's record holds the tokens, statistics and quality measures
-    of ``decode_batch=1`` (tiny model: no near ties), its batch's size in its timings, and the plan's
+    of ``decode_batch=1`` (tiny model: no near ties), its batch's size in its record, and the plan's
     batch in its provenance."""
     records = {}
     for decode_batch in (1, 4):
@@ -252,4 +306,3 @@ def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_re
         for key, value in alone["quality"].items():  # the teacher-forced ones to fp32 rounding
             assert batched["quality"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert sorted(sample["timings"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
-    assert {sample["timings"]["decode_batch"] for sample in records[1]} == {1}

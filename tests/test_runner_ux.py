@@ -22,6 +22,7 @@ from rich.console import Console
 
 import benchmarks
 import reskv.engine
+import reskv.grid
 import run
 from baselines.registry import METHODS
 from reskv.backbones import load_backbone
@@ -87,9 +88,9 @@ def test_help_lists_what_can_be_run():
     [
         ("backbone=nope", "unknown backbone 'nope'; choose from ['llama3.1-8b-instruct'"),
         ("method=nope", "unknown method 'nope'; choose from ['full'"),
-        ("decode=fast", "unknown decode mode 'fast'; choose from ['eager', 'compiled']"),
-        ("decode_batch=0", "decode_batch 0 must be a positive integer (1: each configuration alone)"),
-        ("decode_batch=4 decode=compiled", "decode_batch 4 decodes eagerly"),
+        ("decode=fast", "unknown decode mode 'fast'; choose from ['auto', 'eager', 'compiled']"),
+        ("decode_batch=0", "decode_batch 0 must be a positive integer (1: each configuration alone) or"),
+        ("decode_batch=many", "decode_batch 'many' must be a positive integer"),
         ("decode_batch=4 share_prefill=false", "use decode_batch=1 with share_prefill=false"),
         (
             "decode=compiled ablation=no_shared_softmax",
@@ -229,14 +230,14 @@ def test_a_finished_configuration_is_reported_before_the_next_sample(tmp_path, r
 
 def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, backbone, monkeypatch):
     passed, question_prefilled = [], []
-    generate_grid = reskv.engine.Prefill.generate_grid
+    decode_grid = reskv.grid.decode_grid
 
-    def spy(self, *args, **kwargs):  # one call per sample, for every configuration of it
+    def spy(prefill, *args, **kwargs):  # one call per sample, for every configuration of it
         passed.append(kwargs["min_new_tokens"])
-        question_prefilled.append("question_prefill_s" in self.timings)
-        return generate_grid(self, *args, **kwargs)
+        question_prefilled.append("question_prefill_s" in prefill.timings)
+        return decode_grid(prefill, *args, **kwargs)
 
-    monkeypatch.setattr(reskv.engine.Prefill, "generate_grid", spy)
+    monkeypatch.setattr(reskv.grid, "decode_grid", spy)
     plan = plan_for([*TINY_VT, "num_samples=2", "method=[full,snapkv]", "ratio=0.6"], tmp_path, ruler_cache)
     items = load_task_items(plan, backbone.tokenizer)
     items["vt"][1] = dataclasses.replace(items["vt"][1], min_new_tokens=3)

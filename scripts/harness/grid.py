@@ -142,6 +142,12 @@ class GridRun:
 
     def __post_init__(self) -> None:
         from baselines import build_method
+        from reskv.grid import grid_decoding
+
+        # The decode mode and the most rows a batch holds, "auto" resolved for the backbone's device.
+        self.decode, self.max_rows = grid_decoding(
+            self.plan.decode, self.plan.decode_batch, self.backbone.model.device
+        )
 
         plan = self.plan
         for entry in plan.grid:
@@ -159,7 +165,8 @@ class GridRun:
     def environment(self) -> dict[str, Any]:
         """Where this run's timings were taken (stored in each new result file's provenance): the
         machine's cores, load average and torch threads (``scripts.measure.machine``), the model's
-        device and dtype, the decode mode and the decode batch."""
+        device and dtype, the decode mode and the most rows a decode batch holds ("auto": as many as the
+        device's memory allows), "auto" resolved."""
         from scripts.measure import machine
 
         facts, model = machine(), self.backbone.model
@@ -169,8 +176,8 @@ class GridRun:
             "device": str(model.device),
             "dtype": str(model.dtype).removeprefix("torch."),
             "torch_threads": facts["torch_threads"],
-            "decode": self.plan.decode,
-            "decode_batch": self.plan.decode_batch,
+            "decode": self.decode,
+            "decode_batch": "auto" if self.max_rows is None else self.max_rows,
         }
 
     def open(self) -> int:
@@ -293,7 +300,6 @@ class GridRun:
             "stop_token_ids": item.stop_token_ids,
             "min_new_tokens": min(item.min_new_tokens, max_new_tokens),
             "answer_ids": answer_ids,
-            "decode": self.plan.decode,
         }
         for position, prefill, generation in self._generations(item, runnable, decoding):
             entry = runnable[position]
@@ -306,18 +312,21 @@ class GridRun:
 
     def _generations(self, item: Item, runnable: list[GridEntry], decoding: dict):
         """``(index into runnable, its prefill, its generation)`` as each is done: one prefill and
-        ``Prefill.generate_grid`` (``decode_batch`` rows at a time), or a prefill per configuration."""
+        ``reskv.grid.decode_grid`` (batches of at most ``max_rows`` rows), or a prefill per configuration
+        (a configuration without the shared softmax decodes eagerly, which "auto" allows)."""
+        from reskv.grid import decode_grid
+
         requests = [(self.methods[entry.label, entry.ratio], entry.setting or "aware") for entry in runnable]
         if self.plan.share_prefill and runnable:
             prefill = self._prefill(item, runnable)
-            for position, generation in prefill.generate_grid(
-                requests, decode_batch=self.plan.decode_batch, **decoding
-            ):
+            grid = decode_grid(prefill, requests, decode=self.decode, max_rows=self.max_rows, **decoding)
+            for position, generation in grid:
                 yield position, prefill, generation
             return
         for position, (entry, (method, setting)) in enumerate(zip(runnable, requests, strict=True)):
             prefill = self._prefill(item, [entry])
-            yield position, prefill, prefill.generate(method, setting, **decoding)
+            decode = self.decode if method.decode_rule.shared_softmax else "eager"
+            yield position, prefill, prefill.generate(method, setting, decode=decode, **decoding)
 
     def _prefill(self, item: Item, served: list[GridEntry]):
         """The prompt's prefill for the configurations ``served`` (the question's too, if one is

@@ -32,7 +32,7 @@ from baselines.registry import (
     check_option,
 )
 from benchmarks.item import Item
-from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, SETTINGS, ResidualConfig
+from reskv.config import AUTO, COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_CHOICES, SETTINGS, ResidualConfig
 from scripts.harness.records import MethodLabel
 from scripts.harness.store import ResultKey
 
@@ -152,8 +152,8 @@ class Plan:
     share_prefill: bool
     max_new_tokens: int | None
     results_dir: Path
-    decode: str = "eager"  # reskv.config.DECODE_MODES
-    decode_batch: int = 1  # configurations of a sample decoded together (reskv.engine.Prefill.generate_grid)
+    decode: str = "eager"  # reskv.config.DECODE_CHOICES ("auto": by device, reskv.grid.grid_decoding)
+    decode_batch: int | str = 1  # most configurations of a sample decoded together (reskv.grid), or "auto"
     grid: tuple[GridEntry, ...] = field(default=())
     quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)
 
@@ -305,18 +305,16 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         raise PlanError(
             f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
         )
-    _choose("decode mode", [config["decode"]], DECODE_MODES)
+    _choose("decode mode", [config["decode"]], DECODE_CHOICES)
     decode_batch = config["decode_batch"]
-    if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
+    if decode_batch != AUTO and (
+        isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1
+    ):
         raise PlanError(
-            f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone)"
+            f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone) or "
+            f"{AUTO!r} (on CUDA every configuration of a sample in one batch, elsewhere 1)"
         )
-    if decode_batch > 1 and config["decode"] != "eager":
-        raise PlanError(
-            f"decode_batch {decode_batch} decodes eagerly: a batch changes shape as rows stop; "
-            f"use decode_batch=1 with decode={config['decode']}"
-        )
-    if decode_batch > 1 and not config["share_prefill"]:
+    if decode_batch != AUTO and decode_batch > 1 and not config["share_prefill"]:
         raise PlanError(
             f"decode_batch {decode_batch} batches the configurations of one shared prefill; "
             "use decode_batch=1 with share_prefill=false"

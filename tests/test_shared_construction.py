@@ -1,0 +1,110 @@
+"""A grid's constructions share what does not depend on the ratio (``reskv.compress.SharedLayers``):
+every configuration's kept sets, residual sizes, entries and main cache equal, bit for bit on CPU
+fp32, those of compressing it alone; and the shared work runs once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reskv.compress
+from baselines import build_method
+from reskv.config import ResidualConfig
+from reskv.engine import Prefill
+from reskv.scoring import TokenScorer
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
+
+# Every kind of base rule (per-head scores, pooled over heads, accumulated, budgets spread over heads
+# and over layers, merged values), with and without ResKV, at two ratios, and the ablations whose
+# proxy or selection differ.
+GRID = [
+    *[(name, ratio) for name in ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv") for ratio in (0.6, 0.9)],
+    ("tova+reskv", 0.8),
+    ("h2o+reskv", 0.8),
+    ("pyramidkv+reskv", 0.8),
+    ("cam", 0.7),
+    ("snapkv+reskv", 0.7, ResidualConfig(final_selection="fit")),
+    ("snapkv+reskv", 0.7, ResidualConfig(validate=False)),
+    ("snapkv+reskv", 0.7, ResidualConfig(grid=(0.0, 0.3))),
+]
+
+
+def grid_methods():
+    return [build_method(name, ratio, residual=rest[0] if rest else None) for name, ratio, *rest in GRID]
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    backbone = cached_tiny_backbone("tiny-qwen2", 6, 2)
+    return Prefill(backbone, random_prompt(TOKENS, 400, seed=11), 370, grid_methods())
+
+
+def tensors(cache) -> list[torch.Tensor]:
+    """Every buffer a compressed cache decodes from, layer by layer."""
+    return [
+        buffer
+        for layer in cache.layers
+        for buffer in (layer._keys, layer._values, layer._bias, layer.entry_count, layer.evicted_fraction)
+    ]
+
+
+@pytest.mark.parametrize("setting", ["aware", "agnostic"])
+def test_each_configuration_of_a_shared_grid_equals_its_compression_alone(prefill, setting):
+    methods = grid_methods()
+    alone = [prefill.compressed(method, setting) for method in methods]
+    with prefill.sharing_construction():
+        shared = [prefill.compressed(method, setting) for method in methods]
+    assert any(sum(map(sum, stats["residual_entries"])) for _, stats in alone)  # entries were built
+    for (alone_cache, alone_stats), (shared_cache, shared_stats) in zip(alone, shared, strict=True):
+        assert shared_stats == alone_stats
+        for got, expected in zip(tensors(shared_cache), tensors(alone_cache), strict=True):
+            assert torch.equal(got, expected)
+
+
+def test_a_grid_scores_each_layer_once_per_base_rule_and_builds_one_proxy_per_rule(prefill, monkeypatch):
+    """Eight configurations of two base rules (SnapKV, AdaKV: 2 ratios, with and without ResKV) score
+    each layer twice in all, where alone they scored it eight times; one proxy per rule."""
+    calls = []
+    original = TokenScorer.prompt_scores
+
+    def counted(scorer, obs):
+        calls.append(type(scorer).__name__)
+        return original(scorer, obs)
+
+    class CountedProxy(reskv.compress.ValidationProxy):
+        def __init__(self, *args, **kwargs):
+            calls.append("proxy")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(TokenScorer, "prompt_scores", counted)
+    monkeypatch.setattr(reskv.compress, "ValidationProxy", CountedProxy)
+    methods = grid_methods()[:8]
+    layers = prefill.backbone.model.config.num_hidden_layers
+    with prefill.sharing_construction():
+        for method in methods:
+            prefill.compressed(method, "agnostic")
+    assert sorted(calls) == ["AdaKV"] * layers + ["SnapKV"] * layers + ["proxy"] * 2
+    calls.clear()
+    for method in methods:
+        prefill.compressed(method, "agnostic")
+    assert len(calls) == 8 * layers + 4
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "pyramidkv", "tova", "h2o", "streamingllm", "cam"])
+@pytest.mark.parametrize("budget", [40, 150, 380])  # below the window, in between, all of the prefix
+def test_a_rule_s_budgets_of_stacked_layers_equal_its_budgets_layer_by_layer(prefill, name, budget):
+    """``stacked_head_budgets`` (AdaKV's for all layers at once) against ``head_budgets`` per layer."""
+    scorer = build_method(name, 0.5).scorer
+    observations = prefill.observations("agnostic")
+    scores = torch.stack([scorer.prompt_scores(obs) for obs in observations])
+    layers = len(observations)
+    expected = torch.stack(
+        [
+            scorer.head_budgets(layer_scores, budget, layer_idx=layer, num_layers=layers)
+            for layer, layer_scores in enumerate(scores)
+        ]
+    )
+    got = scorer.stacked_head_budgets(scores, budget, first_layer=0, num_layers=layers)
+    assert torch.equal(got, expected)
+    assert name != "adakv" or budget != 150 or len(set(got.flatten().tolist())) > 1  # ragged budgets
