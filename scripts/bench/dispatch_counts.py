@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -45,12 +46,40 @@ SYNC_PACKETS = {aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._u
 
 @dataclass
 class DispatchCounts:
-    """What ran under ``count_dispatch``: ops and syncs, and the ops by name (for profiling)."""
+    """What ran under ``count_dispatch``: ops and syncs, by name (for profiling) and by the ``stage``
+    they ran in."""
 
     ops: int = 0
     syncs: int = 0
     by_op: Counter = field(default_factory=Counter)
     syncs_by_op: Counter = field(default_factory=Counter)
+    ops_by_stage: Counter = field(default_factory=Counter)
+    syncs_by_stage: Counter = field(default_factory=Counter)
+
+    def op(self, name: str) -> None:
+        self.ops += 1
+        self.by_op[name] += 1
+        self.ops_by_stage[_STAGE.get()] += 1
+
+    def sync(self, name: str) -> None:
+        self.syncs += 1
+        self.syncs_by_op[name] += 1
+        self.syncs_by_stage[_STAGE.get()] += 1
+
+
+# The stage counted ops and syncs are attributed to (``stage``).
+_STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("stage", default="other")
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """``with stage("decode"): ...``: ops and syncs counted in the block are the ``name`` stage's (the
+    innermost stage wins)."""
+    token = _STAGE.set(name)
+    try:
+        yield
+    finally:
+        _STAGE.reset(token)
 
 
 class _Counter(TorchDispatchMode):
@@ -60,12 +89,10 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in SYNC_OPS or func.overloadpacket in SYNC_PACKETS:
-            self.counts.syncs += 1
-            self.counts.syncs_by_op[func.overloadpacket.__name__] += 1
+            self.counts.sync(func.overloadpacket.__name__)
         result = func(*args, **(kwargs or {}))
         if func not in NO_KERNEL and not (func.is_view and _aliases(result, args[0])):
-            self.counts.ops += 1
-            self.counts.by_op[func.overloadpacket.__name__] += 1
+            self.counts.op(func.overloadpacket.__name__)
         return result
 
 
@@ -84,8 +111,7 @@ def count_dispatch():
     original_tolist = torch.Tensor.tolist
 
     def counted_tolist(tensor):
-        counts.syncs += 1
-        counts.syncs_by_op["tolist"] += 1
+        counts.sync("tolist")
         return original_tolist(tensor)
 
     torch.Tensor.tolist = counted_tolist
