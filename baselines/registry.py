@@ -118,6 +118,11 @@ OPTIONS = {option.name: option for spec in REGISTRY for option in spec.options}
 RESKV_OPTIONS = {spec.name: spec.default for spec in fields(ResidualConfig)}
 
 
+def option_default(name: str) -> OptionValue | None:
+    """The default of a declared option, a base method's or ResKV's; None for a name not declared."""
+    return OPTIONS[name].default if name in OPTIONS else RESKV_OPTIONS.get(name)
+
+
 def base_of(method: str) -> str:
     """The base method of a method name (``snapkv+reskv`` -> ``snapkv``)."""
     return method.removesuffix(RESIDUAL_SUFFIX)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import random
 import re
+import string
+import struct
 import subprocess
 import sys
 from dataclasses import fields
@@ -131,6 +135,89 @@ def test_labels_parse_to_their_options_and_format_back_to_the_same_text(text, me
     assert (label.method, label.options) == (method, options)
     assert str(label) == text
     assert label.residual == method.endswith("+reskv")
+
+
+def float_values(rng: random.Random, count: int) -> list[float]:
+    """Floats of every sign and magnitude: the edges (exponent notation, subnormals, the largest,
+    infinities, values ``:g`` rounds) and random 64-bit patterns (NaN left out: it equals nothing)."""
+    edges = [0.0, -0.0, 1e-05, -1e-05, 0.1 + 0.2, 8.0, -12.0, 0.123456789, 1234567.0, 1e22, -2.5e-300]
+    edges += [5e-324, sys.float_info.min, sys.float_info.max, -sys.float_info.max, math.inf, -math.inf]
+    drawn = []
+    while len(drawn) < count:
+        (value,) = struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))
+        if not math.isnan(value):
+            drawn.append(value)
+    return edges + drawn
+
+
+def option_samples(seed: int = 0) -> list[tuple[str, str, object]]:
+    """(method, option, value): values of every type an option takes, each under a declared option of
+    that type (a label reads a value as its option's type)."""
+    rng = random.Random(seed)
+    floats = float_values(rng, 300)
+    ints = [0, -1, 7, 2**63, -(10**30)] + [rng.randint(-(10**12), 10**12) for _ in range(50)]
+    texts = ["", "base", "fit", "true", "3", "1e-05", "0-1", "inf", "a-b.c_d+e"]
+    texts += ["".join(rng.choices(string.ascii_letters + string.digits + "-_.+", k=rng.randint(1, 12)))]
+    grids = [(), (0.1,), (0.0, 1e-05, 0.2), (-0.5, 3e20, -1e-07)]
+    grids += [tuple(rng.choices(floats, k=rng.randint(0, 5))) for _ in range(100)]
+    samples = [("h2o", "h2o_window_only", flag) for flag in (True, False)]
+    samples += [("snapkv+reskv", "validate", flag) for flag in (True, False)]
+    samples += [("snapkv+reskv", name, value) for name in ("delta", "tau") for value in floats]
+    samples += [("snapkv+reskv", "kmeans_iterations", value) for value in ints]
+    samples += [("snapkv+reskv", "final_selection", value) for value in texts]
+    samples += [("snapkv+reskv", "grid", value) for value in grids]
+    return samples
+
+
+def typed(value) -> object:
+    """A value with the type and sign of each of its numbers, for an exact comparison (-0.0 is not 0.0)."""
+    if isinstance(value, tuple):
+        return tuple(typed(part) for part in value)
+    if isinstance(value, float):
+        return (float, value, math.copysign(1, value))
+    return (type(value), value)
+
+
+def test_the_label_codec_reads_back_every_value_an_option_takes():
+    """A label written with any value of its option's type (floats of any sign and magnitude, in
+    exponent notation too, ints, bools, text, grids) parses back to that value and type, alone
+    and beside other options."""
+    samples = option_samples()
+    assert {type(value) for _, _, value in samples} == {bool, int, float, str, tuple}
+    for method, name, value in samples:
+        text = str(MethodLabel(method, {name: value}))
+        (read,) = MethodLabel.parse(text).options.values()
+        assert typed(read) == typed(value), text
+    several = {"delta": 1e-05, "grid": (0.0, 1e-05, 0.15), "final_selection": "fit", "tau": -0.5}
+    assert MethodLabel.parse(str(MethodLabel("snapkv+reskv", several))).options == several
+
+
+def test_a_value_no_label_can_hold_is_refused_by_name():
+    for text in ("a,b", "a=b", "a~b", "a/b"):
+        with pytest.raises(ValueError, match=f"option value '{text}' cannot be written in a method label"):
+            str(MethodLabel("snapkv+reskv", {"final_selection": text}))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "reskv.delta=0.00001",
+        "reskv.alpha=1e+20",
+        "reskv.tau=-0.5",
+        "reskv.fixed_ratio=0.123456789",
+        "reskv.grid=[0,0.00001,0.2]",
+        "reskv.grid=[0.1]",
+        "reskv.kmeans_iterations=7",
+        "reskv.final_selection=fit",
+    ],
+)
+def test_the_label_a_run_wrote_is_accepted_back_as_its_method(tmp_path, override):
+    """The label a configuration is filed under, passed back as ``method=[...]``, plans the same run."""
+    common = [f"results_dir={tmp_path}", "ratio=0.5", "setting=aware"]
+    (entry,) = compose_plan(["method=snapkv+reskv", override, *common]).grid
+    assert entry.label != "snapkv+reskv"
+    (again,) = compose_plan([f"method=['{entry.label}']", *common]).grid
+    assert (again.label, again.residual) == (entry.label, entry.residual)
 
 
 def test_a_label_option_without_a_value_names_the_option_and_the_label():

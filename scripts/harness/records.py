@@ -15,35 +15,85 @@ JSON written is the format the committed results use (``docs/spec/platform.md``)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from baselines.registry import RESIDUAL_SUFFIX, base_of
+from baselines.registry import RESIDUAL_SUFFIX, base_of, option_default
 
 OPTIONS_SEPARATOR = "~"
 
 
+# A number as ``option_text`` writes it (``12``, ``-0.5``, ``1e-05``, ``inf``); in a grid the numbers
+# are joined by ``-``, which a number holds only as its sign or in its exponent.
+NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf)")
+# What a label's own syntax and its directory use: a string holding one cannot be written.
+RESERVED = ",=~/"
+
+
 def option_text(value: Any) -> str:
-    """An option value as a label writes it: ``true``, ``0.3``, a grid as ``0-0.05-0.1``."""
+    """An option value as a label writes it: ``true``, ``0.3``, ``1e-05``, a grid as ``0-0.05-0.1``.
+
+    A float is written short (``:g``) where that reads back as the same float, in full (``repr``)
+    otherwise; a ``ValueError`` for a value no label can hold (a string with one of ``,=~/``)."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, tuple | list):
+    if isinstance(value, tuple | list) and all(
+        isinstance(part, int | float) and not isinstance(part, bool) for part in value
+    ):
         return "-".join(option_text(part) for part in value)
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    if isinstance(value, int) or (isinstance(value, str) and not set(value) & set(RESERVED)):
+        return str(value)
+    raise ValueError(
+        f"option value {value!r} cannot be written in a method label: it takes true/false, numbers, "
+        f"a list of numbers, or text without any of {RESERVED!r}"
+    )
 
 
-def option_value(text: str) -> Any:
-    """An option value as written in a label (``option_text``'s inverse)."""
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _grid_parts(text: str) -> list[str] | None:
+    """The numbers of a grid as ``option_text`` writes it (``0-0.05-0.1``, ``0-1e-05``, ``""`` for
+    none); None when ``text`` is not one."""
+    parts, position = [], 0
+    while position < len(text):
+        match = NUMBER.match(text, position)
+        if match is None:
+            return None
+        parts.append(match.group())
+        position = match.end()
+        if position < len(text):
+            if text[position] != "-" or position + 1 == len(text):
+                return None
+            position += 1
+    return parts
+
+
+def option_value(text: str, default: Any = None) -> Any:
+    """An option value as written in a label (``option_text``'s inverse), read as the type of the
+    option's ``default``; an option not declared (no ``default``) is read by its look. Text that is
+    not of the option's type comes back as read by its look, for the plan to refuse by name."""
+    parts = _grid_parts(text)
+    if isinstance(default, str):
+        return text
+    if isinstance(default, tuple) and parts is not None:
+        as_float = bool(default) and all(isinstance(part, float) for part in default)
+        return tuple(float(part) if as_float else _number(part) for part in parts)
+    if isinstance(default, float) and NUMBER.fullmatch(text):
+        return float(text)
     if text in ("true", "false"):
         return text == "true"
-    if "-" in text.lstrip("-"):  # a grid: 0-0.05-0.1
-        return tuple(option_value(part) for part in text.split("-"))
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    if NUMBER.fullmatch(text):
+        return _number(text)
+    return tuple(map(_number, parts)) if parts is not None and len(parts) > 1 else text
 
 
 @dataclass(frozen=True)
@@ -62,7 +112,7 @@ class MethodLabel:
             name, separator, value = part.partition("=")
             if not separator:
                 raise ValueError(f"method option {part!r} of {text!r} must be written name=value")
-            options[name] = option_value(value)
+            options[name] = option_value(value, option_default(name))
         return cls(method, options)
 
     def __str__(self) -> str:
