@@ -126,10 +126,3 @@ def option_default(name: str) -> OptionValue | None:
 def base_of(method: str) -> str:
     """The base method of a method name (``snapkv+reskv`` -> ``snapkv``)."""
     return method.removesuffix(RESIDUAL_SUFFIX)
-
-
-def display_name(method: str) -> str:
-    """A method name as tables and figures show it standing alone: ``SnapKV``, ``SnapKV+ResKV``."""
-    base = base_of(method)
-    shown = SPECS[base].display if base in SPECS else base
-    return shown + "+ResKV" if method.endswith(RESIDUAL_SUFFIX) else shown

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts.harness.store import SCHEMA, ResultKey, load_results
+from scripts.report import figures
 from scripts.report.figures import layer_figures
 from scripts.report.frames import heads_frame, layers_frame
 from scripts.report.index import ResultIndex
@@ -119,7 +120,7 @@ def test_quality_table_means_over_shared_samples_and_residual_footprint(tables):
 def test_layers_frame_and_figure_hold_every_sample_layer(results_dir, tmp_path):
     layers = layers_frame(load_results(results_dir / "runs")[0])
     assert len(layers) == 7 * 2  # 7 samples with measures, 2 layers each
-    reskv_vt = layers[(layers["method"] == "snapkv+reskv") & (layers["task"] == "vt")]
+    reskv_vt = layers[(layers["label"] == "snapkv+reskv") & (layers["task"] == "vt")]
     assert reskv_vt["attention_error"].tolist() == [0.10, 0.20]  # [error, 2 * error]
     assert reskv_vt["residual_share"].tolist() == [0.2, 0.0]
     paths = layer_figures(layers, tmp_path)
@@ -138,3 +139,32 @@ def test_proxy_table_counts_heads_per_grid_value(results_dir):
     assert row(table, "| 10% | q-Aware | SnapKV+ResKV")[3:] == [
         "25.0", "50.0", "25.0", "0.0", "0.0", "0.500", "12"
     ]  # fmt: skip
+
+
+def test_the_layers_figure_draws_and_names_every_label_ablations_included(tmp_path, monkeypatch):
+    """Panel (a) names every label at the tightest budget, panel (b) every +ResKV label (an
+    ablation with its options) at every budget."""
+    runs_dir = tmp_path / "runs"
+    for label, ratio in (
+        ("snapkv", 0.9),
+        ("snapkv+reskv", 0.9),
+        ("snapkv+reskv", 0.6),
+        ("snapkv+reskv~gate=false", 0.9),
+    ):
+        key = ResultKey(BACKBONE, "ruler", 4096, "vt", "agnostic", label, ratio)
+        key.path(runs_dir).parent.mkdir(parents=True, exist_ok=True)
+        method = label.partition("~")[0]
+        document = {"schema": SCHEMA, "key": key.to_json(), "samples_total": 1}
+        document["samples"] = [sample(0, method, (0, -1.0, 0.5, 0.1))]
+        key.path(runs_dir).write_text(json.dumps(document))
+    legends = {}
+
+    def recording_save(figure, out_dir, name):
+        legends[name] = [[text.get_text() for text in axis.get_legend().get_texts()] for axis in figure.axes]
+        return []
+
+    monkeypatch.setattr(figures, "save", recording_save)
+    figures.layer_figures(layers_frame(load_results(runs_dir)[0]), tmp_path)
+    errors, shares = legends["layers_smollm2-135m_ruler-4096_agnostic"]
+    assert errors == ["SnapKV", "SnapKV+ResKV", "SnapKV+ResKV (gate=false)"]
+    assert shares == ["SnapKV+ResKV 0.6", "SnapKV+ResKV 0.9", "SnapKV+ResKV (gate=false) 0.9"]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from baselines import build_scorer
-from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, display_name
+from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX
 from reskv.config import ResidualConfig
 from reskv.scoring import TokenScorer
 from scripts.harness.plan import compose_plan
@@ -114,9 +114,25 @@ def test_an_option_of_the_wrong_type_or_method_is_refused():
 
 
 def test_display_names_pair_every_residual_base():
-    assert display_name("snapkv+reskv") == "SnapKV+ResKV"
-    assert display_name("full") == "Full Cache"
+    assert MethodLabel("snapkv+reskv").display() == "SnapKV+ResKV"
+    assert MethodLabel("full").display() == "Full Cache"
     assert all(base + RESIDUAL_SUFFIX in METHODS for base in RESIDUAL_BASES)
+
+
+@pytest.mark.parametrize(
+    ("label", "alone", "under_baseline"),
+    [
+        ("snapkv", "SnapKV", "SnapKV"),
+        ("snapkv+reskv", "SnapKV+ResKV", "+ResKV"),
+        ("snapkv+reskv~gate=false", "SnapKV+ResKV (gate=false)", "SnapKV+ResKV (gate=false)"),
+        ("h2o~h2o_window_only=true", "H2O (h2o_window_only=true)", "H2O (h2o_window_only=true)"),
+        ("cam", "CaM", "CaM"),
+    ],
+)
+def test_a_label_is_displayed_by_its_method_and_options(label, alone, under_baseline):
+    """One display name per label: a label with options names its method in full, in its own row."""
+    assert MethodLabel.parse(label).display() == alone
+    assert MethodLabel.parse(label).display(under_baseline=True) == under_baseline
 
 
 @pytest.mark.parametrize(

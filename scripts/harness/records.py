@@ -19,9 +19,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from baselines.registry import RESIDUAL_SUFFIX, base_of, option_default
+from baselines.registry import RESIDUAL_SUFFIX, SPECS, base_of, option_default
 
 OPTIONS_SEPARATOR = "~"
+RESKV_DISPLAY = "+ResKV"  # a +reskv method's display name: its base's plus this
 
 
 # A number as ``option_text`` writes it (``12``, ``-0.5``, ``1e-05``, ``inf``); in a grid the numbers
@@ -134,6 +135,16 @@ class MethodLabel:
     def options_text(self) -> str:
         """The part after ``~`` ("" without options)."""
         return str(self).partition(OPTIONS_SEPARATOR)[2]
+
+    def display(self, under_baseline: bool = False) -> str:
+        """How tables and figures name the label: ``SnapKV``, ``SnapKV+ResKV``, ``+ResKV`` in the row
+        under its baseline's (``under_baseline``; a label with options names its method in full),
+        options in brackets: ``SnapKV+ResKV (validate=false)``. The names are the registry's."""
+        base = self.base
+        name = SPECS[base].display if base in SPECS else base
+        if self.residual:
+            name = RESKV_DISPLAY if under_baseline and not self.options else name + RESKV_DISPLAY
+        return f"{name} ({self.options_text})" if self.options else name
 
 
 class CacheStats(TypedDict, total=False):

@@ -95,8 +95,9 @@ class ResultFileLocked(ResultStoreError):
 class ResultKey:
     """What one result file holds. ``setting`` and ``ratio`` are None for the full cache.
 
-    ``method`` is the method label: the engine's method name, followed for non-default method
-    options by ``~`` and the differing options (``snapkv+reskv~validate=false``).
+    ``label`` is the method label (``scripts.harness.records.MethodLabel``): the method's name,
+    followed for non-default method options by ``~`` and the differing options
+    (``snapkv+reskv~validate=false``). A file stores it under the key ``method``, as it always has.
     """
 
     backbone: str
@@ -104,11 +105,11 @@ class ResultKey:
     length: int
     task: str
     setting: str | None
-    method: str
+    label: str
     ratio: float | None
 
     def __post_init__(self) -> None:
-        if (self.method == FULL_METHOD) != (self.setting is None and self.ratio is None):
+        if (self.label == FULL_METHOD) != (self.setting is None and self.ratio is None):
             raise ValueError(f"setting and ratio must be None exactly for the full cache: {self}")
 
     @property
@@ -119,10 +120,10 @@ class ResultKey:
 
     def path(self, runs_dir: Path, sample_range: tuple[int, int] | None = None) -> Path:
         """Final JSON path; ``sample_range`` names a shard of the task's samples."""
-        if self.method == FULL_METHOD:
+        if self.label == FULL_METHOD:
             directory, stem = runs_dir / self.task_dir, FULL_METHOD
         else:
-            directory, stem = runs_dir / self.task_dir / self.setting / self.method, f"{self.ratio:g}"
+            directory, stem = runs_dir / self.task_dir / self.setting / self.label, f"{self.ratio:g}"
         suffix = "" if sample_range is None else f".samples-{sample_range[0]}-{sample_range[1]}"
         return directory / f"{stem}{suffix}.json"
 
@@ -134,16 +135,17 @@ class ResultKey:
             self.length,
             self.task,
             self.setting or "",
-            self.method,
+            self.label,
             self.ratio or 0.0,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The key as a file stores it: the label under ``method``."""
+        return {("method" if name == "label" else name): value for name, value in asdict(self).items()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResultKey:
-        return cls(**data)
+        return cls(**{("label" if name == "method" else name): value for name, value in data.items()})
 
 
 def prompt_digest(prompt_ids: Iterable[int]) -> str:
