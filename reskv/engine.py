@@ -40,6 +40,7 @@ from reskv.config import (
 from reskv.prompting import tokenize_prompt
 from reskv.quality import FORCED_STEPS, ProbeLayer, kl_divergence, sequence_log_prob, significant
 from reskv.scoring import LayerObservation, TokenScorer
+from reskv.stats import CacheStats, Quality, Run, Timings
 
 # Bound on the keys and values of the layers compressed together: ResKV's work on them is stacked
 # into one copy, so that its ops are paid once per batch, not once per layer (a GPU's host pays
@@ -135,8 +136,7 @@ class Method:
         stats = {"compressed": bool(per_layer)}
         if per_layer:
             stats["budget"] = per_layer[0]["budget"]
-            for key in ("main_slots", "residual_entries", "residual_slots"):
-                stats[key] = [layer_stats[key] for layer_stats in per_layer]
+            stats |= {key: [layer[key] for layer in per_layer] for key in per_layer[0] if key != "budget"}
         return ResKVCache(cache_layers), stats
 
 
@@ -169,9 +169,10 @@ class Generation:
 
     token_ids: list[int]
     text: str
-    cache_stats: dict
-    timings: dict = field(default_factory=dict)
-    quality: dict | None = None  # reskv.quality's measures, when asked for (``answer_ids``)
+    cache_stats: CacheStats
+    timings: Timings = field(default_factory=dict)
+    quality: Quality | None = None  # reskv.quality's measures, when asked for (``answer_ids``)
+    run: Run = field(default_factory=dict)
 
 
 @dataclass
@@ -434,7 +435,7 @@ class Prefill:
         quality measures' teacher-forced logits in one forward too (``_teacher_forced_rows``; the probe
         of attention error and residual share runs per row). In a batch, ``decode_s`` is the batch's
         time shared equally by its rows (their sum is the time spent), likewise the batched part of
-        ``quality_s``, and ``decode_batch`` is its number of rows."""
+        ``quality_s``, and its ``run``'s ``decode_batch`` is its number of rows."""
         if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
             raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer")
         if decode not in DECODE_MODES or (decode != "eager" and decode_batch > 1):
@@ -471,12 +472,10 @@ class Prefill:
                 teacher_forced = self._teacher_forced_rows(prepared, answer_ids)
                 quality_s = (time.perf_counter() - start) / len(batch)
             for row, request, answer, forced in zip(batch, prepared, answers, teacher_forced, strict=True):
-                request.timings |= {
-                    "decode_s": seconds,
-                    "decode_tokens": len(answer),
-                    "decode_batch": len(batch),
-                }
-                yield row, self._finish(request, answer, answer_ids, forced, quality_s)
+                request.timings |= {"decode_s": seconds, "decode_tokens": len(answer)}
+                generation = self._finish(request, answer, answer_ids, forced, quality_s)
+                generation.run["decode_batch"] = len(batch)
+                yield row, generation
 
     def _check_request(self, max_new_tokens: int, answer_ids: Sequence[int] | None) -> None:
         self._check_positions(max_new_tokens)

@@ -180,14 +180,14 @@ def test_a_batch_of_one_is_generate_bit_for_bit_and_a_batch_its_quality_to_round
             assert {key: batched.quality[key] for key in exact} == exact
             for key in BATCHED_QUALITY:
                 assert batched.quality[key] == pytest.approx(one.quality[key], rel=1e-5, abs=1e-6), key
-        assert max(generation.timings["decode_batch"] for generation in together) == decode_batch
+        assert max(generation.run["decode_batch"] for generation in together) == decode_batch
 
 
 def test_a_row_without_the_shared_softmax_decodes_alone(prefill):
     ablation = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(shared_softmax=False))
     methods = [(ablation, "aware"), *requests(REQUESTS[:3])]
     together = grid(prefill, methods, max_new_tokens=4, decode_batch=8)
-    assert [generation.timings["decode_batch"] for generation in together] == [1, 3, 3, 3]
+    assert [generation.run["decode_batch"] for generation in together] == [1, 3, 3, 3]
     assert together[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
 
 
@@ -213,7 +213,7 @@ def test_batches_hold_rows_of_similar_length_and_only_one_batch_is_compressed_at
 
     monkeypatch.setattr(Prefill, "_prepare", recording_prepare)
     for _, generation in prefill.generate_grid(methods, max_new_tokens=3, decode_batch=4):
-        events.append(("yield", generation.timings["decode_batch"]))
+        events.append(("yield", generation.run["decode_batch"]))
     kinds = "".join("p" if kind == "prepare" else "y" for kind, _ in events)
     sizes = [4] * (len(methods) // 4) + ([len(methods) % 4] if len(methods) % 4 else [])
     assert kinds == "".join("p" * size + "y" * size for size in sizes)
@@ -250,5 +250,5 @@ def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_re
             assert batched[key] == alone[key], key
         for key, value in alone["quality"].items():  # the teacher-forced ones to fp32 rounding
             assert batched["quality"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    assert sorted(sample["timings"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
-    assert {sample["timings"]["decode_batch"] for sample in records[1]} == {1}
+    assert sorted(sample["run"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
+    assert {sample["run"]["decode_batch"] for sample in records[1]} == {1}

@@ -13,12 +13,22 @@ from pathlib import Path
 
 import pytest
 
+from baselines import build_method
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
+from reskv.engine import Prefill
+from reskv.stats import SECTIONS, fields
 from scripts.harness.grid import load_task_items, run_plan
 from scripts.harness.plan import PlanError, build_grid, compose_plan, method_label
 from scripts.harness.records import MethodLabel
-from scripts.harness.store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
+from scripts.harness.store import (
+    ResultFile,
+    ResultKey,
+    ResultStoreError,
+    deterministic_view,
+    load_results,
+    total_timings,
+)
 from scripts.report.index import ResultIndex
 from scripts.report.paper_tables import ABLATIONS
 
@@ -169,6 +179,24 @@ def test_result_file_survives_a_cut_line_and_refuses_duplicates(tmp_path):
     assert document["summary"]["score"] == 100.0 and document["timings"]["decode_s"] == pytest.approx(0.6)
 
 
+def test_file_totals_sum_seconds_and_tokens_never_counts():
+    """A file's ``timings`` add up the declared seconds and tokens; a count (a batch's rows, the
+    configurations that shared the prefills) is never summed, whether a sample files it under
+    ``run`` or, as files written before that section did, under ``timings``."""
+    counts = {"prefill_shared_by": 3, "decode_batch": 2}
+    new = {"score": 1.0, "timings": {"prefill_s": 3.0, "decode_s": 0.5, "decode_tokens": 4}, "run": counts}
+    old = {"score": 0.0, "timings": {"prefill_s": 6.0, "question_prefill_s": 3.0, "decode_s": 1.5}}
+    old["timings"] |= {"decode_tokens": 6, **counts}
+    # Own share of the shared prefills: 3 / 3 + (6 + 3) / 3.
+    assert total_timings([new, old]) == {
+        "decode_s": 2.0,
+        "decode_tokens": 10,
+        "prefill_s": 9.0,
+        "prefill_s_own_share": 4.0,
+        "question_prefill_s": 3.0,
+    }
+
+
 def test_result_file_refuses_another_configuration_and_a_second_writer(tmp_path):
     first = _result_file(tmp_path).open()
     with pytest.raises(ResultStoreError, match="another process"):
@@ -254,6 +282,29 @@ def test_quality_measures_are_recorded_when_the_backbone_switch_is_on(tmp_path, 
     if switch:
         assert sample["quality"]["kl"] > 0
         assert len(sample["quality"]["attention_error_by_layer"]) == 2  # tiny-llama's layers
+
+
+def test_a_generated_record_holds_exactly_the_declared_fields(tmp_path, ruler_cache):
+    """The sections of the sample records a run writes hold the fields ``reskv.stats`` declares and
+    no other: an undeclared field, or a count filed among the timings, fails here."""
+    overrides = [*TINY_RULER, "benchmark.tasks=[vt]", "num_samples=1", "method=[full,snapkv,snapkv+reskv]"]
+    overrides += ["ratio=0.6", "setting=[aware,agnostic]", "decode_batch=2", "backbone.quality=true"]
+    plan = plan_for(overrides, tmp_path, ruler_cache)
+    backbone = load_backbone("tiny-llama")
+    run_plan(plan, backbone)
+    found = {section: set() for section in SECTIONS}
+    for document in final_files(tmp_path).values():
+        for sample in document["samples"]:
+            for section in SECTIONS:  # every generated sample has every section here
+                found[section] |= set(sample[section])
+    # The runner keeps the full cache; a prefill that compresses as it runs times its whole prompt.
+    item = load_task_items(plan, backbone.tokenizer)["vt"][0]
+    method = build_method("snapkv", 0.6)
+    prefill = Prefill(backbone, item.prompt_ids, item.context_length, [method], retain="compressed")
+    found["timings"] |= set(prefill.generate(method, "aware", max_new_tokens=1).timings) | set(
+        prefill.timings
+    )
+    assert found == {section: set(fields(section)) for section in SECTIONS}
 
 
 def test_a_method_with_options_in_the_grid_equals_its_own_ablation_run(tmp_path, ruler_cache):

@@ -168,3 +168,34 @@ def test_the_layers_figure_draws_and_names_every_label_ablations_included(tmp_pa
     errors, shares = legends["layers_smollm2-135m_ruler-4096_agnostic"]
     assert errors == ["SnapKV", "SnapKV+ResKV", "SnapKV+ResKV (gate=false)"]
     assert shares == ["SnapKV+ResKV 0.6", "SnapKV+ResKV 0.9", "SnapKV+ResKV (gate=false) 0.9"]
+
+
+def test_proxy_table_bins_heads_by_the_recorded_choice_of_the_runs_grid(tmp_path):
+    """A run with another grid: each head counts under the ratio the compressor recorded (0.3 here),
+    where the default grid nearest to r / b would say 0.2."""
+    key = ResultKey(BACKBONE, "ruler", 4096, "vt", "aware", "snapkv+reskv~grid=0-0.3", 0.9)
+    record = sample(0, "snapkv+reskv", (1, -1.0, 0.5, 0.1))
+    record["cache_stats"] |= {
+        "residual_slots": [[12, 0], [12, 12]],  # floor(0.3 * 40 + 0.5) = 12
+        "residual_entries": [[12, 0], [11, 12]],
+        "residual_choice": [[0.3, 0.0], [0.3, 0.3]],
+    }
+    key.path(tmp_path).parent.mkdir(parents=True)
+    key.path(tmp_path).write_text(
+        json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 1, "samples": [record]})
+    )
+    table = proxy_table((BACKBONE, "ruler", 4096), heads_frame(load_results(tmp_path)[0]))
+    markdown = to_markdown(table)
+    assert table.heads[-1][:7] == [
+        ("r = 0", 1),
+        ("0.05", 1),
+        ("0.1", 1),
+        ("0.15", 1),
+        ("0.2", 1),
+        ("0.3", 1),
+        ("Entries / r", 1),
+    ]
+    # 1 of 4 heads main only, 3 at 0.3; entries 35 of 36 slots.
+    assert row(markdown, "| 10% | q-Aware | SnapKV+ResKV (grid=0-0.3)")[3:] == [
+        "25.0", "0.0", "0.0", "0.0", "0.0", "75.0", "0.972", "4"
+    ]  # fmt: skip

@@ -257,12 +257,12 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
         assert "percent" in document["units"]["summary.score"]
         assert "fraction" in document["units"]["samples[].score"]
         timings = document["timings"]
-        assert "prefill_shared_by" not in timings
+        assert not set(timings) & {"prefill_shared_by", "decode_batch"}  # counts are never summed
         for name in ("compress_s", "decode_s", "prefill_s", "question_prefill_s"):
             assert timings[name] == pytest.approx(
                 sum(sample["timings"][name] for sample in samples), abs=1e-5
             )
-        assert all(sample["timings"]["prefill_shared_by"] == 2 for sample in samples)
+        assert all(sample["run"] == {"prefill_shared_by": 2, "decode_batch": 1} for sample in samples)
         own_share = sum(
             (sample["timings"]["prefill_s"] + sample["timings"]["question_prefill_s"]) / 2
             for sample in samples

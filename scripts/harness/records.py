@@ -6,20 +6,22 @@ A method label is the method name plus the options that differ from their defaul
 by it; ``MethodLabel`` is its one writer and reader.
 
 A sample record is one line of a result file's journal and one entry of its ``samples``. Its
-generated part carries three sections the engine measures (``reskv.engine.Generation``):
-``cache_stats``, ``timings`` and, when the plan records them, ``quality``; their fields are
-declared here (``CacheStats``, ``Timings``, ``Quality``) and the frames name their columns through
-``field_column`` so that a renamed field fails at import rather than leaving an empty column. The
-JSON written is the format the committed results use (``docs/spec/platform.md``).
+generated part carries the sections the engine measures (``reskv.engine.Generation``), declared
+with it in ``reskv.stats``: ``cache_stats``, ``timings``, ``run`` and, when the plan records them,
+``quality``; the frames name their columns through ``field_column`` so that a renamed field fails
+at import rather than leaving an empty column. The JSON written is the format the committed
+results use (``docs/spec/platform.md``); files written before the ``run`` section held its counts
+in ``timings``.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 from baselines.registry import RESIDUAL_SUFFIX, SPECS, base_of, option_default
+from reskv.stats import CacheStats, Quality, Run, Timings, fields
 
 OPTIONS_SEPARATOR = "~"
 RESKV_DISPLAY = "+ResKV"  # a +reskv method's display name: its base's plus this
@@ -147,56 +149,11 @@ class MethodLabel:
         return f"{name} ({self.options_text})" if self.options else name
 
 
-class CacheStats(TypedDict, total=False):
-    """``cache_stats``: the compressed cache of one sample (``reskv.engine.Method.compress``)."""
-
-    compressed: bool
-    budget: int  # retained slots per KV head, b (reskv.md, Budget)
-    main_slots: list[list[int]]  # per compressed layer, per KV head
-    residual_entries: list[list[int]]
-    residual_slots: list[list[int]]
-    prompt_tokens: int
-    compressed_tokens: int
-    slots: int
-
-
-class Timings(TypedDict, total=False):
-    """``timings``: wall-clock seconds of one sample (``decode_tokens`` and ``prefill_shared_by``
-    are counts); the prefills are shared by ``prefill_shared_by`` configurations."""
-
-    prefill_s: float
-    question_prefill_s: float
-    compress_s: float
-    question_s: float
-    decode_s: float
-    decode_tokens: int
-    quality_s: float
-    prefill_shared_by: int
-
-
-class Quality(TypedDict, total=False):
-    """``quality``: distances of one sample's cache to the full cache (``reskv.quality``)."""
-
-    answer_log_prob: float
-    answer_log_prob_full: float
-    answer_log_prob_gap: float
-    kl: float
-    attention_error: float
-    residual_share: float
-    attention_error_by_layer: list[float]
-    residual_share_by_layer: list[float]
-
-
-SECTIONS = {"cache_stats": CacheStats, "timings": Timings, "quality": Quality}
-
-
 def field_column(section: str, name: str) -> str:
     """The frame column of a section field (``quality.kl``); a ``KeyError`` for a field the
-    section does not declare."""
-    if name not in SECTIONS[section].__annotations__:
-        raise KeyError(
-            f"{section} has no field {name!r}; its fields: {list(SECTIONS[section].__annotations__)}"
-        )
+    section does not declare (``reskv.stats``)."""
+    if name not in fields(section):
+        raise KeyError(f"{section} has no field {name!r}; its fields: {list(fields(section))}")
     return f"{section}.{name}"
 
 
@@ -220,6 +177,7 @@ class SampleRecord:
     prediction_token_ids: list[int] = field(default_factory=list)
     cache_stats: CacheStats = field(default_factory=dict)
     timings: Timings = field(default_factory=dict)
+    run: Run = field(default_factory=dict)
     quality: Quality | None = None
     skipped: str | None = None
 
@@ -243,6 +201,7 @@ class SampleRecord:
         if self.skipped is not None:
             return {**prompt, "score": None, "skipped": self.skipped}
         quality = {} if self.quality is None else {"quality": self.quality}
+        run = {"run": self.run} if self.run else {}
         return {
             **prompt,
             "prediction": self.prediction,
@@ -251,6 +210,7 @@ class SampleRecord:
             "score": self.score,
             "cache_stats": self.cache_stats,
             "timings": self.timings,
+            **run,
             **quality,
         }
 
@@ -270,6 +230,7 @@ class SampleRecord:
             prediction_token_ids=data.get("prediction_token_ids", []),
             cache_stats=data.get("cache_stats", {}),
             timings=data.get("timings", {}),
+            run=data.get("run", {}),
             quality=data.get("quality"),
             skipped=data.get("skipped"),
         )

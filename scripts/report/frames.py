@@ -251,21 +251,25 @@ def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
     stats = record.get("cache_stats") or {}
     if not stats.get("compressed"):
         return
-    for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), strict=True)):
-        for head, values in enumerate(zip(*per_head, strict=True)):
+    # Empty for a method without ResKV, and in files written before the choice was recorded.
+    choices = stats.get("residual_choice") or [[np.nan] * len(layer) for layer in stats["main_slots"]]
+    for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), choices, strict=True)):
+        for head, (*values, choice) in enumerate(zip(*per_head, strict=True)):
             yield {
                 "layer": layer,
                 "head": head,
                 "budget": stats["budget"],
                 **dict(zip(HEAD_STATS, values, strict=True)),
+                "residual_choice": choice,
             }
 
 
 def heads_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per compressing configuration, sample, layer and KV head: its ``budget``,
-    ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built;
-    ``results`` as ``scripts.harness.store.load_results`` reads them."""
-    return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
+    ``main_slots``, the ``residual_slots`` the proxy chose, the ``residual_entries`` built and
+    the grid ratio ``r`` came from (``residual_choice``, empty where not recorded); ``results`` as
+    ``scripts.harness.store.load_results`` reads them."""
+    return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS, "residual_choice"])
 
 
 def as_written(frame: pd.DataFrame) -> pd.DataFrame:

@@ -15,8 +15,9 @@ For every backbone, benchmark and length whose samples carry the measures:
 - ``pairs_summary_<backbone>_<benchmark>-<length>``: the same pairs counted per configuration (task
   x budget x setting, means over its shared samples) and per base method, with the mean difference
   +ResKV minus base: the paper's "beats its base in 63 of 64 configurations" for each measure.
-- ``proxy_<backbone>_<benchmark>-<length>``: how often the validation proxy chose each residual
-  size of the grid, per +ResKV method, budget and setting (from ``results_frame.heads_frame``).
+- ``proxy_<backbone>_<benchmark>-<length>``: how often the validation proxy chose each ratio of
+  the grid, per +ResKV method, budget and setting (``scripts.report.frames.heads_frame``'s
+  ``residual_choice``, as the compressor recorded it).
 """
 
 from __future__ import annotations
@@ -290,13 +291,17 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
     ]
     if rows.empty:
         return None
-    grid = [value for value in ResidualConfig().grid if value > 0]
-    # r = floor(g * b + 0.5) (reskv.proxy.candidate_sizes): the grid value nearest to r / b.
+    default_grid = [value for value in ResidualConfig().grid if value > 0]
+    # Files written before the compressor recorded its choice: the ratio of the default grid nearest
+    # to r / b, which is the proxy's choice where a run used that grid (r = floor(g * b + 0.5)).
     share = rows["residual_slots"] / rows["budget"]
     nearest = pd.Series(
-        np.array(grid)[np.abs(share.to_numpy()[:, None] - np.array(grid)).argmin(1)], rows.index
+        np.array(default_grid)[np.abs(share.to_numpy()[:, None] - np.array(default_grid)).argmin(1)],
+        rows.index,
     )
-    rows = rows.assign(choice=nearest.where(rows["residual_slots"] > 0, 0.0))
+    derived = nearest.where(rows["residual_slots"] > 0, 0.0)
+    rows = rows.assign(choice=rows["residual_choice"].astype(float).fillna(derived))
+    grid = sorted({*default_grid, *rows["choice"]} - {0.0})
     table = Table(
         f"proxy_{backbone.replace('/', '--')}_{benchmark}-{length}",
         f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: the residual size the validation "
