@@ -118,6 +118,12 @@ OPTIONS = {option.name: option for spec in REGISTRY for option in spec.options}
 RESKV_OPTIONS = {spec.name: spec.default for spec in fields(ResidualConfig)}
 
 
+def method_option_defaults(method: str) -> dict[str, OptionValue]:
+    """Every option a method name takes, at its default: ResKV's for ``+reskv``, then its base's."""
+    defaults = dict(RESKV_OPTIONS) if method.endswith(RESIDUAL_SUFFIX) else {}
+    return defaults | SPECS[base_of(method)].option_defaults()
+
+
 def option_default(name: str) -> OptionValue | None:
     """The default of a declared option, a base method's or ResKV's; None for a name not declared."""
     return OPTIONS[name].default if name in OPTIONS else RESKV_OPTIONS.get(name)

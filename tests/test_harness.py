@@ -6,6 +6,7 @@ cap on answer lengths; their predictions are noise, which is all the plumbing ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from baselines import build_method
+from baselines.registry import OPTIONS, SPECS, MethodOption
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
 from reskv.engine import Prefill
@@ -22,6 +24,7 @@ from scripts.harness.grid import load_task_items, run_plan
 from scripts.harness.plan import PlanError, build_grid, compose_plan, method_label
 from scripts.harness.records import MethodLabel
 from scripts.harness.store import (
+    SCHEMA,
     ResultFile,
     ResultKey,
     ResultStoreError,
@@ -160,6 +163,16 @@ def _record(index: int) -> dict:
     }
 
 
+def journal_lines(result: ResultFile) -> list[dict]:
+    """A journal as it is on disk: the header, then the records, each line whole (JSON ending in a
+    newline); a cut-off line left in place or a record glued onto it fails here."""
+    data = result.journal_path.read_bytes()
+    assert data.endswith(b"\n")
+    lines = [json.loads(line) for line in data.split(b"\n")[:-1]]
+    assert lines[0]["schema"] == SCHEMA and "index" not in lines[0]
+    return lines
+
+
 def test_result_file_survives_a_cut_line_and_refuses_duplicates(tmp_path):
     result = _result_file(tmp_path).open()
     result.append(_record(0))
@@ -219,6 +232,53 @@ def test_finished_file_is_skipped_and_extended_on_more_samples(tmp_path):
     assert more.pending == [2]
     more.append(_record(2))
     assert [sample["index"] for sample in more.close()["samples"]] == [0, 1, 2]
+
+
+def test_an_option_added_with_a_default_leaves_earlier_results_resumable(tmp_path, monkeypatch):
+    """A run of H2O, interrupted; H2O then gains an option with a default: the same command resumes
+    the earlier file (the identity, like the label, names only options that differ from defaults)."""
+    plan = plan_for(["method=h2o", "ratio=0.9", "setting=aware"], tmp_path)
+    (entry,) = plan.grid
+
+    def result_file() -> ResultFile:
+        identity = plan.identity(entry, "float32")
+        return ResultFile(plan.runs_dir, entry.key(plan, "vt"), (0, 2), 2, identity, lambda scores: 0.0)
+
+    earlier = result_file().open()
+    earlier.append(_record(0))
+    earlier.close()
+    added = MethodOption("h2o_sinks", 0, "sinks", "attention sinks kept besides the window")
+    monkeypatch.setitem(
+        SPECS, "h2o", dataclasses.replace(SPECS["h2o"], options=(*SPECS["h2o"].options, added))
+    )
+    monkeypatch.setitem(OPTIONS, added.name, added)
+    assert plan.identity(entry, "float32")["method_options"] == {}
+    resumed = result_file().open()
+    assert resumed.pending == [1]
+    assert [line.get("index") for line in journal_lines(resumed)] == [None, 0]
+
+
+def test_a_file_that_stored_every_option_resumes_and_a_differing_option_is_refused(tmp_path):
+    """Files written when the identity held every option with its default resume; an option stored
+    with another value than the run's is still another configuration."""
+    plan = plan_for(["method=snapkv+reskv", "ratio=0.9", "setting=aware"], tmp_path)
+    (entry,) = plan.grid
+    identity = plan.identity(entry, "float32")
+    assert identity["method_options"] == {}
+    defaults = dataclasses.asdict(ResidualConfig())
+    every = {name: list(value) if isinstance(value, tuple) else value for name, value in defaults.items()}
+    for options, refused in ((every, False), ({**every, "tau": 0.3}, True)):
+        result = _result_file(tmp_path, {**identity, "method_options": options}, samples_total=2).open()
+        result.append(_record(0))
+        result.close()
+        resumed = _result_file(tmp_path, identity, samples_total=2)
+        if refused:
+            with pytest.raises(ResultStoreError, match=r"differs in \['method_options'\]"):
+                resumed.open()
+        else:
+            assert resumed.open().pending == [1]
+            resumed.close()
+        result.journal_path.unlink()
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from baselines.registry import FULL_METHOD
+from baselines.registry import FULL_METHOD, METHODS, method_option_defaults
 from reskv.stats import TOKENS, summed, units
 
 SCHEMA = "reskv-task-result/1"
@@ -291,6 +291,23 @@ def total_timings(samples: list[dict[str, Any]]) -> dict[str, float]:
     return {name: round(value, 6) for name, value in sorted(totals.items())}
 
 
+def without_default_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A result's identity (``config``) without the method options that hold their defaults.
+
+    The identity stores the options that differ from their defaults (as the label does), so an
+    option added with a default leaves every earlier file resumable; files written when it stored
+    every option, defaults included, compare equal to today's identity through this view."""
+    method, options = config.get("method"), config.get("method_options")
+    if method not in METHODS or not isinstance(options, dict):
+        return config
+    defaults = {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in method_option_defaults(method).items()
+    }
+    kept = {name: value for name, value in options.items() if name not in defaults or value != defaults[name]}
+    return {**config, "method_options": kept}
+
+
 @dataclass
 class ResultFile:
     """The results of one configuration over one sample range, resumable after any interruption.
@@ -356,14 +373,11 @@ class ResultFile:
         return self
 
     def _adopt(self, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
-        if header["config"] != self.config:
+        stored, config = without_default_options(header["config"]), without_default_options(self.config)
+        if stored != config:
             differing = sorted(
-                set(header["config"]) ^ set(self.config)
-                | {
-                    name
-                    for name in set(header["config"]) & set(self.config)
-                    if header["config"][name] != self.config[name]
-                }
+                set(stored) ^ set(config)
+                | {name for name in set(stored) & set(config) if stored[name] != config[name]}
             )
             raise ResultStoreError(
                 f"{self.path} holds results of another configuration (differs in {differing}); "
