@@ -183,8 +183,17 @@ def test_result_file_survives_a_cut_line_and_refuses_duplicates(tmp_path):
         journal.write(b'{"index": 1, "prompt_dig')
     resumed = _result_file(tmp_path).open()
     assert resumed.pending == [1, 2]
+    assert [line.get("index") for line in journal_lines(resumed)] == [None, 0]  # the cut line is gone
     resumed.append(_record(1))
+    assert journal_lines(resumed)[1:] == [_record(0), _record(1)]  # not glued onto the cut line
+    resumed._journal.close()  # interrupted again, in the middle of the next record
+    with result.journal_path.open("ab") as journal:
+        journal.write(b'{"index": 2, "sco')
+    resumed = _result_file(tmp_path).open()
+    assert resumed.pending == [2]
+    assert journal_lines(resumed)[1:] == [_record(0), _record(1)]
     resumed.append(_record(2))
+    assert journal_lines(resumed)[1:] == [_record(0), _record(1), _record(2)]
     document = resumed.close()
     assert not resumed.journal_path.exists()
     assert [sample["index"] for sample in document["samples"]] == [0, 1, 2]
@@ -230,7 +239,10 @@ def test_finished_file_is_skipped_and_extended_on_more_samples(tmp_path):
     assert result.path.read_text() == text and not again.journal_path.exists()
     more = _result_file(tmp_path, samples_total=3).open()
     assert more.pending == [2]
+    assert journal_lines(more)[0]["sample_range"] == [0, 3]
+    assert journal_lines(more)[1:] == [_record(0), _record(1)]  # the finished file's samples, carried on
     more.append(_record(2))
+    assert journal_lines(more)[1:] == [_record(0), _record(1), _record(2)]
     assert [sample["index"] for sample in more.close()["samples"]] == [0, 1, 2]
 
 
