@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from baselines import build_scorer
-from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX
+from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, MethodSpec
 from reskv.config import ResidualConfig
 from reskv.scoring import TokenScorer
 from scripts.harness.plan import compose_plan
@@ -25,21 +25,106 @@ from scripts.harness.records import MethodLabel, SampleRecord, field_column
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_readme_lists_every_registered_method_and_only_those():
-    readme = (ROOT / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
+BASELINES_SPEC = (ROOT / "docs/spec/baselines.md").read_text()
+
+
+def method_names(registry) -> list[str]:
+    """The method names a registry gives (``baselines.registry.METHODS`` of ``REGISTRY``)."""
+    pairs = [spec.name + RESIDUAL_SUFFIX for spec in registry if spec.pairs_with_reskv]
+    return [spec.name for spec in registry] + pairs
+
+
+def readme_problems(readme: str, registry) -> list[str]:
+    """What the README must say of a registry's methods and does not, each as what to do."""
     (listed,) = re.findall(r"\| `method=` \| one or a list of `([^`]*)`", readme)
-    assert sorted(listed.split()) == sorted(METHODS)
+    listed, names = listed.split(), method_names(registry)
+    row = 'the README\'s `method=` row (the table under "One command, one grid")'
+    problems = [f"add `{name}` to {row}" for name in names if name not in listed]
+    problems += [
+        f"remove `{name}` from {row}: the registry has no such method" for name in listed if name not in names
+    ]
+    problems += [f"list `{name}` once in {row}" for name in sorted(set(listed)) if listed.count(name) > 1]
     intro = readme.split("\n\n")[1]
-    for spec in REGISTRY:
-        assert spec.display.split()[0] in intro, spec.display
+    return problems + [
+        f"name {spec.display.split()[0]} in the README's first paragraph, among the methods compared"
+        for spec in registry
+        if spec.display.split()[0] not in intro
+    ]
+
+
+def spec_problems(spec_text: str, registry) -> list[str]:
+    """The sections of docs/spec/baselines.md a registry's methods cite and it lacks, as what to add."""
+    sections = re.findall(r"^## (.*)$", spec_text, flags=re.MULTILINE)
+    return [
+        f"add a `## {spec.spec}` section to docs/spec/baselines.md: the rule {spec.name} follows "
+        "(its MethodSpec's spec names the heading)"
+        for spec in registry
+        if spec.spec not in sections
+    ]
+
+
+def test_the_readme_lists_every_registered_method_and_only_those():
+    assert sorted(method_names(REGISTRY)) == sorted(METHODS)
+    problems = readme_problems(README, REGISTRY)
+    assert not problems, "\n".join(problems)
 
 
 def test_every_base_method_builds_a_scorer_and_cites_its_spec_section():
-    sections = re.findall(r"^## (.*)$", (ROOT / "docs/spec/baselines.md").read_text(), flags=re.MULTILINE)
+    problems = spec_problems(BASELINES_SPEC, REGISTRY)
+    assert not problems, "\n".join(problems)
     for spec in REGISTRY:
-        assert spec.spec in sections, spec.name
         if spec.scorer is not None:
             assert isinstance(build_scorer(spec.name), TokenScorer)
+
+
+def test_the_documentation_checks_say_what_a_new_method_needs_and_where():
+    """A registry line for kvpress's Knorm, its documentation not written yet."""
+    knorm = MethodSpec(
+        "knorm", "Knorm", "baselines.snapkv:SnapKV", "Knorm (key norms)", pairs_with_reskv=True
+    )
+    row = 'the README\'s `method=` row (the table under "One command, one grid")'
+    assert readme_problems(README, (*REGISTRY, knorm)) == [
+        f"add `knorm` to {row}",
+        f"add `knorm+reskv` to {row}",
+        "name Knorm in the README's first paragraph, among the methods compared",
+    ]
+    assert spec_problems(BASELINES_SPEC, (*REGISTRY, knorm)) == [
+        "add a `## Knorm (key norms)` section to docs/spec/baselines.md: the rule knorm follows "
+        "(its MethodSpec's spec names the heading)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("scorer", "problem"),
+    [
+        (
+            "baselines.knorm:Knorm",
+            "no module baselines.knorm (a method's rule is its file, baselines/<name>.py",
+        ),
+        (
+            "baselines.snapkv:SnapKv",
+            "module baselines.snapkv defines no class SnapKv; its classes: ['SnapKV']",
+        ),
+        ("baselines.snapkv.SnapKV", "write it as 'module:Class', e.g. 'baselines.snapkv:SnapKV'"),
+        ("baselines.registry:MethodSpec", "MethodSpec does not derive from reskv.scoring.TokenScorer"),
+    ],
+)
+def test_a_registry_line_with_a_bad_scorer_is_refused_as_it_is_declared(scorer, problem):
+    """The line names its method, its scorer and what is wrong, before any scorer or torch loads."""
+    expected = f"baselines/registry.py, the line of 'knorm': scorer '{scorer}': {problem}"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        MethodSpec("knorm", "Knorm", scorer, "Knorm (key norms)")
+
+
+def test_the_registry_checks_its_scorers_without_importing_them():
+    """Every line's scorer is a TokenScorer, found from the source (CaM and AdaKV through SnapKV)."""
+    code = (
+        "import sys; from baselines.registry import REGISTRY, MethodSpec; "
+        "MethodSpec('knorm', 'Knorm', 'baselines.adakv:AdaKV', 'Knorm'); "
+        "assert not {'torch', 'baselines.snapkv', 'baselines.adakv'} & set(sys.modules), 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 # A value other than the default for every declared option: a new option needs one here, and the
@@ -88,7 +173,11 @@ def hydra_text(value) -> str:
 def test_every_declared_option_reaches_a_run_from_the_command_line_and_from_a_label(tmp_path):
     """Each option, set to a value other than its default by its config key and by a method
     label, is what the grid entry runs with and names its label; a base option builds its scorer."""
-    assert sorted(NON_DEFAULT) == sorted(declared_options())
+    missing = [name for name in declared_options() if name not in NON_DEFAULT]
+    assert not missing, (
+        f"add {missing} to NON_DEFAULT in tests/test_registry.py, each with a value other than its default"
+    )
+    assert sorted(NON_DEFAULT) == sorted(declared_options()), "NON_DEFAULT names an option no longer declared"
     common = [f"results_dir={tmp_path}", "ratio=0.5", "setting=aware"]
     owners = [(spec.name, option.name, f"{option.name}=") for spec in REGISTRY for option in spec.options]
     owners += [("snapkv+reskv", field.name, f"reskv.{field.name}=") for field in fields(ResidualConfig)]
