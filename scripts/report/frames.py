@@ -24,7 +24,7 @@ the result files store it, and leave the name out (``base_method`` and ``residua
 ``samples`` adds ``index``, ``score`` (a fraction in [0, 1], empty for a sample ``skipped``
 before its prefill; ``skipped`` holds the reason) and every other scalar field of the sample
 record, named by its JSON path: ``prompt_tokens``, ``prediction``, ``timings.decode_s``,
-``timings.prefill_shared_by``, and quality measures such as an answer log-likelihood or a KL
+``run.prefill_shared_by``, and quality measures such as an answer log-likelihood or a KL
 divergence when the runner records them. The per-layer, per-KV-head lists of ``cache_stats``
 (``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
 layers and heads. Other lists (references, token ids) are left out.
