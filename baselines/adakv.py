@@ -49,7 +49,7 @@ def safeguarded_caps(prefix_scores: Tensor, per_head: int, alpha: float) -> Tens
 class AdaKV(SnapKV):
     """SnapKV scoring with per-head budgets (baselines.md, AdaKV); heads hold ragged lengths."""
 
-    name = "adakv"
+    budget_scope = "head"
 
     def __init__(self, window: int = 64, kernel_size: int = 5, alpha: float = 0.2):
         super().__init__(window, kernel_size)

@@ -131,8 +131,6 @@ def merge_values(
 class CaM(SnapKV):
     """SnapKV selection on values merged CaM's way (baselines.md, CaM)."""
 
-    name = "cam"
-
     def __init__(
         self, window: int = 64, kernel_size: int = 5, merge_window: int = MERGE_WINDOW, seed: int = 42
     ):

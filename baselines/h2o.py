@@ -18,8 +18,6 @@ from reskv.scoring import LayerObservation, TokenScorer, accumulated_attention
 class H2O(TokenScorer):
     """Accumulated-attention scoring; ``window_only`` scores with the observed window queries only."""
 
-    name = "h2o"
-
     def __init__(self, window: int = 64, window_only: bool = False):
         self.window = window
         self.window_only = window_only

@@ -51,7 +51,7 @@ def pyramid_budgets(budget: int, seq_len: int, num_layers: int, window: int, bet
 class PyramidKV(SnapKV):
     """SnapKV scoring with pyramid layer budgets (baselines.md, PyramidKV)."""
 
-    name = "pyramidkv"
+    budget_scope = "layer"
 
     def __init__(self, window: int = 32, kernel_size: int = 5, beta: int = 20):
         super().__init__(window, kernel_size)

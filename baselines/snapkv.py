@@ -57,8 +57,6 @@ def window_scores(
 class SnapKV(TokenScorer):
     """SnapKV scoring with a protected window of the last ``window`` tokens (baselines.md, SnapKV)."""
 
-    name = "snapkv"
-
     def __init__(self, window: int = 64, kernel_size: int = 5):
         self.window = window
         self.kernel_size = kernel_size

@@ -21,7 +21,6 @@ from reskv.scoring import TokenScorer
 class StreamingLLM(TokenScorer):
     """Sinks plus recency (baselines.md, StreamingLLM); every KV head keeps the same tokens."""
 
-    name = "streamingllm"
     window = 0  # recency is the score itself: the newest tokens rank first after the sinks
 
     def __init__(self, n_sink: int = 4):

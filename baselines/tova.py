@@ -28,7 +28,6 @@ def last_query_scores(
 class TOVA(TokenScorer):
     """TOVA scoring with the last token protected (baselines.md, TOVA)."""
 
-    name = "tova"
     window = 1
 
     def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:

@@ -63,6 +63,21 @@ def fixed_sizes(config: ResidualConfig, budgets: list[int], window: int) -> list
     return [0 if budget - size < window else size for budget, size in zip(budgets, sizes, strict=True)]
 
 
+def grid_level(grid: tuple[float, ...], size: int, budget: int) -> int:
+    """The first ratio of ``grid`` (its index) whose residual size for a head of ``budget`` slots is
+    ``size``, ``r = floor(ratio * b + 0.5)``: the candidate the proxy chose, since it skips a ratio
+    that repeats an earlier one's ``r`` (``reskv.proxy.candidate_sizes``); -1 for none."""
+    return next((level for level, ratio in enumerate(grid) if residual_size(ratio, budget) == size), -1)
+
+
+def residual_choice(config: ResidualConfig, size: int, budget: int) -> float:
+    """The ratio a head's residual size came from (``reskv.stats.CacheStats.residual_choice``): 0 for
+    the main cache only, ``fixed_ratio`` without validation, else the grid's ratio the proxy chose."""
+    if size == 0:
+        return 0.0
+    return config.grid[grid_level(config.grid, size, budget)] if config.validate else config.fixed_ratio
+
+
 def level_groups(
     sizes: list[int],
     point_counts: list[int],
@@ -77,8 +92,7 @@ def level_groups(
     levels: dict[int, list[int]] = {}
     for row, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
         if size:
-            level = next((i for i, ratio in enumerate(grid) if residual_size(ratio, budget) == size), -1)
-            levels.setdefault(level, []).append(row)
+            levels.setdefault(grid_level(grid, size, budget), []).append(row)
     return [group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, device)]
 
 
@@ -235,6 +249,11 @@ def compress_layers(
             "residual_entries": entry_counts[layer],
             "residual_slots": sizes[layer],
         }
+        if residual is not None:
+            state.stats["residual_choice"] = [
+                residual_choice(residual, size, head_budget)
+                for size, head_budget in zip(sizes[layer], budgets[layer], strict=True)
+            ]
         states.append(state)
     return states
 

@@ -36,6 +36,7 @@ from reskv.method import DEFAULT_OBSERVATION_WINDOW, Method, attended_slots, com
 from reskv.prompting import tokenize_prompt
 from reskv.quality import QualityProbe
 from reskv.scoring import LayerObservation
+from reskv.stats import CacheStats, Quality, Run, Timings
 
 # Where a Prefill keeps the prompt: the full cache, compressed into copies ("full"), or each layer
 # compressed during the forward and freed ("compressed"; reskv.md, "Where the full cache lives").
@@ -48,9 +49,10 @@ class Generation:
 
     token_ids: list[int]
     text: str
-    cache_stats: dict
-    timings: dict = field(default_factory=dict)
-    quality: dict | None = None  # reskv.quality's measures, when asked for (``answer_ids``)
+    cache_stats: CacheStats
+    timings: Timings = field(default_factory=dict)
+    quality: Quality | None = None  # reskv.quality's measures, when asked for (``answer_ids``)
+    run: Run = field(default_factory=dict)
 
 
 @dataclass
@@ -297,7 +299,7 @@ class Prefill:
             start = time.perf_counter()
             quality = self.quality_probe.measures(setting, compressed, prompted, logits, answer_ids)
             timings["quality_s"] = time.perf_counter() - start
-        return Generation(token_ids, text, stats, timings, quality)
+        return Generation(token_ids, text, stats, timings, quality, {"decode": decode})
 
     def stop_ids(self, stop_token_ids: Sequence[int]) -> set[int]:
         """The tokens that end an answer: ``stop_token_ids`` and the backbone's."""

@@ -165,7 +165,7 @@ def decode_grid(
                 (row,) = batch
                 mode = decode if row.method.decode_rule.shared_softmax else "eager"
                 generation = prefill.generate(row.method, row.setting, decode=mode, **options)
-                generation.timings["decode_batch"] = 1
+                generation.run["decode_batch"] = 1
                 yield row.index, generation
                 continue
             for row in batch:
@@ -252,7 +252,7 @@ def decode_batch(
         teacher_forced = prefill.quality_probe.teacher_forced_stacked(cache, logits, answer_ids)
         quality_s = (time.perf_counter() - start) / len(rows)
     for row, answer, row_logits, forced in zip(rows, answers, logits, teacher_forced, strict=True):
-        row.timings |= {"decode_s": seconds, "decode_tokens": len(answer), "decode_batch": len(rows)}
+        row.timings |= {"decode_s": seconds, "decode_tokens": len(answer)}
         text = backbone.tokenizer.decode(answer, skip_special_tokens=True)
         measures = None
         if answer_ids is not None:
@@ -261,4 +261,5 @@ def decode_batch(
                 row.setting, row.compressed, None, row_logits, answer_ids, forced
             )
             row.timings["quality_s"] = time.perf_counter() - start + quality_s
-        yield row.index, Generation(answer, text, row.stats, row.timings, measures)
+        run = {"decode": decode, "decode_batch": len(rows)}
+        yield row.index, Generation(answer, text, row.stats, row.timings, measures, run)

@@ -116,8 +116,7 @@ def compression_stats(layers: Sequence[CompressedLayerState | ObservedLayer]) ->
     stats = {"compressed": bool(per_layer)}
     if per_layer:
         stats["budget"] = per_layer[0]["budget"]
-        for key in ("main_slots", "residual_entries", "residual_slots"):
-            stats[key] = [layer_stats[key] for layer_stats in per_layer]
+        stats |= {key: [layer[key] for layer in per_layer] for key in per_layer[0] if key != "budget"}
     return stats
 
 

@@ -130,9 +130,12 @@ class TokenScorer:
     Scores are ``[H_kv, s]`` fp32; entries inside the protected window are ignored.
     """
 
-    name: str = "base"
     window: int = 0  # the protected recent tokens P, always kept
     needs_accumulated_attention: bool = False  # H2O: capture column sums during prefill
+    # How ``head_budgets`` spreads the budget, for whoever checks a cache against it: "uniform"
+    # (every KV head keeps b), "head" (a layer's heads share H_kv * b unevenly: AdaKV), "layer"
+    # (a layer's heads keep one budget, the layers average b: PyramidKV).
+    budget_scope: str = "uniform"
 
     def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:
         """Scores ``[H_kv, s]`` of the prefix ``keys`` ``[H_kv, s, d]`` (positions ``0 .. s-1``, its

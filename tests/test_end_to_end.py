@@ -57,6 +57,7 @@ def test_full_cache_finds_the_needle(needle_prefill):
 @pytest.mark.parametrize(("name", "ratio"), SWEEP)
 def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(needle_prefill, name, ratio):
     method = build_method(name, ratio)
+    scope = method.scorer.budget_scope
     layers = needle_prefill.backbone.num_layers
     for setting in ("aware", "agnostic"):
         generation = needle_prefill.generate(method, setting, max_new_tokens=4)
@@ -67,15 +68,15 @@ def test_every_method_runs_in_both_settings_with_caches_of_the_expected_size(nee
             stats["slots"], stats["main_slots"], stats["residual_slots"], strict=True
         ):
             allocated = [m + r for m, r in zip(main, reserved, strict=True)]
-            if name.startswith("adakv"):
+            if scope == "head":  # AdaKV: uneven heads, the layer's total
                 assert sum(allocated) == budget * len(allocated)
-            elif name.startswith("pyramidkv"):  # one budget per layer, the same for its heads
+            elif scope == "layer":  # PyramidKV: one budget per layer, the same for its heads
                 assert len(set(allocated)) == 1
             else:
-                assert allocated == [budget] * len(allocated)
-            if not name.startswith("pyramidkv"):
+                assert (scope, allocated) == ("uniform", [budget] * len(allocated))
+            if scope != "layer":
                 assert sum(slots) <= budget * len(slots)
-        if name.startswith("pyramidkv"):  # the layer budgets average b (baselines.md, PyramidKV)
+        if scope == "layer":  # the layer budgets average b (baselines.md, PyramidKV)
             layer_budgets = [
                 main[0] + reserved[0]
                 for main, reserved in zip(stats["main_slots"], stats["residual_slots"], strict=True)

@@ -42,7 +42,7 @@ def layer(
 def test_compare_layers_takes_the_output_error_only_where_the_caches_agree():
     expected = [layer([True, False], [1], 1.0, [2], 2), layer([True, True], [0], 1.0, [2], 2)]
     got = [layer([True, False], [1], 1.5, [2], 2), layer([False, True], [0], 9.0, [2], 2)]
-    row = correctness.compare_layers("snapkv", got, expected)
+    row = correctness.compare_layers("uniform", got, expected)
     assert row["layers_with_equal_caches"] == 1
     assert row["kept_agreement"] == pytest.approx((1.0 + 0.5) / 2)
     assert row["max_output_error"] == pytest.approx(0.5)  # |1.5 - 1| / 1 on the agreeing layer only
@@ -53,7 +53,7 @@ def test_compare_layers_takes_the_output_error_only_where_the_caches_agree():
 def test_a_kept_set_flip_between_tokens_of_equal_score_is_a_near_tie(scores, tie):
     expected = [layer([True, True, False], [0], 1.0, [2], 2, scores)]
     got = [layer([True, False, True], [0], 1.0, [2], 2, scores)]  # tokens 1 and 2 swapped
-    row = correctness.compare_layers("snapkv", got, expected)
+    row = correctness.compare_layers("uniform", got, expected)
     assert row["layers_with_equal_caches"] == 0 and row["layers_with_near_tie_flips"] == int(tie)
     assert correctness.passed({**row, "dtype": "fp32"}) is tie
 
@@ -83,9 +83,9 @@ def test_layer_outputs_are_the_decode_steps_each_observed_query_as_one_step():
 
 def test_budget_rule_per_head_and_adakv_per_layer():
     uneven = layer([True], [0], 1.0, [5, 3], 4)
-    assert not correctness.budget_ok("snapkv", uneven)  # one head above b = 4
-    assert correctness.budget_ok("adakv+reskv", uneven)  # 8 <= 2 * 4 for the layer
-    assert not correctness.budget_ok("adakv", layer([True], [0], 1.0, [5, 4], 4))
+    assert not correctness.budget_ok("uniform", uneven)  # one head above b = 4
+    assert correctness.budget_ok("head", uneven)  # 8 <= 2 * 4 for the layer
+    assert not correctness.budget_ok("head", layer([True], [0], 1.0, [5, 4], 4))
 
 
 @pytest.mark.parametrize(

@@ -193,7 +193,7 @@ def test_a_grid_beyond_the_memory_limit_is_split_and_every_row_is_decoded(prefil
     slot_bytes = reskv.grid.slot_bytes(prefill)
     monkeypatch.setattr(reskv.grid, "memory_limit", lambda device: 3 * 2 * 320 * slot_bytes)
     together = grid(prefill, methods, max_new_tokens=4)
-    sizes = [generation.timings["decode_batch"] for generation in together]
+    sizes = [generation.run["decode_batch"] for generation in together]
     assert max(sizes) < len(methods) and max(sizes) > 1
     alone = [prefill.generate(method, setting, max_new_tokens=4) for method, setting in methods]
     assert [generation.token_ids for generation in together] == [generation.token_ids for generation in alone]
@@ -222,7 +222,7 @@ def test_a_batch_of_one_is_generate_bit_for_bit_and_a_batch_its_quality_to_round
             assert {key: batched.quality[key] for key in exact} == exact
             for key in BATCHED_QUALITY:
                 assert batched.quality[key] == pytest.approx(one.quality[key], rel=1e-5, abs=1e-6), key
-        batches = [generation.timings["decode_batch"] for generation in together]
+        batches = [generation.run["decode_batch"] for generation in together]
         if max_rows == 1:
             assert batches == [1] * len(methods)
         else:  # the full cache's rows apart (they would pad the others more than twice)
@@ -233,7 +233,7 @@ def test_a_row_without_the_shared_softmax_decodes_alone_and_the_compiled_step_re
     ablation = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(shared_softmax=False))
     methods = [(ablation, "aware"), *requests(REQUESTS[:3])]
     together = grid(prefill, methods, max_new_tokens=4, max_rows=8)
-    assert [generation.timings["decode_batch"] for generation in together] == [1, 3, 3, 3]
+    assert [generation.run["decode_batch"] for generation in together] == [1, 3, 3, 3]
     assert together[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
     with pytest.raises(ValueError, match="decode=compiled runs the shared softmax's one graph"):
         grid(prefill, methods, max_new_tokens=4, decode="compiled")
@@ -305,4 +305,5 @@ def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_re
             assert batched[key] == alone[key], key
         for key, value in alone["quality"].items():  # the teacher-forced ones to fp32 rounding
             assert batched["quality"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    assert sorted(sample["timings"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
+    assert sorted(sample["run"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
+    assert {sample["run"]["decode_batch"] for sample in records[1]} == {1}

@@ -6,6 +6,7 @@ cap on answer lengths; their predictions are noise, which is all the plumbing ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,12 +14,24 @@ from pathlib import Path
 
 import pytest
 
+from baselines import build_method
+from baselines.registry import OPTIONS, SPECS, MethodOption
 from reskv.backbones import load_backbone
 from reskv.compress import ResidualConfig
+from reskv.engine import Prefill
+from reskv.stats import SECTIONS, fields
 from scripts.harness.grid import load_task_items, run_plan
 from scripts.harness.plan import PlanError, build_grid, compose_plan, method_label
 from scripts.harness.records import MethodLabel
-from scripts.harness.store import ResultFile, ResultKey, ResultStoreError, deterministic_view, load_results
+from scripts.harness.store import (
+    SCHEMA,
+    ResultFile,
+    ResultKey,
+    ResultStoreError,
+    deterministic_view,
+    load_results,
+    total_timings,
+)
 from scripts.report.index import ResultIndex
 from scripts.report.paper_tables import ABLATIONS
 
@@ -150,6 +163,16 @@ def _record(index: int) -> dict:
     }
 
 
+def journal_lines(result: ResultFile) -> list[dict]:
+    """A journal as it is on disk: the header, then the records, each line whole (JSON ending in a
+    newline); a cut-off line left in place or a record glued onto it fails here."""
+    data = result.journal_path.read_bytes()
+    assert data.endswith(b"\n")
+    lines = [json.loads(line) for line in data.split(b"\n")[:-1]]
+    assert lines[0]["schema"] == SCHEMA and "index" not in lines[0]
+    return lines
+
+
 def test_result_file_survives_a_cut_line_and_refuses_duplicates(tmp_path):
     result = _result_file(tmp_path).open()
     result.append(_record(0))
@@ -160,13 +183,40 @@ def test_result_file_survives_a_cut_line_and_refuses_duplicates(tmp_path):
         journal.write(b'{"index": 1, "prompt_dig')
     resumed = _result_file(tmp_path).open()
     assert resumed.pending == [1, 2]
+    assert [line.get("index") for line in journal_lines(resumed)] == [None, 0]  # the cut line is gone
     resumed.append(_record(1))
+    assert journal_lines(resumed)[1:] == [_record(0), _record(1)]  # not glued onto the cut line
+    resumed._journal.close()  # interrupted again, in the middle of the next record
+    with result.journal_path.open("ab") as journal:
+        journal.write(b'{"index": 2, "sco')
+    resumed = _result_file(tmp_path).open()
+    assert resumed.pending == [2]
+    assert journal_lines(resumed)[1:] == [_record(0), _record(1)]
     resumed.append(_record(2))
+    assert journal_lines(resumed)[1:] == [_record(0), _record(1), _record(2)]
     document = resumed.close()
     assert not resumed.journal_path.exists()
     assert [sample["index"] for sample in document["samples"]] == [0, 1, 2]
     assert json.loads(resumed.path.read_text()) == document
     assert document["summary"]["score"] == 100.0 and document["timings"]["decode_s"] == pytest.approx(0.6)
+
+
+def test_file_totals_sum_seconds_and_tokens_never_counts():
+    """A file's ``timings`` add up the declared seconds and tokens; a count (a batch's rows, the
+    configurations that shared the prefills) is never summed, whether a sample files it under
+    ``run`` or, as files written before that section did, under ``timings``."""
+    counts = {"prefill_shared_by": 3, "decode_batch": 2}
+    new = {"score": 1.0, "timings": {"prefill_s": 3.0, "decode_s": 0.5, "decode_tokens": 4}, "run": counts}
+    old = {"score": 0.0, "timings": {"prefill_s": 6.0, "question_prefill_s": 3.0, "decode_s": 1.5}}
+    old["timings"] |= {"decode_tokens": 6, **counts}
+    # Own share of the shared prefills: 3 / 3 + (6 + 3) / 3.
+    assert total_timings([new, old]) == {
+        "decode_s": 2.0,
+        "decode_tokens": 10,
+        "prefill_s": 9.0,
+        "prefill_s_own_share": 4.0,
+        "question_prefill_s": 3.0,
+    }
 
 
 def test_result_file_refuses_another_configuration_and_a_second_writer(tmp_path):
@@ -189,8 +239,58 @@ def test_finished_file_is_skipped_and_extended_on_more_samples(tmp_path):
     assert result.path.read_text() == text and not again.journal_path.exists()
     more = _result_file(tmp_path, samples_total=3).open()
     assert more.pending == [2]
+    assert journal_lines(more)[0]["sample_range"] == [0, 3]
+    assert journal_lines(more)[1:] == [_record(0), _record(1)]  # the finished file's samples, carried on
     more.append(_record(2))
+    assert journal_lines(more)[1:] == [_record(0), _record(1), _record(2)]
     assert [sample["index"] for sample in more.close()["samples"]] == [0, 1, 2]
+
+
+def test_an_option_added_with_a_default_leaves_earlier_results_resumable(tmp_path, monkeypatch):
+    """A run of H2O, interrupted; H2O then gains an option with a default: the same command resumes
+    the earlier file (the identity, like the label, names only options that differ from defaults)."""
+    plan = plan_for(["method=h2o", "ratio=0.9", "setting=aware"], tmp_path)
+    (entry,) = plan.grid
+
+    def result_file() -> ResultFile:
+        identity = plan.identity(entry, "float32")
+        return ResultFile(plan.runs_dir, entry.key(plan, "vt"), (0, 2), 2, identity, lambda scores: 0.0)
+
+    earlier = result_file().open()
+    earlier.append(_record(0))
+    earlier.close()
+    added = MethodOption("h2o_sinks", 0, "sinks", "attention sinks kept besides the window")
+    monkeypatch.setitem(
+        SPECS, "h2o", dataclasses.replace(SPECS["h2o"], options=(*SPECS["h2o"].options, added))
+    )
+    monkeypatch.setitem(OPTIONS, added.name, added)
+    assert plan.identity(entry, "float32")["method_options"] == {}
+    resumed = result_file().open()
+    assert resumed.pending == [1]
+    assert [line.get("index") for line in journal_lines(resumed)] == [None, 0]
+
+
+def test_a_file_that_stored_every_option_resumes_and_a_differing_option_is_refused(tmp_path):
+    """Files written when the identity held every option with its default resume; an option stored
+    with another value than the run's is still another configuration."""
+    plan = plan_for(["method=snapkv+reskv", "ratio=0.9", "setting=aware"], tmp_path)
+    (entry,) = plan.grid
+    identity = plan.identity(entry, "float32")
+    assert identity["method_options"] == {}
+    defaults = dataclasses.asdict(ResidualConfig())
+    every = {name: list(value) if isinstance(value, tuple) else value for name, value in defaults.items()}
+    for options, refused in ((every, False), ({**every, "tau": 0.3}, True)):
+        result = _result_file(tmp_path, {**identity, "method_options": options}, samples_total=2).open()
+        result.append(_record(0))
+        result.close()
+        resumed = _result_file(tmp_path, identity, samples_total=2)
+        if refused:
+            with pytest.raises(ResultStoreError, match=r"differs in \['method_options'\]"):
+                resumed.open()
+        else:
+            assert resumed.open().pending == [1]
+            resumed.close()
+        result.journal_path.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +354,29 @@ def test_quality_measures_are_recorded_when_the_backbone_switch_is_on(tmp_path, 
     if switch:
         assert sample["quality"]["kl"] > 0
         assert len(sample["quality"]["attention_error_by_layer"]) == 2  # tiny-llama's layers
+
+
+def test_a_generated_record_holds_exactly_the_declared_fields(tmp_path, ruler_cache):
+    """The sections of the sample records a run writes hold the fields ``reskv.stats`` declares and
+    no other: an undeclared field, or a count filed among the timings, fails here."""
+    overrides = [*TINY_RULER, "benchmark.tasks=[vt]", "num_samples=1", "method=[full,snapkv,snapkv+reskv]"]
+    overrides += ["ratio=0.6", "setting=[aware,agnostic]", "decode_batch=2", "backbone.quality=true"]
+    plan = plan_for(overrides, tmp_path, ruler_cache)
+    backbone = load_backbone("tiny-llama")
+    run_plan(plan, backbone)
+    found = {section: set() for section in SECTIONS}
+    for document in final_files(tmp_path).values():
+        for sample in document["samples"]:
+            for section in SECTIONS:  # every generated sample has every section here
+                found[section] |= set(sample[section])
+    # The runner keeps the full cache; a prefill that compresses as it runs times its whole prompt.
+    item = load_task_items(plan, backbone.tokenizer)["vt"][0]
+    method = build_method("snapkv", 0.6)
+    prefill = Prefill(backbone, item.prompt_ids, item.context_length, [method], retain="compressed")
+    found["timings"] |= set(prefill.generate(method, "aware", max_new_tokens=1).timings) | set(
+        prefill.timings
+    )
+    assert found == {section: set(fields(section)) for section in SECTIONS}
 
 
 def test_a_method_with_options_in_the_grid_equals_its_own_ablation_run(tmp_path, ruler_cache):

@@ -3,7 +3,7 @@
 ``grid=smoke`` is the tiny random backbone on two RULER tasks, two samples, SnapKV and
 SnapKV+ResKV at two ratios in both settings (16 result files). Interrupted runs (``kill -9`` and
 Ctrl-C) are resumed and must end with the same files as the uninterrupted run. "The same" means
-equal after dropping the wall-clock ``timings`` entries (``deterministic_view``) and the
+equal after dropping the wall-clock ``timings`` and the ``run`` entries (``deterministic_view``) and the
 ``provenance`` block (package versions and git state, equal whenever the code did not change
 between the two runs; developers commit concurrently here, so it is left out of the comparison).
 """

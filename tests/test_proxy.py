@@ -260,6 +260,24 @@ def test_proxy_choice_equals_an_independent_float64_recomputation(observation, b
     assert split.stats["residual_slots"] == expected
 
 
+@pytest.mark.parametrize("base", ["snapkv", "adakv"])
+def test_each_head_records_the_ratio_its_residual_size_came_from(observation, base):
+    """``residual_choice`` per head: the first ratio of the run's grid (here not the default one)
+    whose ``r = floor(ratio * b_h + 0.5)`` is the size chosen, 0 for none; the fixed ratio without
+    validation."""
+    for config in (
+        ResidualConfig(grid=(0.0, 0.3, 0.04, 0.12)),
+        ResidualConfig(validate=False, fixed_ratio=0.3),
+    ):
+        stats = compress_layer(observation, build_scorer(base), RATIO, config).stats
+        expected = []
+        for main, size in zip(stats["main_slots"], stats["residual_slots"], strict=True):
+            ratios = [ratio for ratio in config.grid if math.floor(ratio * (main + size) + 0.5) == size]
+            expected.append(0.0 if size == 0 else ratios[0] if config.validate else config.fixed_ratio)
+        assert stats["residual_choice"] == expected
+        assert set(expected) - {0.0, *ResidualConfig().grid}  # some head took a ratio the default grid lacks
+
+
 def proxy_for(obs: LayerObservation, base: str, config: ResidualConfig | None = None) -> ValidationProxy:
     config = config or ResidualConfig()
     return ValidationProxy(obs, build_scorer(base), config, observation_split(obs, config))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts.harness.store import SCHEMA, ResultKey, load_results
+from scripts.report import figures
 from scripts.report.figures import layer_figures
 from scripts.report.frames import heads_frame, layers_frame
 from scripts.report.index import ResultIndex
@@ -119,7 +120,7 @@ def test_quality_table_means_over_shared_samples_and_residual_footprint(tables):
 def test_layers_frame_and_figure_hold_every_sample_layer(results_dir, tmp_path):
     layers = layers_frame(load_results(results_dir / "runs")[0])
     assert len(layers) == 7 * 2  # 7 samples with measures, 2 layers each
-    reskv_vt = layers[(layers["method"] == "snapkv+reskv") & (layers["task"] == "vt")]
+    reskv_vt = layers[(layers["label"] == "snapkv+reskv") & (layers["task"] == "vt")]
     assert reskv_vt["attention_error"].tolist() == [0.10, 0.20]  # [error, 2 * error]
     assert reskv_vt["residual_share"].tolist() == [0.2, 0.0]
     paths = layer_figures(layers, tmp_path)
@@ -137,4 +138,64 @@ def test_proxy_table_counts_heads_per_grid_value(results_dir):
     # 0.05, 25% at 0.1; entries [[2, 0], [1, 1]]: 4 of 8 slots; 3 samples x 4 heads.
     assert row(table, "| 10% | q-Aware | SnapKV+ResKV")[3:] == [
         "25.0", "50.0", "25.0", "0.0", "0.0", "0.500", "12"
+    ]  # fmt: skip
+
+
+def test_the_layers_figure_draws_and_names_every_label_ablations_included(tmp_path, monkeypatch):
+    """Panel (a) names every label at the tightest budget, panel (b) every +ResKV label (an
+    ablation with its options) at every budget."""
+    runs_dir = tmp_path / "runs"
+    for label, ratio in (
+        ("snapkv", 0.9),
+        ("snapkv+reskv", 0.9),
+        ("snapkv+reskv", 0.6),
+        ("snapkv+reskv~gate=false", 0.9),
+    ):
+        key = ResultKey(BACKBONE, "ruler", 4096, "vt", "agnostic", label, ratio)
+        key.path(runs_dir).parent.mkdir(parents=True, exist_ok=True)
+        method = label.partition("~")[0]
+        document = {"schema": SCHEMA, "key": key.to_json(), "samples_total": 1}
+        document["samples"] = [sample(0, method, (0, -1.0, 0.5, 0.1))]
+        key.path(runs_dir).write_text(json.dumps(document))
+    legends = {}
+
+    def recording_save(figure, out_dir, name):
+        legends[name] = [[text.get_text() for text in axis.get_legend().get_texts()] for axis in figure.axes]
+        return []
+
+    monkeypatch.setattr(figures, "save", recording_save)
+    figures.layer_figures(layers_frame(load_results(runs_dir)[0]), tmp_path)
+    errors, shares = legends["layers_smollm2-135m_ruler-4096_agnostic"]
+    assert errors == ["SnapKV", "SnapKV+ResKV", "SnapKV+ResKV (gate=false)"]
+    assert shares == ["SnapKV+ResKV 0.6", "SnapKV+ResKV 0.9", "SnapKV+ResKV (gate=false) 0.9"]
+
+
+def test_proxy_table_bins_heads_by_the_recorded_choice_of_the_runs_grid(tmp_path):
+    """A run with another grid: each head counts under the ratio the compressor recorded (0.3 here),
+    where the default grid nearest to r / b would say 0.2."""
+    key = ResultKey(BACKBONE, "ruler", 4096, "vt", "aware", "snapkv+reskv~grid=0-0.3", 0.9)
+    record = sample(0, "snapkv+reskv", (1, -1.0, 0.5, 0.1))
+    record["cache_stats"] |= {
+        "residual_slots": [[12, 0], [12, 12]],  # floor(0.3 * 40 + 0.5) = 12
+        "residual_entries": [[12, 0], [11, 12]],
+        "residual_choice": [[0.3, 0.0], [0.3, 0.3]],
+    }
+    key.path(tmp_path).parent.mkdir(parents=True)
+    key.path(tmp_path).write_text(
+        json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 1, "samples": [record]})
+    )
+    table = proxy_table((BACKBONE, "ruler", 4096), heads_frame(load_results(tmp_path)[0]))
+    markdown = to_markdown(table)
+    assert table.heads[-1][:7] == [
+        ("r = 0", 1),
+        ("0.05", 1),
+        ("0.1", 1),
+        ("0.15", 1),
+        ("0.2", 1),
+        ("0.3", 1),
+        ("Entries / r", 1),
+    ]
+    # 1 of 4 heads main only, 3 at 0.3; entries 35 of 36 slots.
+    assert row(markdown, "| 10% | q-Aware | SnapKV+ResKV (grid=0-0.3)")[3:] == [
+        "25.0", "0.0", "0.0", "0.0", "0.0", "75.0", "0.972", "4"
     ]  # fmt: skip

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import random
 import re
+import string
+import struct
 import subprocess
 import sys
 from dataclasses import fields
@@ -12,7 +16,7 @@ import pytest
 import yaml
 
 from baselines import build_scorer
-from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, display_name
+from baselines.registry import METHODS, OPTIONS, REGISTRY, RESIDUAL_BASES, RESIDUAL_SUFFIX, MethodSpec
 from reskv.config import ResidualConfig
 from reskv.scoring import TokenScorer
 from scripts.harness.plan import compose_plan
@@ -21,21 +25,106 @@ from scripts.harness.records import MethodLabel, SampleRecord, field_column
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_readme_lists_every_registered_method_and_only_those():
-    readme = (ROOT / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
+BASELINES_SPEC = (ROOT / "docs/spec/baselines.md").read_text()
+
+
+def method_names(registry) -> list[str]:
+    """The method names a registry gives (``baselines.registry.METHODS`` of ``REGISTRY``)."""
+    pairs = [spec.name + RESIDUAL_SUFFIX for spec in registry if spec.pairs_with_reskv]
+    return [spec.name for spec in registry] + pairs
+
+
+def readme_problems(readme: str, registry) -> list[str]:
+    """What the README must say of a registry's methods and does not, each as what to do."""
     (listed,) = re.findall(r"\| `method=` \| one or a list of `([^`]*)`", readme)
-    assert sorted(listed.split()) == sorted(METHODS)
+    listed, names = listed.split(), method_names(registry)
+    row = 'the README\'s `method=` row (the table under "One command, one grid")'
+    problems = [f"add `{name}` to {row}" for name in names if name not in listed]
+    problems += [
+        f"remove `{name}` from {row}: the registry has no such method" for name in listed if name not in names
+    ]
+    problems += [f"list `{name}` once in {row}" for name in sorted(set(listed)) if listed.count(name) > 1]
     intro = readme.split("\n\n")[1]
-    for spec in REGISTRY:
-        assert spec.display.split()[0] in intro, spec.display
+    return problems + [
+        f"name {spec.display.split()[0]} in the README's first paragraph, among the methods compared"
+        for spec in registry
+        if spec.display.split()[0] not in intro
+    ]
+
+
+def spec_problems(spec_text: str, registry) -> list[str]:
+    """The sections of docs/spec/baselines.md a registry's methods cite and it lacks, as what to add."""
+    sections = re.findall(r"^## (.*)$", spec_text, flags=re.MULTILINE)
+    return [
+        f"add a `## {spec.spec}` section to docs/spec/baselines.md: the rule {spec.name} follows "
+        "(its MethodSpec's spec names the heading)"
+        for spec in registry
+        if spec.spec not in sections
+    ]
+
+
+def test_the_readme_lists_every_registered_method_and_only_those():
+    assert sorted(method_names(REGISTRY)) == sorted(METHODS)
+    problems = readme_problems(README, REGISTRY)
+    assert not problems, "\n".join(problems)
 
 
 def test_every_base_method_builds_a_scorer_and_cites_its_spec_section():
-    sections = re.findall(r"^## (.*)$", (ROOT / "docs/spec/baselines.md").read_text(), flags=re.MULTILINE)
+    problems = spec_problems(BASELINES_SPEC, REGISTRY)
+    assert not problems, "\n".join(problems)
     for spec in REGISTRY:
-        assert spec.spec in sections, spec.name
         if spec.scorer is not None:
             assert isinstance(build_scorer(spec.name), TokenScorer)
+
+
+def test_the_documentation_checks_say_what_a_new_method_needs_and_where():
+    """A registry line for kvpress's Knorm, its documentation not written yet."""
+    knorm = MethodSpec(
+        "knorm", "Knorm", "baselines.snapkv:SnapKV", "Knorm (key norms)", pairs_with_reskv=True
+    )
+    row = 'the README\'s `method=` row (the table under "One command, one grid")'
+    assert readme_problems(README, (*REGISTRY, knorm)) == [
+        f"add `knorm` to {row}",
+        f"add `knorm+reskv` to {row}",
+        "name Knorm in the README's first paragraph, among the methods compared",
+    ]
+    assert spec_problems(BASELINES_SPEC, (*REGISTRY, knorm)) == [
+        "add a `## Knorm (key norms)` section to docs/spec/baselines.md: the rule knorm follows "
+        "(its MethodSpec's spec names the heading)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("scorer", "problem"),
+    [
+        (
+            "baselines.knorm:Knorm",
+            "no module baselines.knorm (a method's rule is its file, baselines/<name>.py",
+        ),
+        (
+            "baselines.snapkv:SnapKv",
+            "module baselines.snapkv defines no class SnapKv; its classes: ['SnapKV']",
+        ),
+        ("baselines.snapkv.SnapKV", "write it as 'module:Class', e.g. 'baselines.snapkv:SnapKV'"),
+        ("baselines.registry:MethodSpec", "MethodSpec does not derive from reskv.scoring.TokenScorer"),
+    ],
+)
+def test_a_registry_line_with_a_bad_scorer_is_refused_as_it_is_declared(scorer, problem):
+    """The line names its method, its scorer and what is wrong, before any scorer or torch loads."""
+    expected = f"baselines/registry.py, the line of 'knorm': scorer '{scorer}': {problem}"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        MethodSpec("knorm", "Knorm", scorer, "Knorm (key norms)")
+
+
+def test_the_registry_checks_its_scorers_without_importing_them():
+    """Every line's scorer is a TokenScorer, found from the source (CaM and AdaKV through SnapKV)."""
+    code = (
+        "import sys; from baselines.registry import REGISTRY, MethodSpec; "
+        "MethodSpec('knorm', 'Knorm', 'baselines.adakv:AdaKV', 'Knorm'); "
+        "assert not {'torch', 'baselines.snapkv', 'baselines.adakv'} & set(sys.modules), 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 # A value other than the default for every declared option: a new option needs one here, and the
@@ -84,7 +173,11 @@ def hydra_text(value) -> str:
 def test_every_declared_option_reaches_a_run_from_the_command_line_and_from_a_label(tmp_path):
     """Each option, set to a value other than its default by its config key and by a method
     label, is what the grid entry runs with and names its label; a base option builds its scorer."""
-    assert sorted(NON_DEFAULT) == sorted(declared_options())
+    missing = [name for name in declared_options() if name not in NON_DEFAULT]
+    assert not missing, (
+        f"add {missing} to NON_DEFAULT in tests/test_registry.py, each with a value other than its default"
+    )
+    assert sorted(NON_DEFAULT) == sorted(declared_options()), "NON_DEFAULT names an option no longer declared"
     common = [f"results_dir={tmp_path}", "ratio=0.5", "setting=aware"]
     owners = [(spec.name, option.name, f"{option.name}=") for spec in REGISTRY for option in spec.options]
     owners += [("snapkv+reskv", field.name, f"reskv.{field.name}=") for field in fields(ResidualConfig)]
@@ -110,9 +203,25 @@ def test_an_option_of_the_wrong_type_or_method_is_refused():
 
 
 def test_display_names_pair_every_residual_base():
-    assert display_name("snapkv+reskv") == "SnapKV+ResKV"
-    assert display_name("full") == "Full Cache"
+    assert MethodLabel("snapkv+reskv").display() == "SnapKV+ResKV"
+    assert MethodLabel("full").display() == "Full Cache"
     assert all(base + RESIDUAL_SUFFIX in METHODS for base in RESIDUAL_BASES)
+
+
+@pytest.mark.parametrize(
+    ("label", "alone", "under_baseline"),
+    [
+        ("snapkv", "SnapKV", "SnapKV"),
+        ("snapkv+reskv", "SnapKV+ResKV", "+ResKV"),
+        ("snapkv+reskv~gate=false", "SnapKV+ResKV (gate=false)", "SnapKV+ResKV (gate=false)"),
+        ("h2o~h2o_window_only=true", "H2O (h2o_window_only=true)", "H2O (h2o_window_only=true)"),
+        ("cam", "CaM", "CaM"),
+    ],
+)
+def test_a_label_is_displayed_by_its_method_and_options(label, alone, under_baseline):
+    """One display name per label: a label with options names its method in full, in its own row."""
+    assert MethodLabel.parse(label).display() == alone
+    assert MethodLabel.parse(label).display(under_baseline=True) == under_baseline
 
 
 @pytest.mark.parametrize(
@@ -131,6 +240,89 @@ def test_labels_parse_to_their_options_and_format_back_to_the_same_text(text, me
     assert (label.method, label.options) == (method, options)
     assert str(label) == text
     assert label.residual == method.endswith("+reskv")
+
+
+def float_values(rng: random.Random, count: int) -> list[float]:
+    """Floats of every sign and magnitude: the edges (exponent notation, subnormals, the largest,
+    infinities, values ``:g`` rounds) and random 64-bit patterns (NaN left out: it equals nothing)."""
+    edges = [0.0, -0.0, 1e-05, -1e-05, 0.1 + 0.2, 8.0, -12.0, 0.123456789, 1234567.0, 1e22, -2.5e-300]
+    edges += [5e-324, sys.float_info.min, sys.float_info.max, -sys.float_info.max, math.inf, -math.inf]
+    drawn = []
+    while len(drawn) < count:
+        (value,) = struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))
+        if not math.isnan(value):
+            drawn.append(value)
+    return edges + drawn
+
+
+def option_samples(seed: int = 0) -> list[tuple[str, str, object]]:
+    """(method, option, value): values of every type an option takes, each under a declared option of
+    that type (a label reads a value as its option's type)."""
+    rng = random.Random(seed)
+    floats = float_values(rng, 300)
+    ints = [0, -1, 7, 2**63, -(10**30)] + [rng.randint(-(10**12), 10**12) for _ in range(50)]
+    texts = ["", "base", "fit", "true", "3", "1e-05", "0-1", "inf", "a-b.c_d+e"]
+    texts += ["".join(rng.choices(string.ascii_letters + string.digits + "-_.+", k=rng.randint(1, 12)))]
+    grids = [(), (0.1,), (0.0, 1e-05, 0.2), (-0.5, 3e20, -1e-07)]
+    grids += [tuple(rng.choices(floats, k=rng.randint(0, 5))) for _ in range(100)]
+    samples = [("h2o", "h2o_window_only", flag) for flag in (True, False)]
+    samples += [("snapkv+reskv", "validate", flag) for flag in (True, False)]
+    samples += [("snapkv+reskv", name, value) for name in ("delta", "tau") for value in floats]
+    samples += [("snapkv+reskv", "kmeans_iterations", value) for value in ints]
+    samples += [("snapkv+reskv", "final_selection", value) for value in texts]
+    samples += [("snapkv+reskv", "grid", value) for value in grids]
+    return samples
+
+
+def typed(value) -> object:
+    """A value with the type and sign of each of its numbers, for an exact comparison (-0.0 is not 0.0)."""
+    if isinstance(value, tuple):
+        return tuple(typed(part) for part in value)
+    if isinstance(value, float):
+        return (float, value, math.copysign(1, value))
+    return (type(value), value)
+
+
+def test_the_label_codec_reads_back_every_value_an_option_takes():
+    """A label written with any value of its option's type (floats of any sign and magnitude, in
+    exponent notation too, ints, bools, text, grids) parses back to that value and type, alone
+    and beside other options."""
+    samples = option_samples()
+    assert {type(value) for _, _, value in samples} == {bool, int, float, str, tuple}
+    for method, name, value in samples:
+        text = str(MethodLabel(method, {name: value}))
+        (read,) = MethodLabel.parse(text).options.values()
+        assert typed(read) == typed(value), text
+    several = {"delta": 1e-05, "grid": (0.0, 1e-05, 0.15), "final_selection": "fit", "tau": -0.5}
+    assert MethodLabel.parse(str(MethodLabel("snapkv+reskv", several))).options == several
+
+
+def test_a_value_no_label_can_hold_is_refused_by_name():
+    for text in ("a,b", "a=b", "a~b", "a/b"):
+        with pytest.raises(ValueError, match=f"option value '{text}' cannot be written in a method label"):
+            str(MethodLabel("snapkv+reskv", {"final_selection": text}))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "reskv.delta=0.00001",
+        "reskv.alpha=1e+20",
+        "reskv.tau=-0.5",
+        "reskv.fixed_ratio=0.123456789",
+        "reskv.grid=[0,0.00001,0.2]",
+        "reskv.grid=[0.1]",
+        "reskv.kmeans_iterations=7",
+        "reskv.final_selection=fit",
+    ],
+)
+def test_the_label_a_run_wrote_is_accepted_back_as_its_method(tmp_path, override):
+    """The label a configuration is filed under, passed back as ``method=[...]``, plans the same run."""
+    common = [f"results_dir={tmp_path}", "ratio=0.5", "setting=aware"]
+    (entry,) = compose_plan(["method=snapkv+reskv", override, *common]).grid
+    assert entry.label != "snapkv+reskv"
+    (again,) = compose_plan([f"method=['{entry.label}']", *common]).grid
+    assert (again.label, again.residual) == (entry.label, entry.residual)
 
 
 def test_a_label_option_without_a_value_names_the_option_and_the_label():

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from baselines.registry import FULL_METHOD, METHODS, RESIDUAL_BASES, RESIDUAL_SUFFIX, SPECS, display_name
+from baselines.registry import FULL_METHOD, METHODS, RESIDUAL_BASES, RESIDUAL_SUFFIX, SPECS
+from scripts.harness.records import MethodLabel
 from scripts.harness.store import load_results
 from scripts.report import figures, tables
 from tests.conftest import TINY_RUN
@@ -84,7 +85,7 @@ def test_method_reaches_the_json_every_table_and_every_figure(walked, method):
     found, _, warnings = load_results(results_dir / "runs")
     assert warnings == []
     configurations = {
-        (result.key.setting, result.key.ratio) for result in found if result.key.method == method
+        (result.key.setting, result.key.ratio) for result in found if result.key.label == method
     }
     out = results_dir / "tables"
     if method == FULL_METHOD:
@@ -113,9 +114,10 @@ def test_method_reaches_the_json_every_table_and_every_figure(walked, method):
         summary = {row[0] for row in table_rows(out / "pairs_summary_tiny-llama_ruler-1024.csv")}
         assert SPECS[base].display in summary
 
+    name = MethodLabel(method).display()
     for setting in SETTINGS:
-        assert display_name(method) in legends[f"budget_tiny-llama_ruler-1024_{setting}"]
+        assert name in legends[f"budget_tiny-llama_ruler-1024_{setting}"]
         layer_labels = legends[f"layers_tiny-llama_ruler-1024_{setting}"]
-        assert display_name(method) in layer_labels
+        assert name in layer_labels
         if method.endswith(RESIDUAL_SUFFIX):
-            assert all(f"{display_name(method)} {ratio:g}" in layer_labels for ratio in RATIOS)
+            assert all(f"{name} {ratio:g}" in layer_labels for ratio in RATIOS)

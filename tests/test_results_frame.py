@@ -88,8 +88,13 @@ def frames(results_dir):
 def test_samples_frame_has_one_row_per_configuration_and_sample(frames):
     samples, _ = frames
     assert len(samples) == 3 + 1 + 3 + 2
-    rows = samples[samples["method"] == "snapkv+reskv~validate=false"].set_index("index")
-    assert rows.loc[0, ["base_method", "residual", "options"]].tolist() == ["snapkv", True, "validate=false"]
+    rows = samples[samples["label"] == "snapkv+reskv~validate=false"].set_index("index")
+    assert rows.loc[0, ["method", "base_method", "residual", "options"]].tolist() == [
+        "snapkv+reskv",
+        "snapkv",
+        True,
+        "validate=false",
+    ]
     assert rows["score"].tolist()[:2] == [1.0, 0.5] and math.isnan(rows.loc[2, "score"])
     assert rows.loc[2, "skipped"] == "prompt past max positions" and rows.loc[0, "skipped"] is None
     # Nested fields by JSON path; the per-layer/head cache statistics as their mean.
@@ -102,14 +107,14 @@ def test_samples_frame_has_one_row_per_configuration_and_sample(frames):
     assert math.isnan(rows.loc[1, "quality.kl"])
     # Lists other than cache statistics (references, token ids) are not columns.
     assert "references" not in samples.columns
-    full = samples[samples["method"] == "full"].iloc[0]
+    full = samples[samples["label"] == "full"].iloc[0]
     assert full["setting"] is None and math.isnan(full["ratio"])
-    assert full[["base_method", "residual", "options"]].tolist() == ["full", False, ""]
+    assert full[["method", "base_method", "residual", "options"]].tolist() == ["full", "full", False, ""]
 
 
 def test_configs_frame_counts_scores_and_status(frames):
     _, configs = frames
-    by_method = configs.set_index("method")
+    by_method = configs.set_index("label")
     reskv = by_method.loc["snapkv+reskv~validate=false"]
     # Task score over the two scored samples: (1.0 + 0.5) / 2 * 100; the skipped one is counted apart.
     assert reskv["score"] == 75.0
@@ -131,7 +136,7 @@ def test_configs_frame_counts_scores_and_status(frames):
     assert by_method.loc["tova+reskv", "status"] == "partial"
     unavailable = configs[configs["status"] == "unavailable"]
     assert unavailable[["task", "reason"]].values.tolist() == [["qa_1", "SQuAD not found"]]
-    assert unavailable["method"].isna().all()
+    assert unavailable[["label", "method"]].isna().all().all()
 
 
 def test_single_frame_loaders_equal_load_frames(results_dir, frames):

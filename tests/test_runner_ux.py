@@ -258,12 +258,13 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
         assert "percent" in document["units"]["summary.score"]
         assert "fraction" in document["units"]["samples[].score"]
         timings = document["timings"]
-        assert "prefill_shared_by" not in timings
+        assert not set(timings) & {"prefill_shared_by", "decode_batch"}  # counts are never summed
         for name in ("compress_s", "decode_s", "prefill_s", "question_prefill_s"):
             assert timings[name] == pytest.approx(
                 sum(sample["timings"][name] for sample in samples), abs=1e-5
             )
-        assert all(sample["timings"]["prefill_shared_by"] == 2 for sample in samples)
+        run = {"decode": "eager", "decode_batch": 1, "prefill_shared_by": 2}
+        assert all(sample["run"] == run for sample in samples)
         own_share = sum(
             (sample["timings"]["prefill_s"] + sample["timings"]["question_prefill_s"]) / 2
             for sample in samples

@@ -35,7 +35,7 @@ from reskv.backbones import load_backbone
 from reskv.engine import Prefill
 from scripts.harness.grid import GridRun, load_task_items
 from scripts.harness.plan import compose_plan
-from scripts.harness.store import load_results
+from scripts.harness.store import load_results, prefill_shared_by
 from scripts.measure import load_average, machine, machine_header, top2_gap_at
 
 WARM_UP_CONTEXT = 300  # tokens: longer than every observation window, so every method compresses
@@ -70,8 +70,8 @@ def time_breakdown(runs_dir: Path) -> dict[str, float]:
     for result in load_results(runs_dir)[0]:
         for sample in result.samples.values():
             timings = sample["timings"]
-            totals["prefill_s"] = (
-                totals.get("prefill_s", 0) + timings["prefill_s"] / timings["prefill_shared_by"]
+            totals["prefill_s"] = totals.get("prefill_s", 0) + timings["prefill_s"] / prefill_shared_by(
+                sample
             )
             for phase in ("compress_s", "question_s", "decode_s", "quality_s"):
                 totals[phase] = totals.get(phase, 0) + timings.get(phase, 0)

@@ -103,9 +103,10 @@ def sample_record(
 
     Wall-clock values go under ``timings`` only: the shared prefills of the prompt (``prefill_s``
     for the context, ``question_prefill_s`` for the question when a query-aware configuration
-    needed it) with ``prefill_shared_by`` configurations, and this configuration's own
-    ``compress_s``, ``question_s`` (query-agnostic), ``decode_s`` and ``quality_s``; ``quality``
-    holds ``reskv.quality``'s measures when the plan records them.
+    needed it) and this configuration's own ``compress_s``, ``question_s`` (query-agnostic),
+    ``decode_s`` and ``quality_s``; ``run`` adds to the generation's the configurations that shared
+    the prefills (``prefill_shared_by``); ``quality`` holds ``reskv.quality``'s measures when the
+    plan records them (``reskv.stats`` declares each section).
     """
     return SampleRecord(
         **sample_prompt(index, item, max_new_tokens),
@@ -113,7 +114,8 @@ def sample_record(
         prediction=generation.text,
         prediction_token_ids=list(generation.token_ids),
         cache_stats=generation.cache_stats,
-        timings={**prefill_timings, **generation.timings, "prefill_shared_by": shared_by},
+        timings={**prefill_timings, **generation.timings},
+        run={**generation.run, "prefill_shared_by": shared_by},
         quality=generation.quality,
     )
 

@@ -30,6 +30,7 @@ from baselines.registry import (
     OptionValue,
     base_of,
     check_option,
+    method_option_defaults,
 )
 from benchmarks.item import Item
 from reskv.config import AUTO, COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_CHOICES, SETTINGS, ResidualConfig
@@ -90,17 +91,26 @@ def method_options(
     return chosen
 
 
+def non_default_options(
+    method: str, residual: ResidualConfig, options: Mapping[str, OptionValue]
+) -> dict[str, OptionValue]:
+    """``method_options`` that differ from their defaults: what a label names and a result's identity
+    stores, so that an option added with a default changes neither for earlier configurations."""
+    defaults = method_option_defaults(method)
+    return {
+        name: value
+        for name, value in method_options(method, residual, options).items()
+        if value != defaults[name]
+    }
+
+
 def method_label(method: str, residual: ResidualConfig, options: Mapping[str, OptionValue]) -> str:
     """Method name plus its non-default options: what the result paths and the tables call it.
 
     Ablations and hyper-parameter changes thus never overwrite the default method's results:
     ``snapkv+reskv~validate=false``, ``snapkv+reskv~alpha=8,tau=0.3``, ``h2o~h2o_window_only=true``.
     """
-    defaults = method_options(method, ResidualConfig(), {})
-    chosen = method_options(method, residual, options)
-    return str(
-        MethodLabel(method, {name: value for name, value in chosen.items() if value != defaults[name]})
-    )
+    return str(MethodLabel(method, non_default_options(method, residual, options)))
 
 
 @dataclass(frozen=True)
@@ -167,8 +177,11 @@ class Plan:
         return start, (self.shard_index + 1) * total // self.shard_count
 
     def identity(self, entry: GridEntry, dtype: str) -> dict[str, Any]:
-        """What a result file must agree on to be resumed (stored as its ``config``)."""
-        options = method_options(entry.method, entry.residual, dict(entry.options))
+        """What a result file must agree on to be resumed (stored as its ``config``). Its method
+        options are those that differ from their defaults, as in the label; a file that stored
+        every option (as files written earlier did) is compared without its defaults
+        (``scripts.harness.store.without_default_options``)."""
+        options = non_default_options(entry.method, entry.residual, dict(entry.options))
         return {
             "backbone": {"name": self.backbone, "dtype": dtype},
             "benchmark": {"name": self.benchmark, "length": self.length, "options": self.benchmark_options},

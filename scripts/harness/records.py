@@ -6,44 +6,97 @@ A method label is the method name plus the options that differ from their defaul
 by it; ``MethodLabel`` is its one writer and reader.
 
 A sample record is one line of a result file's journal and one entry of its ``samples``. Its
-generated part carries three sections the engine measures (``reskv.engine.Generation``):
-``cache_stats``, ``timings`` and, when the plan records them, ``quality``; their fields are
-declared here (``CacheStats``, ``Timings``, ``Quality``) and the frames name their columns through
-``field_column`` so that a renamed field fails at import rather than leaving an empty column. The
-JSON written is the format the committed results use (``docs/spec/platform.md``).
+generated part carries the sections the engine measures (``reskv.engine.Generation``), declared
+with it in ``reskv.stats``: ``cache_stats``, ``timings``, ``run`` and, when the plan records them,
+``quality``; the frames name their columns through ``field_column`` so that a renamed field fails
+at import rather than leaving an empty column. The JSON written is the format the committed
+results use (``docs/spec/platform.md``); files written before the ``run`` section held its counts
+in ``timings``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
-from baselines.registry import RESIDUAL_SUFFIX, base_of
+from baselines.registry import RESIDUAL_SUFFIX, SPECS, base_of, option_default
+from reskv.stats import CacheStats, Quality, Run, Timings, fields
 
 OPTIONS_SEPARATOR = "~"
+RESKV_DISPLAY = "+ResKV"  # a +reskv method's display name: its base's plus this
+
+
+# A number as ``option_text`` writes it (``12``, ``-0.5``, ``1e-05``, ``inf``); in a grid the numbers
+# are joined by ``-``, which a number holds only as its sign or in its exponent.
+NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf)")
+# What a label's own syntax and its directory use: a string holding one cannot be written.
+RESERVED = ",=~/"
 
 
 def option_text(value: Any) -> str:
-    """An option value as a label writes it: ``true``, ``0.3``, a grid as ``0-0.05-0.1``."""
+    """An option value as a label writes it: ``true``, ``0.3``, ``1e-05``, a grid as ``0-0.05-0.1``.
+
+    A float is written short (``:g``) where that reads back as the same float, in full (``repr``)
+    otherwise; a ``ValueError`` for a value no label can hold (a string with one of ``,=~/``)."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, tuple | list):
+    if isinstance(value, tuple | list) and all(
+        isinstance(part, int | float) and not isinstance(part, bool) for part in value
+    ):
         return "-".join(option_text(part) for part in value)
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    if isinstance(value, int) or (isinstance(value, str) and not set(value) & set(RESERVED)):
+        return str(value)
+    raise ValueError(
+        f"option value {value!r} cannot be written in a method label: it takes true/false, numbers, "
+        f"a list of numbers, or text without any of {RESERVED!r}"
+    )
 
 
-def option_value(text: str) -> Any:
-    """An option value as written in a label (``option_text``'s inverse)."""
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _grid_parts(text: str) -> list[str] | None:
+    """The numbers of a grid as ``option_text`` writes it (``0-0.05-0.1``, ``0-1e-05``, ``""`` for
+    none); None when ``text`` is not one."""
+    parts, position = [], 0
+    while position < len(text):
+        match = NUMBER.match(text, position)
+        if match is None:
+            return None
+        parts.append(match.group())
+        position = match.end()
+        if position < len(text):
+            if text[position] != "-" or position + 1 == len(text):
+                return None
+            position += 1
+    return parts
+
+
+def option_value(text: str, default: Any = None) -> Any:
+    """An option value as written in a label (``option_text``'s inverse), read as the type of the
+    option's ``default``; an option not declared (no ``default``) is read by its look. Text that is
+    not of the option's type comes back as read by its look, for the plan to refuse by name."""
+    parts = _grid_parts(text)
+    if isinstance(default, str):
+        return text
+    if isinstance(default, tuple) and parts is not None:
+        as_float = bool(default) and all(isinstance(part, float) for part in default)
+        return tuple(float(part) if as_float else _number(part) for part in parts)
+    if isinstance(default, float) and NUMBER.fullmatch(text):
+        return float(text)
     if text in ("true", "false"):
         return text == "true"
-    if "-" in text.lstrip("-"):  # a grid: 0-0.05-0.1
-        return tuple(option_value(part) for part in text.split("-"))
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    if NUMBER.fullmatch(text):
+        return _number(text)
+    return tuple(map(_number, parts)) if parts is not None and len(parts) > 1 else text
 
 
 @dataclass(frozen=True)
@@ -62,7 +115,7 @@ class MethodLabel:
             name, separator, value = part.partition("=")
             if not separator:
                 raise ValueError(f"method option {part!r} of {text!r} must be written name=value")
-            options[name] = option_value(value)
+            options[name] = option_value(value, option_default(name))
         return cls(method, options)
 
     def __str__(self) -> str:
@@ -85,57 +138,22 @@ class MethodLabel:
         """The part after ``~`` ("" without options)."""
         return str(self).partition(OPTIONS_SEPARATOR)[2]
 
-
-class CacheStats(TypedDict, total=False):
-    """``cache_stats``: the compressed cache of one sample (``reskv.method.Method.compress``)."""
-
-    compressed: bool
-    budget: int  # retained slots per KV head, b (reskv.md, Budget)
-    main_slots: list[list[int]]  # per compressed layer, per KV head
-    residual_entries: list[list[int]]
-    residual_slots: list[list[int]]
-    prompt_tokens: int
-    compressed_tokens: int
-    slots: int
-
-
-class Timings(TypedDict, total=False):
-    """``timings``: wall-clock seconds of one sample (``decode_tokens`` and ``prefill_shared_by``
-    are counts); the prefills are shared by ``prefill_shared_by`` configurations."""
-
-    prefill_s: float
-    question_prefill_s: float
-    compress_s: float
-    question_s: float
-    decode_s: float
-    decode_tokens: int
-    quality_s: float
-    prefill_shared_by: int
-
-
-class Quality(TypedDict, total=False):
-    """``quality``: distances of one sample's cache to the full cache (``reskv.quality``)."""
-
-    answer_log_prob: float
-    answer_log_prob_full: float
-    answer_log_prob_gap: float
-    kl: float
-    attention_error: float
-    residual_share: float
-    attention_error_by_layer: list[float]
-    residual_share_by_layer: list[float]
-
-
-SECTIONS = {"cache_stats": CacheStats, "timings": Timings, "quality": Quality}
+    def display(self, under_baseline: bool = False) -> str:
+        """How tables and figures name the label: ``SnapKV``, ``SnapKV+ResKV``, ``+ResKV`` in the row
+        under its baseline's (``under_baseline``; a label with options names its method in full),
+        options in brackets: ``SnapKV+ResKV (validate=false)``. The names are the registry's."""
+        base = self.base
+        name = SPECS[base].display if base in SPECS else base
+        if self.residual:
+            name = RESKV_DISPLAY if under_baseline and not self.options else name + RESKV_DISPLAY
+        return f"{name} ({self.options_text})" if self.options else name
 
 
 def field_column(section: str, name: str) -> str:
     """The frame column of a section field (``quality.kl``); a ``KeyError`` for a field the
-    section does not declare."""
-    if name not in SECTIONS[section].__annotations__:
-        raise KeyError(
-            f"{section} has no field {name!r}; its fields: {list(SECTIONS[section].__annotations__)}"
-        )
+    section does not declare (``reskv.stats``)."""
+    if name not in fields(section):
+        raise KeyError(f"{section} has no field {name!r}; its fields: {list(fields(section))}")
     return f"{section}.{name}"
 
 
@@ -159,6 +177,7 @@ class SampleRecord:
     prediction_token_ids: list[int] = field(default_factory=list)
     cache_stats: CacheStats = field(default_factory=dict)
     timings: Timings = field(default_factory=dict)
+    run: Run = field(default_factory=dict)
     quality: Quality | None = None
     skipped: str | None = None
 
@@ -182,6 +201,7 @@ class SampleRecord:
         if self.skipped is not None:
             return {**prompt, "score": None, "skipped": self.skipped}
         quality = {} if self.quality is None else {"quality": self.quality}
+        run = {"run": self.run} if self.run else {}
         return {
             **prompt,
             "prediction": self.prediction,
@@ -190,6 +210,7 @@ class SampleRecord:
             "score": self.score,
             "cache_stats": self.cache_stats,
             "timings": self.timings,
+            **run,
             **quality,
         }
 
@@ -209,6 +230,7 @@ class SampleRecord:
             prediction_token_ids=data.get("prediction_token_ids", []),
             cache_stats=data.get("cache_stats", {}),
             timings=data.get("timings", {}),
+            run=data.get("run", {}),
             quality=data.get("quality"),
             skipped=data.get("skipped"),
         )

@@ -17,13 +17,16 @@ the next start. When every sample of the range is in, the final JSON is written 
 file and renamed over the target (atomic), then the journal is deleted. The final JSON is a
 pure function of the configuration and the sample records, sorted by index, so an interrupted
 and resumed run ends with the same file as an uninterrupted one, except for the wall-clock
-values kept under the keys named ``timings`` (see ``deterministic_view``). A journal is locked
+values kept under the keys named ``timings`` and how each sample was run, its ``run`` (the
+configurations that shared its prefill, its decode batch; see ``deterministic_view``). A journal is locked
 (``flock``) while a process writes it, so two launcher jobs never write one file.
 
 Units (also stated in every file's ``units``): ``summary.score`` (= ``summary.score_percent``) is
 the benchmark's task score in percent, 0-100; a sample's ``score`` is a fraction in [0, 1], or
 None for a sample ``skipped`` before its prefill (the record says why; summaries leave it out).
-Timings are wall-clock seconds; the top-level ``timings`` sums them over the scored samples.
+A sample's ``timings`` are wall-clock seconds and the tokens decoded, its ``run`` counts such as
+its decode batch (``reskv.stats`` declares both with their units); the top-level ``timings`` sums
+the seconds and tokens over the scored samples, never a count.
 """
 
 from __future__ import annotations
@@ -41,14 +44,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from baselines.registry import FULL_METHOD
+from baselines.registry import FULL_METHOD, METHODS, method_option_defaults
+from reskv.stats import TOKENS, summed, units
 
 SCHEMA = "reskv-task-result/1"
+_TOKEN_COUNTS = (
+    f"({', '.join(name for name, unit in units('timings').items() if unit == TOKENS)}: a token count)"
+)
 UNITS = {
     "summary.score": "percent (0-100), the benchmark's task score; equal to summary.score_percent",
     "samples[].score": "fraction in [0, 1]; null for a skipped sample",
-    "timings": "seconds summed over the scored samples (decode_tokens: a token count)",
-    "samples[].timings": "seconds; prefill_s, question_prefill_s: shared by prefill_shared_by configurations",
+    "timings": f"seconds summed over the scored samples {_TOKEN_COUNTS}",
+    "samples[].timings": f"seconds {_TOKEN_COUNTS}; the prefills are shared by run.prefill_shared_by "
+    "configurations",
+    "samples[].run": "never summed: " + ", ".join(f"{name} ({unit})" for name, unit in units("run").items()),
 }
 UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -95,8 +104,9 @@ class ResultFileLocked(ResultStoreError):
 class ResultKey:
     """What one result file holds. ``setting`` and ``ratio`` are None for the full cache.
 
-    ``method`` is the method label: the engine's method name, followed for non-default method
-    options by ``~`` and the differing options (``snapkv+reskv~validate=false``).
+    ``label`` is the method label (``scripts.harness.records.MethodLabel``): the method's name,
+    followed for non-default method options by ``~`` and the differing options
+    (``snapkv+reskv~validate=false``). A file stores it under the key ``method``, as it always has.
     """
 
     backbone: str
@@ -104,11 +114,11 @@ class ResultKey:
     length: int
     task: str
     setting: str | None
-    method: str
+    label: str
     ratio: float | None
 
     def __post_init__(self) -> None:
-        if (self.method == FULL_METHOD) != (self.setting is None and self.ratio is None):
+        if (self.label == FULL_METHOD) != (self.setting is None and self.ratio is None):
             raise ValueError(f"setting and ratio must be None exactly for the full cache: {self}")
 
     @property
@@ -119,10 +129,10 @@ class ResultKey:
 
     def path(self, runs_dir: Path, sample_range: tuple[int, int] | None = None) -> Path:
         """Final JSON path; ``sample_range`` names a shard of the task's samples."""
-        if self.method == FULL_METHOD:
+        if self.label == FULL_METHOD:
             directory, stem = runs_dir / self.task_dir, FULL_METHOD
         else:
-            directory, stem = runs_dir / self.task_dir / self.setting / self.method, f"{self.ratio:g}"
+            directory, stem = runs_dir / self.task_dir / self.setting / self.label, f"{self.ratio:g}"
         suffix = "" if sample_range is None else f".samples-{sample_range[0]}-{sample_range[1]}"
         return directory / f"{stem}{suffix}.json"
 
@@ -134,16 +144,17 @@ class ResultKey:
             self.length,
             self.task,
             self.setting or "",
-            self.method,
+            self.label,
             self.ratio or 0.0,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The key as a file stores it: the label under ``method``."""
+        return {("method" if name == "label" else name): value for name, value in asdict(self).items()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResultKey:
-        return cls(**data)
+        return cls(**{("label" if name == "method" else name): value for name, value in data.items()})
 
 
 def prompt_digest(prompt_ids: Iterable[int]) -> str:
@@ -182,10 +193,14 @@ def provenance(environment: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "machine": machine}
 
 
+RUN_DEPENDENT = ("timings", "run")  # the keys of what depends on how a run went, not on what it computed
+
+
 def deterministic_view(data: Any) -> Any:
-    """``data`` without the wall-clock ``timings`` entries: what two runs of one configuration share."""
+    """``data`` without its ``timings`` and ``run`` entries (wall-clock values, and how the samples
+    were run: their decode batch and prefill sharing): what two runs of one configuration share."""
     if isinstance(data, dict):
-        return {name: deterministic_view(value) for name, value in data.items() if name != "timings"}
+        return {name: deterministic_view(value) for name, value in data.items() if name not in RUN_DEPENDENT}
     if isinstance(data, list):
         return [deterministic_view(value) for value in data]
     return data
@@ -253,25 +268,44 @@ def summarize(samples: list[dict[str, Any]], score) -> dict[str, Any]:
     }
 
 
-def total_timings(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Seconds summed over the scored samples, per phase (kept apart from the deterministic content).
+def prefill_shared_by(sample: dict[str, Any]) -> int | None:
+    """The configurations that shared a sample's prefills: its ``run``'s count, or its ``timings``'
+    in a file written before samples had a ``run`` section; None where not recorded."""
+    return sample.get("run", {}).get("prefill_shared_by", sample.get("timings", {}).get("prefill_shared_by"))
 
-    ``prefill_shared_by`` is a count, not a time: it is not summed; ``prefill_s_own_share`` is
-    the share of the shared prefills that falls to this configuration (each prefill divided by
-    the configurations it served).
+
+def total_timings(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """The seconds and tokens of the scored samples summed per field (``reskv.stats.summed``; kept
+    apart from the deterministic content), and ``prefill_s_own_share``: the share of the shared
+    prefills that falls to this configuration (each prefill divided by the configurations it served).
     """
     totals: dict[str, float] = {}
     for sample in scored(samples):
         timings = sample.get("timings", {})
-        for name, value in timings.items():
-            if name != "prefill_shared_by" and isinstance(value, int | float) and not isinstance(value, bool):
-                totals[name] = totals.get(name, 0) + value
-        if "prefill_shared_by" in timings:
+        for name in summed("timings"):
+            if name in timings:
+                totals[name] = totals.get(name, 0) + timings[name]
+        if shared_by := prefill_shared_by(sample):
             shared = timings.get("prefill_s", 0) + timings.get("question_prefill_s", 0)
-            totals["prefill_s_own_share"] = (
-                totals.get("prefill_s_own_share", 0) + shared / timings["prefill_shared_by"]
-            )
+            totals["prefill_s_own_share"] = totals.get("prefill_s_own_share", 0) + shared / shared_by
     return {name: round(value, 6) for name, value in sorted(totals.items())}
+
+
+def without_default_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A result's identity (``config``) without the method options that hold their defaults.
+
+    The identity stores the options that differ from their defaults (as the label does), so an
+    option added with a default leaves every earlier file resumable; files written when it stored
+    every option, defaults included, compare equal to today's identity through this view."""
+    method, options = config.get("method"), config.get("method_options")
+    if method not in METHODS or not isinstance(options, dict):
+        return config
+    defaults = {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in method_option_defaults(method).items()
+    }
+    kept = {name: value for name, value in options.items() if name not in defaults or value != defaults[name]}
+    return {**config, "method_options": kept}
 
 
 @dataclass
@@ -339,14 +373,11 @@ class ResultFile:
         return self
 
     def _adopt(self, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
-        if header["config"] != self.config:
+        stored, config = without_default_options(header["config"]), without_default_options(self.config)
+        if stored != config:
             differing = sorted(
-                set(header["config"]) ^ set(self.config)
-                | {
-                    name
-                    for name in set(header["config"]) & set(self.config)
-                    if header["config"][name] != self.config[name]
-                }
+                set(stored) ^ set(config)
+                | {name for name in set(stored) & set(config) if stored[name] != config[name]}
             )
             raise ResultStoreError(
                 f"{self.path} holds results of another configuration (differs in {differing}); "

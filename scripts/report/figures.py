@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
-from baselines.registry import RESIDUAL_SUFFIX, display_name  # noqa: E402
+from scripts.harness.records import MethodLabel  # noqa: E402
 from scripts.harness.store import ResultStoreError, load_results  # noqa: E402
 from scripts.report.frames import frames_from_results, layers_frame  # noqa: E402
 from scripts.report.index import ResultIndex  # noqa: E402
@@ -82,8 +82,9 @@ def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
             for row in rows
         ]
         speed = [np.nan if row["decode_tokens_per_s"] is None else row["decode_tokens_per_s"] for row in rows]
-        memory_axis.plot(lengths, memory, marker="o", label=display_name(method))
-        speed_axis.plot(lengths, speed, marker="o", label=display_name(method))
+        name = MethodLabel.parse(method).display()
+        memory_axis.plot(lengths, memory, marker="o", label=name)
+        speed_axis.plot(lengths, speed, marker="o", label=name)
     for axis, title, unit in (
         (memory_axis, "(a) Peak memory", f"MiB ({measurements['memory_kind']})"),
         (speed_axis, "(b) Decode throughput", "tokens / s"),
@@ -103,17 +104,15 @@ OFFSET_SHARE = 0.08  # of the narrowest budget gap between neighbouring curves, 
 
 
 def budget_curves(index: ResultIndex, backbone: str, benchmark: str, length: int, setting: str) -> dict:
-    """``{method: [Cell per ratio]}`` as the averages table shows them (pairs on shared samples)."""
+    """``{label: [Cell per ratio]}`` as the averages table shows them (pairs on shared samples)."""
     curves = {}
     for block in method_blocks(index, backbone, benchmark, length, setting):
         columns = [
             index.block_averages(backbone, benchmark, length, setting, ratio, block)
             for ratio in index.ratios(backbone, benchmark, length)
         ]
-        curves |= {method: [column[method] for column in columns] for method in block}
-    return {
-        method: cells for method, cells in curves.items() if any(cell.value is not None for cell in cells)
-    }
+        curves |= {label: [column[label] for column in columns] for label in block}
+    return {label: cells for label, cells in curves.items() if any(cell.value is not None for cell in cells)}
 
 
 def budget_figures(index: ResultIndex, out_dir: Path) -> list[Path]:
@@ -139,14 +138,15 @@ def budget_figure(index: ResultIndex, backbone, benchmark, length, setting, out_
     gap = np.diff(np.sort(budgets)).min() if len(budgets) > 1 else 10.0
     full = index.block_averages(backbone, benchmark, length, None, None, ["full"])["full"]
     figure, axis = plt.subplots(figsize=(4.5, 3.6), layout="constrained")
-    for number, (method, cells) in enumerate(curves.items()):
+    for number, (label, cells) in enumerate(curves.items()):
+        shown = MethodLabel.parse(label)
         axis.plot(
             budgets + (number - (len(curves) - 1) / 2) * OFFSET_SHARE * gap,
             [np.nan if cell.value is None else cell.value for cell in cells],
             marker=MARKERS[number % len(MARKERS)],
             markerfacecolor="none",
-            linestyle="--" if method.endswith(RESIDUAL_SUFFIX) else "-",
-            label=display_name(method),
+            linestyle="--" if shown.residual else "-",
+            label=shown.display(),
         )
     if full.value is not None:
         axis.axhline(full.value, color="black", linewidth=1, label="Full Cache")
@@ -190,26 +190,27 @@ def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) ->
 
 
 def layer_figures(layers, out_dir: Path) -> list[Path]:
-    """Per-layer attention error and residual share (the quality measures), one figure per setting."""
+    """Per-layer attention error and residual share (the quality measures), one figure per setting:
+    (a) every method label at the tightest budget, (b) every +ResKV label (ablations included) at
+    every budget."""
     paths = []
     compressed = layers[layers["setting"].notna()]
     groups = compressed.groupby(["backbone", "benchmark", "length", "setting"])
     for (backbone, benchmark, length, setting), rows in groups:
-        means = rows.groupby(["method", "ratio", "layer"])[["attention_error", "residual_share"]].mean()
+        means = rows.groupby(["label", "ratio", "layer"])[["attention_error", "residual_share"]].mean()
         tightest = rows["ratio"].max()
+        residual = set(rows.loc[rows["residual"].astype(bool), "label"])
         figure, (error_axis, share_axis) = plt.subplots(1, 2, figsize=(11, 3.6))
-        for method in sorted(set(rows["method"])):
-            if (method, tightest) in means.index.droplevel("layer"):
-                curve = means.loc[(method, tightest)]
-                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=display_name(method))
-            if method.endswith(RESIDUAL_SUFFIX):
-                for ratio in sorted(set(rows.loc[rows["method"] == method, "ratio"])):
-                    curve = means.loc[(method, ratio)]
+        for label in sorted(set(rows["label"])):
+            name = MethodLabel.parse(label).display()
+            if (label, tightest) in means.index.droplevel("layer"):
+                curve = means.loc[(label, tightest)]
+                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=name)
+            if label in residual:
+                for ratio in sorted(set(rows.loc[rows["label"] == label, "ratio"])):
+                    curve = means.loc[(label, ratio)]
                     share_axis.plot(
-                        curve.index,
-                        curve["residual_share"],
-                        marker=".",
-                        label=f"{display_name(method)} {ratio:g}",
+                        curve.index, curve["residual_share"], marker=".", label=f"{name} {ratio:g}"
                     )
         error_axis.set(
             xlabel="layer",

@@ -1,4 +1,4 @@
-"""Every result file under a results directory as tidy pandas DataFrames (issue 9).
+"""Every result file under a results directory as tidy pandas DataFrames.
 
     from scripts.report.frames import configs_frame, load_frames, samples_frame
     samples, configs, warnings = load_frames("results")   # both, read once
@@ -12,15 +12,19 @@ one row per task whose data is unavailable here (``status`` "unavailable", ``rea
 Columns of both frames:
 
 - the configuration (``scripts.harness.store.ResultKey``): ``backbone``, ``benchmark``,
-  ``length``, ``task``, ``setting``, ``method`` (the label: ``snapkv+reskv~validate=false``),
-  ``ratio``; ``setting`` and ``ratio`` are empty for the full cache, which serves every ratio;
-- the label split up: ``base_method`` (the baseline without ``+reskv``), ``residual`` (whether
+  ``length``, ``task``, ``setting``, ``label`` (``snapkv+reskv~validate=false``), ``ratio``;
+  ``setting`` and ``ratio`` are empty for the full cache, which serves every ratio;
+- the label split up (``scripts.harness.records.MethodLabel``): ``method`` (the name,
+  ``snapkv+reskv``), ``base_method`` (the baseline without ``+reskv``), ``residual`` (whether
   ResKV is on), ``options`` (the non-default method options after ``~``, "" for none).
+
+The CSV files (``write_frames``, ``layers.csv``) hold the label in a column named ``method``, as
+the result files store it, and leave the name out (``base_method`` and ``residual`` give it).
 
 ``samples`` adds ``index``, ``score`` (a fraction in [0, 1], empty for a sample ``skipped``
 before its prefill; ``skipped`` holds the reason) and every other scalar field of the sample
 record, named by its JSON path: ``prompt_tokens``, ``prediction``, ``timings.decode_s``,
-``timings.prefill_shared_by``, and quality measures such as an answer log-likelihood or a KL
+``run.prefill_shared_by``, and quality measures such as an answer log-likelihood or a KL
 divergence when the runner records them. The per-layer, per-KV-head lists of ``cache_stats``
 (``cache_stats.main_slots``, ``cache_stats.residual_entries``, ...) become their mean over
 layers and heads. Other lists (references, token ids) are left out.
@@ -44,6 +48,7 @@ samples: ``mean_timings.decode_s``, ``mean_cache_stats.residual_entries``).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +58,11 @@ import pandas as pd
 import benchmarks
 from benchmarks.longbench_e import BUCKETS, bucket_scores
 from scripts.harness.records import MethodLabel
-from scripts.harness.store import TaskResult, load_results
+from scripts.harness.store import ResultKey, TaskResult, load_results
 
-KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "method", "ratio"]
+KEY_COLUMNS = ["backbone", "benchmark", "length", "task", "setting", "label", "ratio"]
 TASK_COLUMNS = KEY_COLUMNS[:4]
-LABEL_COLUMNS = ["base_method", "residual", "options"]
+LABEL_COLUMNS = ["method", "base_method", "residual", "options"]
 # Derived from cache_stats.residual_entries: the share of (layer, KV head) pairs with entries.
 RESIDUAL_HEADS = "cache_stats.residual_heads"
 STATUSES = ("complete", "partial", "unavailable")
@@ -76,10 +81,16 @@ CONFIG_COLUMNS = [
 ]
 
 
-def label_parts(method: str) -> dict[str, Any]:
-    """``base_method``, ``residual`` and ``options`` of a method label (``MethodLabel``)."""
-    label = MethodLabel.parse(method)
-    return {"base_method": label.base, "residual": label.residual, "options": label.options_text}
+def configuration_columns(key: ResultKey) -> dict[str, Any]:
+    """The columns of a configuration: its key's fields and its label split up (``LABEL_COLUMNS``)."""
+    label = MethodLabel.parse(key.label)
+    return {
+        **asdict(key),
+        "method": label.method,
+        "base_method": label.base,
+        "residual": label.residual,
+        "options": label.options_text,
+    }
 
 
 def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -99,7 +110,7 @@ def _scalar_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[s
 
 
 def _sample_rows(result: TaskResult) -> Iterator[dict[str, Any]]:
-    configuration = {**result.key.to_json(), **label_parts(result.key.method)}
+    configuration = configuration_columns(result.key)
     for index in sorted(result.samples):
         fields = dict(_scalar_fields(result.samples[index]))
         yield {**configuration, "index": index, "score": None, "skipped": None} | fields
@@ -123,7 +134,7 @@ def _bucket_scores(group: pd.DataFrame) -> pd.Series:
 def _configs(samples: pd.DataFrame, results: list[TaskResult]) -> pd.DataFrame:
     """One row per configuration: sample counts, task score, status and per-sample means."""
     totals = pd.DataFrame(
-        [{**result.key.to_json(), "samples_total": result.samples_total} for result in results],
+        [{**asdict(result.key), "samples_total": result.samples_total} for result in results],
         columns=[*KEY_COLUMNS, "samples_total"],
     )
     if samples.empty:
@@ -212,7 +223,7 @@ def _expanded_frame(results: list[TaskResult], expand, columns: list[str]) -> pd
     """Rows ``expand(record)`` yields for every sample record (dicts of ``columns``), each with its
     configuration and sample index in front."""
     rows = [
-        {**result.key.to_json(), **label_parts(result.key.method), "index": index, **row}
+        {**configuration_columns(result.key), "index": index, **row}
         for result in results
         for index, record in sorted(result.samples.items())
         for row in expand(record)
@@ -240,21 +251,31 @@ def _head_rows(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
     stats = record.get("cache_stats") or {}
     if not stats.get("compressed"):
         return
-    for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), strict=True)):
-        for head, values in enumerate(zip(*per_head, strict=True)):
+    # Empty for a method without ResKV, and in files written before the choice was recorded.
+    choices = stats.get("residual_choice") or [[np.nan] * len(layer) for layer in stats["main_slots"]]
+    for layer, per_head in enumerate(zip(*(stats[name] for name in HEAD_STATS), choices, strict=True)):
+        for head, (*values, choice) in enumerate(zip(*per_head, strict=True)):
             yield {
                 "layer": layer,
                 "head": head,
                 "budget": stats["budget"],
                 **dict(zip(HEAD_STATS, values, strict=True)),
+                "residual_choice": choice,
             }
 
 
 def heads_frame(results: list[TaskResult]) -> pd.DataFrame:
     """One row per compressing configuration, sample, layer and KV head: its ``budget``,
-    ``main_slots``, the ``residual_slots`` the proxy chose and the ``residual_entries`` built;
-    ``results`` as ``scripts.harness.store.load_results`` reads them."""
-    return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS])
+    ``main_slots``, the ``residual_slots`` the proxy chose, the ``residual_entries`` built and
+    the grid ratio ``r`` came from (``residual_choice``, empty where not recorded); ``results`` as
+    ``scripts.harness.store.load_results`` reads them."""
+    return _expanded_frame(results, _head_rows, ["layer", "head", "budget", *HEAD_STATS, "residual_choice"])
+
+
+def as_written(frame: pd.DataFrame) -> pd.DataFrame:
+    """A frame as its CSV file holds it: the label in the column ``method`` (as result files store
+    it), the name left out."""
+    return frame.drop(columns="method").rename(columns={"label": "method"})
 
 
 def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) -> list[Path]:
@@ -262,5 +283,5 @@ def write_frames(samples: pd.DataFrame, configs: pd.DataFrame, out_dir: Path) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "samples.csv", out_dir / "results.csv"]
     for frame, path in zip((samples, configs), paths, strict=True):
-        frame.to_csv(path, index=False)
+        as_written(frame).to_csv(path, index=False)
     return paths

@@ -85,39 +85,40 @@ class ResultIndex:
             and task in averaged_task_set(benchmark)
         ]
 
-    def has(self, backbone, benchmark, length, setting, method, ratio=None) -> bool:
-        """Whether any result matches; None for length, setting or ratio matches any."""
+    def has(self, backbone, benchmark, length, setting, label, ratio=None) -> bool:
+        """Whether any result of method label ``label`` matches; None for length, setting or ratio
+        matches any."""
         return not self.matching(
-            backbone=backbone, benchmark=benchmark, length=length, setting=setting, method=method, ratio=ratio
+            backbone=backbone, benchmark=benchmark, length=length, setting=setting, label=label, ratio=ratio
         ).empty
 
-    def compare(self, backbone, benchmark, length, setting, ratio, methods: Sequence[str]) -> dict[str, dict]:
-        """Task cells ``{method: {task: Cell}}`` of methods shown side by side (a baseline and its
-        +ResKV, the CaM or ablation rows): per task, every method present is scored on the samples
-        all of them scored, so a pair never compares different samples (issue 9). A cell is partial
-        when the samples all of them ran are fewer than the task has so far (``task_samples``)."""
+    def compare(self, backbone, benchmark, length, setting, ratio, labels: Sequence[str]) -> dict[str, dict]:
+        """Task cells ``{label: {task: Cell}}`` of method labels shown side by side (a baseline and its
+        +ResKV, the CaM or ablation rows): per task, every label present is scored on the samples
+        all of them scored, so a pair never compares different samples. A cell is partial when the
+        samples all of them ran are fewer than the task has so far (``task_samples``)."""
         tasks = self.tasks(backbone, benchmark, length)
         cells = {
-            method: {
+            label: {
                 task: Cell(unavailable=(backbone, benchmark, length, task) in self.unavailable)
                 for task in tasks
             }
-            for method in methods
+            for label in labels
         }
         rows = self.slices.get((backbone, benchmark, length, setting or "", _ratio_key(ratio)))
         if rows is None:
             return cells
-        for task, group in rows[rows["method"].isin(methods)].groupby("task"):
+        for task, group in rows[rows["label"].isin(labels)].groupby("task"):
             if (backbone, benchmark, length, task) in self.unavailable:
                 continue
-            present = group["method"].nunique()
-            shared = group.groupby("index")["method"].nunique() == present
-            scored = group[group["score"].notna()].groupby("index")["method"].nunique() == present
+            present = group["label"].nunique()
+            shared = group.groupby("index")["label"].nunique() == present
+            scored = group[group["score"].notna()].groupby("index")["label"].nunique() == present
             partial = shared.sum() < self.task_samples[(backbone, benchmark, length, task)]
-            for method, method_rows in group.groupby("method"):
-                scores = method_rows.loc[method_rows["index"].isin(scored[scored].index), "score"].tolist()
+            for label, label_rows in group.groupby("label"):
+                scores = label_rows.loc[label_rows["index"].isin(scored[scored].index), "score"].tolist()
                 value = benchmarks.task_score(benchmark, scores) if scores else None
-                cells[method][task] = Cell(value, partial=partial, n=(len(scores), len(scores)))
+                cells[label][task] = Cell(value, partial=partial, n=(len(scores), len(scores)))
         return cells
 
     def average(self, backbone, benchmark, length, task_cells: dict[str, Cell]) -> Cell:
@@ -131,10 +132,10 @@ class ResultIndex:
             n=(min(cell.n[0] for cell in cells), max(cell.n[1] for cell in cells)),
         )
 
-    def block_averages(self, backbone, benchmark, length, setting, ratio, methods) -> dict[str, Cell]:
-        """Average cell of each method of a block, its members compared on shared samples."""
-        compared = self.compare(backbone, benchmark, length, setting, ratio, methods)
-        return {method: self.average(backbone, benchmark, length, compared[method]) for method in methods}
+    def block_averages(self, backbone, benchmark, length, setting, ratio, labels) -> dict[str, Cell]:
+        """Average cell of each method label of a block, its members compared on shared samples."""
+        compared = self.compare(backbone, benchmark, length, setting, ratio, labels)
+        return {label: self.average(backbone, benchmark, length, compared[label]) for label in labels}
 
     def coverage_notes(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """Say when an average covers fewer tasks than the benchmark's full set, and which are n/a."""

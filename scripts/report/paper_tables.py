@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pandas as pd
+
 import benchmarks
 from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, SPECS, UNPAIRED_METHODS
 from scripts.harness.records import MethodLabel
@@ -30,6 +32,8 @@ ABLATIONS = (
     ("w/o dynamic gate", {"gate": False}),
     ("w/o shared softmax", {"shared_softmax": False}),
 )
+# The ablations' options as the frames' ``options`` column writes them (the method is no part of it).
+ABLATION_OPTIONS = {MethodLabel("", options).options_text for _, options in ABLATIONS if options}
 
 
 def method_blocks(
@@ -41,20 +45,22 @@ def method_blocks(
     bases: Sequence[str] = TABLE_BASES,
     ratio: float | None = None,
 ) -> list[list[str]]:
-    """Row groups of a setting: [base, base+reskv] pairs, then unpaired methods, those with any result."""
+    """Row groups of a setting: [base, base+reskv] pairs, then unpaired methods, those with any result
+    (labels without options: the methods as the paper runs them)."""
     blocks = []
     for base in bases:
         members = [base, base + RESIDUAL_SUFFIX] if base in RESIDUAL_BASES else [base]
         backbones = [backbone] if backbone else index.backbones(benchmark)
         if any(
-            index.has(b, benchmark, length, setting, method, ratio) for b in backbones for method in members
+            index.has(b, benchmark, length, setting, label, ratio) for b in backbones for label in members
         ):
             blocks.append(members)
     return blocks
 
 
-def method_row_name(method: str) -> str:
-    return "+ResKV" if method.endswith(RESIDUAL_SUFFIX) else SPECS[method].display
+def row_name(label: str) -> str:
+    """A label's row name in a block (``MethodLabel.display``: ``+ResKV`` under its baseline)."""
+    return MethodLabel.parse(label).display(under_baseline=True)
 
 
 def averages_table(index: ResultIndex, benchmark: str, bases: Sequence[str] = TABLE_BASES) -> Table | None:
@@ -109,8 +115,8 @@ def averages_table(index: ResultIndex, benchmark: str, bases: Sequence[str] = TA
             for column in columns:
                 mark_better(list(column.values()) if len(block) == 2 else ())
             table.body += [
-                Row([SETTING_NAMES[setting], method_row_name(method)], [column[method] for column in columns])
-                for method in block
+                Row([SETTING_NAMES[setting], row_name(label)], [column[label] for column in columns])
+                for label in block
             ]
     coverage = [
         note for backbone, length, _ in groups for note in index.coverage_notes(backbone, benchmark, length)
@@ -141,11 +147,11 @@ def task_table(
         compared = index.compare(backbone, benchmark, length, setting, ratio, block)
         rows = [
             Row(
-                stub + [method_row_name(method)] if len(stub) > 1 else stub,
-                [compared[method][task] for task in tasks]
-                + [index.average(backbone, benchmark, length, compared[method])],
+                stub + [row_name(label)] if len(stub) > 1 else stub,
+                [compared[label][task] for task in tasks]
+                + [index.average(backbone, benchmark, length, compared[label])],
             )
-            for method in block
+            for label in block
         ]
         mark_better([row.cells[-1] for row in rows] if len(block) == 2 else ())
         return rows
@@ -164,11 +170,11 @@ def task_table(
 
 
 def _task_columns(
-    index: ResultIndex, backbone: str, methods: Sequence[str], setting: str, ratio: float
+    index: ResultIndex, backbone: str, labels: Sequence[str], setting: str, ratio: float
 ) -> list[tuple[str, int, str]]:
-    """(benchmark, length, task) with a result for any of ``methods``, benchmark by benchmark."""
+    """(benchmark, length, task) with a result for any of the method ``labels``, benchmark by benchmark."""
     found = index.matching(backbone=backbone, setting=setting, ratio=ratio)
-    found = found[found["method"].isin(methods)]
+    found = found[found["label"].isin(labels)]
     return sorted(
         set(found[["benchmark", "length", "task"]].itertuples(index=False, name=None)),
         key=lambda column: (
@@ -189,22 +195,23 @@ def _column_heads(columns: Sequence[tuple[str, int, str]]) -> list[list[tuple[st
     return [groups, [(TASK_NAMES.get(task, task), 1) for _, _, task in columns]]
 
 
-def _comparison_settings(index: ResultIndex, marker_method) -> list[tuple[str, str, float]]:
-    """(backbone, setting, ratio) combinations where a method selected by ``marker_method`` has results."""
-    marked = index.configs[index.configs["method"].map(marker_method).astype(bool)]
+def _comparison_settings(index: ResultIndex, marks) -> list[tuple[str, str, float]]:
+    """(backbone, setting, ratio) combinations with results of the configurations ``marks`` selects
+    (a function of the configurations frame giving a boolean column)."""
+    marked = index.configs[marks(index.configs)]
     combos = set(marked[["backbone", "setting", "ratio"]].itertuples(index=False, name=None))
     return sorted(combos, key=lambda combo: (combo[0], combo[1], -combo[2]))
 
 
-def _task_rows(index, backbone, setting, ratio, columns, names, methods) -> list[Row]:
-    """One row per method over task columns of several benchmarks, the methods compared per task."""
+def _task_rows(index, backbone, setting, ratio, columns, names, labels) -> list[Row]:
+    """One row per method label over task columns of several benchmarks, compared per task."""
     compared = {
-        (benchmark, length): index.compare(backbone, benchmark, length, setting, ratio, methods)
+        (benchmark, length): index.compare(backbone, benchmark, length, setting, ratio, labels)
         for benchmark, length, _ in columns
     }
     rows = [
-        Row([name], [compared[benchmark, length][method][task] for benchmark, length, task in columns])
-        for name, method in zip(names, methods, strict=True)
+        Row([name], [compared[benchmark, length][label][task] for benchmark, length, task in columns])
+        for name, label in zip(names, labels, strict=True)
     ]
     for column in zip(*(row.cells for row in rows), strict=True):
         mark_better(column)
@@ -213,10 +220,10 @@ def _task_rows(index, backbone, setting, ratio, columns, names, methods) -> list
 
 def cam_tables(index: ResultIndex) -> list[Table]:
     """tab:snapkv_cam_reskv_tasks: SnapKV, +CaM and SnapKV+ResKV per task, wherever CaM ran."""
-    methods = ("snapkv", "cam", "snapkv" + RESIDUAL_SUFFIX)
+    labels = ("snapkv", "cam", "snapkv" + RESIDUAL_SUFFIX)
     tables = []
-    for backbone, setting, ratio in _comparison_settings(index, lambda method: method == "cam"):
-        columns = _task_columns(index, backbone, methods, setting, ratio)
+    for backbone, setting, ratio in _comparison_settings(index, lambda configs: configs["label"] == "cam"):
+        columns = _task_columns(index, backbone, labels, setting, ratio)
         table = Table(
             f"cam_{backbone.replace('/', '--')}_{ratio:g}_{setting}",
             f"Task-level comparison under {backbone_name(backbone)}, {retained(ratio)} retained KV, "
@@ -226,7 +233,7 @@ def cam_tables(index: ResultIndex) -> list[Table]:
             _column_heads(columns),
         )
         table.body += _task_rows(
-            index, backbone, setting, ratio, columns, ("SnapKV", "+CaM", "+ResKV"), methods
+            index, backbone, setting, ratio, columns, ("SnapKV", "+CaM", "+ResKV"), labels
         )
         add_notes(table, [])
         tables.append(table)
@@ -236,16 +243,14 @@ def cam_tables(index: ResultIndex) -> list[Table]:
 def ablation_tables(index: ResultIndex) -> list[Table]:
     """tab:ablation_main: ResKV and its ablations per task with the change from ResKV, where ablations ran."""
     tables = []
-    switches = [options for _, options in ABLATIONS if options]
 
-    def is_ablation(method: str) -> bool:
-        label = MethodLabel.parse(method)
-        return label.residual and label.options in switches
+    def ablations(configs: pd.DataFrame) -> pd.Series:
+        return configs["residual"].astype(bool) & configs["options"].isin(ABLATION_OPTIONS)
 
-    for backbone, setting, ratio in _comparison_settings(index, is_ablation):
+    for backbone, setting, ratio in _comparison_settings(index, ablations):
         for base in RESIDUAL_BASES:
-            methods = [str(MethodLabel(base + RESIDUAL_SUFFIX, options)) for _, options in ABLATIONS]
-            columns = _task_columns(index, backbone, methods[1:], setting, ratio)
+            labels = [str(MethodLabel(base + RESIDUAL_SUFFIX, options)) for _, options in ABLATIONS]
+            columns = _task_columns(index, backbone, labels[1:], setting, ratio)
             if not columns:
                 continue
             table = Table(
@@ -258,7 +263,7 @@ def ablation_tables(index: ResultIndex) -> list[Table]:
                 _column_heads(columns),
             )
             rows = _task_rows(
-                index, backbone, setting, ratio, columns, [name for name, _ in ABLATIONS], methods
+                index, backbone, setting, ratio, columns, [name for name, _ in ABLATIONS], labels
             )
             for column in zip(*(row.cells for row in rows), strict=True):
                 for cell in column[1:]:

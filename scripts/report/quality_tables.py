@@ -1,4 +1,4 @@
-"""Tables of the quality measures (reskv.quality, issue 10) next to the scores (scripts.report.tables).
+"""Tables of the quality measures (reskv.quality) next to the scores (scripts.report.tables).
 
 For every backbone, benchmark and length whose samples carry the measures:
 
@@ -15,8 +15,9 @@ For every backbone, benchmark and length whose samples carry the measures:
 - ``pairs_summary_<backbone>_<benchmark>-<length>``: the same pairs counted per configuration (task
   x budget x setting, means over its shared samples) and per base method, with the mean difference
   +ResKV minus base: the paper's "beats its base in 63 of 64 configurations" for each measure.
-- ``proxy_<backbone>_<benchmark>-<length>``: how often the validation proxy chose each residual
-  size of the grid, per +ResKV method, budget and setting (from ``results_frame.heads_frame``).
+- ``proxy_<backbone>_<benchmark>-<length>``: how often the validation proxy chose each ratio of
+  the grid, per +ResKV method, budget and setting (``scripts.report.frames.heads_frame``'s
+  ``residual_choice``, as the compressor recorded it).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from collections.abc import Iterator
 import numpy as np
 import pandas as pd
 
-from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, UNPAIRED_METHODS, display_name
+from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, UNPAIRED_METHODS
 from reskv.config import ResidualConfig
 from scripts.harness.records import MethodLabel, field_column
 from scripts.report.frames import RESIDUAL_HEADS
 from scripts.report.index import ResultIndex
 from scripts.report.names import SETTING_NAMES, backbone_name, benchmark_name, retained
-from scripts.report.paper_tables import method_row_name
+from scripts.report.paper_tables import row_name
 from scripts.report.render import CMIDRULE, MIDRULE, Cell, Row, Table
 
 GAP, KL, ERROR, SHARE = (
@@ -58,28 +59,21 @@ NOTES = [
 ]
 
 
-def method_name(label: str, standalone: bool = False) -> str:
-    """Row name of a method label: ``+ResKV`` under its baseline's row, ``SnapKV+ResKV`` standing
-    alone (``standalone``, or a label with options, which gets its own block), options in brackets."""
-    parsed = MethodLabel.parse(label)
-    options = parsed.options_text
-    name = display_name(parsed.method) if standalone or options else method_row_name(parsed.method)
-    return f"{name} ({options})" if options else name
-
-
-def _blocks(labels: set[str]) -> list[list[str]]:
-    """Pairs first (the paper's order), then unpaired methods, then labels with options alone."""
+def _blocks(rows: pd.DataFrame) -> list[list[str]]:
+    """The method labels of ``rows`` in blocks: pairs first (the paper's order), then unpaired
+    methods, then labels with options alone."""
+    labels = set(rows["label"])
     blocks = [[base, base + RESIDUAL_SUFFIX] for base in RESIDUAL_BASES]
     blocks = [[label for label in block if label in labels] for block in blocks]
     blocks += [[method] for method in UNPAIRED_METHODS if method in labels]
-    blocks += [[label] for label in sorted(labels) if MethodLabel.parse(label).options]
+    blocks += [[label] for label in sorted(set(rows.loc[rows["options"] != "", "label"]))]
     return [block for block in blocks if block]
 
 
 def _shared(rows: pd.DataFrame, members: list[str]) -> pd.DataFrame:
-    """The rows of ``members`` on the (task, index) samples all of them measured."""
-    rows = rows[rows["method"].isin(members) & rows[KL].notna()]
-    counts = rows.groupby(["task", "index"])["method"].transform("nunique")
+    """The rows of the method labels ``members`` on the (task, index) samples all of them measured."""
+    rows = rows[rows["label"].isin(members) & rows[KL].notna()]
+    counts = rows.groupby(["task", "index"])["label"].transform("nunique")
     return rows[counts == len(members)]
 
 
@@ -87,21 +81,21 @@ def _quality_cells(index: ResultIndex, where: tuple, setting: str, ratio: float,
     backbone, benchmark, length = where
     compared = index.compare(backbone, benchmark, length, setting or None, ratio or None, block)
     shared = _shared(rows, block)
-    for method in block:
-        own = shared[shared["method"] == method]
-        score = index.average(backbone, benchmark, length, compared[method])
+    for label in block:
+        own = shared[shared["label"] == label]
+        score = index.average(backbone, benchmark, length, compared[label])
         cells = [score]
         for _, column, digits, _ in (*MEASURES, RESIDUAL_MASS):
             cells.append(Cell(own[column].mean() if len(own) else None, digits=digits))
         footprint = [np.nan, np.nan]
-        if method != FULL_METHOD and len(own):
+        if label != FULL_METHOD and len(own):
             footprint = [
                 100 * own[RESIDUAL_HEADS].mean(),
                 100 * (own[RESIDUAL_SLOTS] / own[BUDGET]).mean(),
             ]
         cells += [Cell(None if np.isnan(value) else value, digits=1) for value in footprint]
         cells.append(Cell(float(len(own)), digits=0))
-        yield method, cells
+        yield label, cells
 
 
 def _slices(index: ResultIndex, where: tuple) -> Iterator[tuple[str, float, pd.DataFrame]]:
@@ -141,10 +135,10 @@ def quality_table(index: ResultIndex, where: tuple) -> Table:
         for _, cells in _quality_cells(index, where, "", 0.0, [FULL_METHOD], full):
             table.body.append(Row(["Full Cache"], cells))
     for setting, ratio, rows in _slices(index, where):
-        for number, block in enumerate(_blocks(set(rows["method"]))):
+        for number, block in enumerate(_blocks(rows)):
             table.body.append(CMIDRULE if number else MIDRULE)
-            for method, cells in _quality_cells(index, where, setting, ratio, block, rows):
-                table.body.append(Row([retained(ratio), SETTING_NAMES[setting], method_name(method)], cells))
+            for label, cells in _quality_cells(index, where, setting, ratio, block, rows):
+                table.body.append(Row([retained(ratio), SETTING_NAMES[setting], row_name(label)], cells))
     return table
 
 
@@ -174,7 +168,7 @@ def pairs_frame(index: ResultIndex, where: tuple) -> pd.DataFrame:
             shared = _shared(rows, [base, base + RESIDUAL_SUFFIX])
             if shared.empty:
                 continue
-            side = shared["method"].map({base: "base", base + RESIDUAL_SUFFIX: "reskv"})
+            side = shared["label"].map({base: "base", base + RESIDUAL_SUFFIX: "reskv"})
             wide = shared.assign(side=side).pivot(
                 index=["task", "index"], columns="side", values=[c for c, _ in COMPARED]
             )
@@ -221,7 +215,7 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
             cells.append(Cell(100 * (reskv_values.mean() / base_mean - 1) if base_mean else None, digits=1))
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
-        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], method_row_name(base)], cells))
+        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], row_name(base)], cells))
     return table
 
 
@@ -251,7 +245,7 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
     )
     groups = [
         (
-            method_row_name(base),
+            row_name(base),
             SETTING_NAMES[setting],
             configs[(configs["base"] == base) & (configs["setting"] == setting)],
         )
@@ -297,13 +291,17 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
     ]
     if rows.empty:
         return None
-    grid = [value for value in ResidualConfig().grid if value > 0]
-    # r = floor(g * b + 0.5) (reskv.proxy.candidate_sizes): the grid value nearest to r / b.
+    default_grid = [value for value in ResidualConfig().grid if value > 0]
+    # Files written before the compressor recorded its choice: the ratio of the default grid nearest
+    # to r / b, which is the proxy's choice where a run used that grid (r = floor(g * b + 0.5)).
     share = rows["residual_slots"] / rows["budget"]
     nearest = pd.Series(
-        np.array(grid)[np.abs(share.to_numpy()[:, None] - np.array(grid)).argmin(1)], rows.index
+        np.array(default_grid)[np.abs(share.to_numpy()[:, None] - np.array(default_grid)).argmin(1)],
+        rows.index,
     )
-    rows = rows.assign(choice=nearest.where(rows["residual_slots"] > 0, 0.0))
+    derived = nearest.where(rows["residual_slots"] > 0, 0.0)
+    rows = rows.assign(choice=rows["residual_choice"].astype(float).fillna(derived))
+    grid = sorted({*default_grid, *rows["choice"]} - {0.0})
     table = Table(
         f"proxy_{backbone.replace('/', '--')}_{benchmark}-{length}",
         f"{benchmark_name(benchmark, length)}, {backbone_name(backbone)}: the residual size the validation "
@@ -318,8 +316,8 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
         ],
     )
     previous = None
-    groups = rows.groupby(["ratio", "setting", "method"], sort=False)
-    for (ratio, setting, method), group in sorted(
+    groups = rows.groupby(["ratio", "setting", "label"], sort=False)
+    for (ratio, setting, label), group in sorted(
         groups, key=lambda item: (-item[0][0], item[0][1], item[0][2])
     ):
         counts = group["choice"].value_counts(normalize=True)
@@ -330,7 +328,7 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
         table.body.append(
-            Row([retained(ratio), SETTING_NAMES[setting], method_name(method, standalone=True)], cells)
+            Row([retained(ratio), SETTING_NAMES[setting], MethodLabel.parse(label).display()], cells)
         )
     return table
 

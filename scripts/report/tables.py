@@ -40,6 +40,7 @@ import pandas as pd
 import benchmarks
 from scripts.harness.store import ResultStoreError, load_results
 from scripts.report.frames import (
+    as_written,
     frames_from_results,
     heads_frame,
     layers_frame,
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     frames = write_frames(samples, configs, out_dir)
     layers = layers_frame(results)
     if len(layers):
-        layers.to_csv(out_dir / "layers.csv", index=False)
+        as_written(layers).to_csv(out_dir / "layers.csv", index=False)
         frames.append(out_dir / "layers.csv")
     print(
         f"{len(tables)} tables written to {out_dir} (.tex, .md, .csv; tables.md has them all); "

@@ -113,13 +113,14 @@ def decode_outputs(layer: CompressedLayer, queries: torch.Tensor, scaling: float
     )
 
 
-def budget_ok(method_name: str, layer: dict) -> bool:
-    """No head holds more than ``b`` slots; AdaKV: the layer holds at most ``H_kv * b``; PyramidKV: no
-    head holds more than its layer's pyramid budget (the layers' budgets average ``b``)."""
+def budget_ok(scope: str, layer: dict) -> bool:
+    """By the rule's ``TokenScorer.budget_scope``: no head holds more than ``b`` slots ("uniform"); the
+    layer holds at most ``H_kv * b`` ("head": AdaKV); no head holds more than its layer's budget
+    ("layer": PyramidKV, whose layers' budgets average ``b``)."""
     slots, budget = layer["slots"], layer["budget"]
-    if method_name.startswith("pyramidkv"):
+    if scope == "layer":
         return max(slots) <= layer["layer_budget"]
-    if method_name.startswith("adakv"):
+    if scope == "head":
         return sum(slots) <= len(slots) * budget
     return max(slots) <= budget
 
@@ -152,7 +153,7 @@ def check_model(
                         "method": method_name,
                         "ratio": ratio,
                         "setting": setting,
-                        **compare_layers(method_name, got, expected),
+                        **compare_layers(build_method(method_name, ratio).scorer.budget_scope, got, expected),
                         "decoded_tokens": len(generation.token_ids),
                     }
                     row["passed"] = passed(row)
@@ -168,7 +169,7 @@ def near_tie(got: dict, expected: dict) -> bool:
     return bool((scores.max() - scores.min()) <= TIE_TOLERANCE * expected["scores"].abs().max())
 
 
-def compare_layers(method_name: str, got: list[dict], expected: list[dict]) -> dict:
+def compare_layers(budget_scope: str, got: list[dict], expected: list[dict]) -> dict:
     """One configuration's per-layer results on the device against the CPU fp32 reference.
 
     The output error is taken over the layers whose kept sets and residual sizes equal the
@@ -197,7 +198,7 @@ def compare_layers(method_name: str, got: list[dict], expected: list[dict]) -> d
         / max(1, len(got)),
         "residual_heads": sum(sum(size > 0 for size in g["residual_slots"]) for g in got),
         "finite": all(bool(torch.isfinite(g["output"]).all()) for g in got),
-        "budget_ok": all(budget_ok(method_name, g) for g in got),
+        "budget_ok": all(budget_ok(budget_scope, g) for g in got),
         "max_output_error": max(errors, default=0.0),
     }
 
