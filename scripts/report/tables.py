@@ -3,7 +3,8 @@
     python -m scripts.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
 
 Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
-and the frames themselves as ``results.csv`` (one row per configuration), ``samples.csv`` and, where
+and the frames themselves as ``results.csv`` (one row per configuration, with its score's 95% bootstrap
+interval ``score_low``, ``score_high``: scripts.report.statistics), ``samples.csv`` and, where
 the quality measures ran, ``layers.csv`` (per layer; the quality tables are scripts.report.quality_tables):
 
 - ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
@@ -40,6 +41,7 @@ import pandas as pd
 import benchmarks
 from scripts.harness.store import ResultStoreError, load_results
 from scripts.report.frames import (
+    KEY_COLUMNS,
     frames_from_results,
     heads_frame,
     layers_frame,
@@ -49,6 +51,7 @@ from scripts.report.index import ResultIndex
 from scripts.report.paper_tables import ablation_tables, averages_table, cam_tables, task_table
 from scripts.report.quality_tables import quality_tables
 from scripts.report.render import Table, write_tables
+from scripts.report.statistics import score_intervals
 
 
 def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
@@ -89,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     tables = all_tables(ResultIndex(samples, configs), heads_frame(results))
     out_dir = args.out_dir or args.results_dir / "tables"
     write_tables(tables, out_dir, args.show_n)
+    intervals = score_intervals(samples, KEY_COLUMNS)
+    configs = configs.merge(intervals, on=KEY_COLUMNS, how="left")
+    configs.insert(configs.columns.get_loc("score") + 1, "score_low", configs.pop("score_low"))
+    configs.insert(configs.columns.get_loc("score") + 2, "score_high", configs.pop("score_high"))
     frames = write_frames(samples, configs, out_dir)
     layers = layers_frame(results)
     if len(layers):
