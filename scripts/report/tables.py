@@ -16,6 +16,8 @@ the quality measures ran, ``layers.csv`` (per layer; the quality tables are scri
   task; bold on the best of each column.
 - ``ablation_<backbone>_<method>_<ratio>_<setting>`` (tab:ablation_main): ResKV and its three
   ablations per task with the drop from ResKV; bold on the best of each column.
+- ``verdict_claims_<backbone>``, ``verdict_pairs_<backbone>``, ``verdict_cells_<backbone>``: the
+  paper's claims, +ResKV pairs and numbers against the results (scripts.report.verdict).
 
 Rules every table follows: a configuration that was not run is shown as missing (``--``),
 never as 0; rows shown side by side (a baseline and its +ResKV, the CaM and ablation rows) are
@@ -52,6 +54,7 @@ from scripts.report.paper_tables import ablation_tables, averages_table, cam_tab
 from scripts.report.quality_tables import quality_tables
 from scripts.report.render import Table, write_tables
 from scripts.report.statistics import score_intervals
+from scripts.report.verdict import verdict_tables
 
 
 def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
@@ -66,7 +69,8 @@ def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Ta
                 task_table(index, backbone, benchmark, length)
                 for length in index.lengths(backbone, benchmark)
             ]
-    return tables + cam_tables(index) + ablation_tables(index) + quality_tables(index, heads)
+    tables += cam_tables(index) + ablation_tables(index) + quality_tables(index, heads)
+    return tables + verdict_tables(index)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
