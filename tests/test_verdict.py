@@ -169,3 +169,23 @@ def test_a_backbone_the_paper_did_not_run_gets_only_the_claims(tmp_path):
     # interval is [0, 66.67]. Samples needed: per task the values (50, 0, 0) (a difference halved by
     # the average), variance 833.3 each; n = 2.8016^2 * 1666.7 / 3.38^2 = 1145.03 -> 1146.
     assert "| RULER: mean gain | 3.38 | 33.34 | [0.00, 66.67] | 1/64 | 3 | inconclusive | 1146 |" in markdown
+
+
+def test_ties_count_for_neither_side_of_the_sign_test(tmp_path):
+    runs_dir = tmp_path / "runs"
+    for setting, ratio, base, reskv in (
+        ("aware", 0.9, [0, 0], [1, 0]),  # won
+        ("aware", 0.8, [1, 0], [1, 0]),  # tied
+        ("agnostic", 0.9, [1, 1], [0, 1]),  # lost
+    ):
+        for method, scores in (("snapkv", base), ("snapkv+reskv", reskv)):
+            write_result(
+                runs_dir, ResultKey("tiny-llama", "ruler", 1024, "vt", setting, method, ratio), scores
+            )
+    (claims,) = verdict_tables(ResultIndex.from_directory(runs_dir)[0])
+    # 1 won of 3 pairs; the interval is Clopper-Pearson's for 1 of the 2 decided (the tie left out):
+    # 1 - (1 - p)^2 = 0.025 and 1 - p^2 = 0.025 give [1 - sqrt(0.975), sqrt(0.975)] = [0.0126, 0.9874].
+    assert (
+        "| RULER: configurations improved | 63/64 | 1/3 | [0.01, 0.99] | 3/64 | 2 | inconclusive | -- |"
+        in (to_markdown(claims))
+    )
