@@ -69,6 +69,10 @@ from scripts.report.statistics import (
 )
 
 WITHIN, OUTSIDE = "within", "outside"
+STUB_HEADS = ["Table", "Benchmark", "Budget", "Setting", "Task"]  # where a pair or cell of the paper is
+GAIN_HEADS = ("Paper", "Reproduced", "95% CI", "Samples/task", "Verdict", "Samples/task needed")
+CLAIM_HEADS = (*GAIN_HEADS[:3], "Pairs", *GAIN_HEADS[3:])
+CELL_HEADS = ("Paper", "Reproduced", "95% CI", "Difference", "Samples/task", "Verdict")
 READING = (
     "Gains: +ResKV minus the method beside it, in points; intervals: 95% bootstrap over samples, "
     "resampled within each task and paired across the methods and configurations run on them, tasks "
@@ -250,34 +254,13 @@ def claims_table(reproduction: Reproduction, backbone: str) -> Table | None:
             missing.append(claim.name)
     if not rows:
         return None
-    foreign = backbone not in PAPER_BACKBONES
     caption = f"The paper's comparative claims on {backbone_name(backbone)}'s results."
-    if foreign:
+    if backbone not in PAPER_BACKBONES:
         caption += (
             f" {backbone_name(backbone)} is not a backbone of the paper: only its comparative claims are "
             "checked, never its absolute numbers."
         )
-    table = Table(
-        f"verdict_claims_{backbone.replace('/', '--')}",
-        caption,
-        f"tab:verdict_claims_{backbone}",
-        ["Claim"],
-        [
-            [
-                (head, 1)
-                for head in (
-                    "Paper",
-                    "Reproduced",
-                    "95% CI",
-                    "Pairs",
-                    "Samples/task",
-                    "Verdict",
-                    "Samples/task needed",
-                )
-            ]
-        ],
-        rows,
-    )
+    table = _table("claims", backbone, caption, ["Claim"], CLAIM_HEADS, rows)
     table.notes = [
         f"Claims: {_tally(rows, 5, (REPRODUCED, CONTRADICTED, INCONCLUSIVE))}.",
         READING,
@@ -311,26 +294,8 @@ def pairs_table(reproduction: Reproduction, backbone: str) -> Table | None:
                 rows.append(Row([*_stub(pair.reskv, length), other], cells))
     if not rows:
         return None
-    table = Table(
-        f"verdict_pairs_{backbone.replace('/', '--')}",
-        f"The paper's +ResKV pairs on {backbone_name(backbone)}: its gain against the reproduced one.",
-        f"tab:verdict_pairs_{backbone}",
-        ["Table", "Benchmark", "Budget", "Setting", "Task", "+ResKV"],
-        [
-            [
-                (head, 1)
-                for head in (
-                    "Paper",
-                    "Reproduced",
-                    "95% CI",
-                    "Samples/task",
-                    "Verdict",
-                    "Samples/task needed",
-                )
-            ]
-        ],
-    )
-    table.body = _grouped(rows)
+    caption = f"The paper's +ResKV pairs on {backbone_name(backbone)}: its gain against the reproduced one."
+    table = _table("pairs", backbone, caption, [*STUB_HEADS, "+ResKV"], GAIN_HEADS, _grouped(rows))
     table.notes = [f"Pairs: {_tally(rows, 4, (REPRODUCED, CONTRADICTED, INCONCLUSIVE))}.", READING]
     return table
 
@@ -359,14 +324,8 @@ def cells_table(reproduction: Reproduction, backbone: str) -> Table | None:
             rows.append(Row([*_stub(cell, length), method_name(cell.method, standalone=True)], cells))
     if not rows:
         return None
-    table = Table(
-        f"verdict_cells_{backbone.replace('/', '--')}",
-        f"The paper's numbers on {backbone_name(backbone)} against the reproduced ones.",
-        f"tab:verdict_cells_{backbone}",
-        ["Table", "Benchmark", "Budget", "Setting", "Task", "Method"],
-        [[(head, 1) for head in ("Paper", "Reproduced", "95% CI", "Difference", "Samples/task", "Verdict")]],
-    )
-    table.body = _grouped(rows)
+    caption = f"The paper's numbers on {backbone_name(backbone)} against the reproduced ones."
+    table = _table("cells", backbone, caption, [*STUB_HEADS, "Method"], CELL_HEADS, _grouped(rows))
     table.notes = [
         f"Cells: {_tally(rows, 5, (WITHIN, OUTSIDE))} the reproduced value's 95% interval (bootstrap over "
         "samples, resampled within each task, tasks weighted as the tables average them). One seed, "
@@ -374,6 +333,13 @@ def cells_table(reproduction: Reproduction, backbone: str) -> Table | None:
         "own that no interval here shows."
     ]
     return table
+
+
+def _table(kind: str, backbone: str, caption: str, stub_heads: list[str], heads: tuple, body: list) -> Table:
+    name = f"verdict_{kind}_{backbone.replace('/', '--')}"
+    return Table(
+        name, caption, f"tab:verdict_{kind}_{backbone}", stub_heads, [[(head, 1) for head in heads]], body
+    )
 
 
 def _grouped(rows: list[Row]) -> list[Row | str]:
