@@ -30,7 +30,7 @@ import benchmarks
 from baselines.registry import METHODS, OPTIONS, RESKV_OPTIONS
 from reskv.config import SETTINGS
 from scripts.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
-from scripts.harness.records import option_text
+from scripts.harness.records import MethodLabel, option_text
 
 log = logging.getLogger("run")
 # Config groups chosen by name on the command line (``backbone=tiny-llama``); a name not in
@@ -137,27 +137,68 @@ def summary_line(entry: GridEntry, task: str, document: dict | None) -> str:
 QUALITY_COLUMNS = (("LL gap", "answer_log_prob_gap", 2), ("KL", "kl", 3), ("attn err", "attention_error", 3))
 
 
+def paired_text(plan: Plan, entry: GridEntry, results: dict, tasks: list[str]) -> str:
+    """A +ResKV entry against its baseline (same setting and ratio) on the samples both scored: the
+    difference of the task-average score, its 95% paired bootstrap interval and the samples per task
+    (scripts.report.statistics); "" for other entries or without shared samples."""
+    import pandas as pd
+
+    from scripts.harness.store import ResultKey, scored
+    from scripts.report.statistics import mean_of_means, score_differences
+
+    label = MethodLabel.parse(entry.label)
+    if not label.residual:
+        return ""
+
+    def scores(method: str) -> dict[str, pd.Series]:
+        found = {}
+        for task in tasks:
+            key = ResultKey(
+                plan.backbone, plan.benchmark, plan.length, task, entry.setting, method, entry.ratio
+            )
+            if key in results:
+                samples = scored(list(results[key].samples.values()))
+                found[task] = pd.Series({sample["index"]: sample["score"] for sample in samples}, dtype=float)
+        return found
+
+    member = score_differences(scores(label.base), scores(entry.label))
+    difference = mean_of_means([member])
+    if difference is None:
+        return ""
+    covered = "" if len(member) == len(tasks) else f", {len(member)} of {len(tasks)} tasks"
+    return f"{difference.value:+.2f} {difference.interval_text('+')} (n={difference.samples_text}{covered})"
+
+
 def result_table(plan: Plan, available_tasks: set[str]):
     """Scores of this plan's configurations as found on disk (resumed and earlier shards included);
     ``n/a`` for a task whose data is unavailable here, ``skipped`` where no sample could run (the
     result file says why), ``–`` for a configuration not run yet. With the quality measures on,
     their means over the configuration's samples (all tasks) follow: a tie in score still shows
-    which cache stays closer to the full one."""
+    which cache stays closer to the full one. Each +ResKV entry shows its paired difference to its
+    baseline (``paired_text``)."""
     from rich.table import Table
 
     from scripts.harness.store import load_results, scored
 
-    keys = {entry.key(plan, task) for task in plan.tasks for entry in plan.grid}
-    results = {result.key: result for result in load_results(plan.runs_dir)[0] if result.key in keys}
+    results = {result.key: result for result in load_results(plan.runs_dir)[0]}
     title = f"{plan.backbone} · {plan.benchmark}-{plan.length} (score %, samples)"
     if plan.quality:
         title += "\nLL gap, KL, attn err: distance to the full cache (reskv.quality; 0 = identical)"
+    paired = any(MethodLabel.parse(entry.label).residual for entry in plan.grid)
+    if paired:
+        title += (
+            "\n+ResKV - base: task-average score difference to the baseline (points), 95% paired "
+            "bootstrap interval, n shared samples per task"
+        )
     table = Table(title=title)
     table.add_column("configuration")
     for task in plan.tasks:
         table.add_column(task, justify="right")
     for head, _, _ in QUALITY_COLUMNS if plan.quality else ():
         table.add_column(head, justify="right")
+    if paired:
+        table.add_column("+ResKV - base", justify="right")
+    averaged = [task for task in plan.tasks if task in available_tasks]
     for entry in plan.grid:
         row = [entry.describe()]
         measured = []
@@ -177,6 +218,8 @@ def result_table(plan: Plan, available_tasks: set[str]):
         for _, name, digits in QUALITY_COLUMNS if plan.quality else ():
             values = [quality[name] for quality in measured if name in quality]
             row.append(f"{sum(values) / len(values):.{digits}f}" if values else "–")
+        if paired:
+            row.append(paired_text(plan, entry, results, averaged))
         table.add_row(*row)
     return table
 

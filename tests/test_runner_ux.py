@@ -30,6 +30,7 @@ from scripts.harness.grid import GridRun, load_task_items, run_plan
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results, summarize
 from tests.conftest import journaled_samples, start_interruptible
+from tests.test_aggregate_tables import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_VT = ["backbone=tiny-llama", "benchmark.length=1024", "max_new_tokens=4", "benchmark.tasks=[vt]"]
@@ -158,6 +159,25 @@ def test_end_table_marks_unavailable_tasks_na(tmp_path, ruler_cache, backbone):
         "aware snapkv 0.9": ["–", "n/a"],
         "aware snapkv 0.9995": ["skipped (1)", "n/a"],
     }
+
+
+def test_end_table_shows_each_reskv_pairs_difference_on_shared_samples(tmp_path, ruler_cache):
+    plan = plan_for(
+        [*TINY_VT, "method=[snapkv,snapkv+reskv]", "ratio=0.9", "setting=agnostic"], tmp_path, ruler_cache
+    )
+    base, reskv = plan.grid
+    write_result(plan.runs_dir, base.key(plan, "vt"), [0, 0.5, 1, 0])
+    write_result(plan.runs_dir, reskv.key(plan, "vt"), [1, 0.5, 1])  # sample 3 not run
+    console = Console(record=True, width=200)
+    console.print(run.result_table(plan, {"vt"}))
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[-2].strip()
+        for line in console.export_text().splitlines()
+        if "snapkv" in line
+    }
+    # On the 3 shared samples: +100, 0, 0 points, mean 33.33; resampled, the mean is 0, 33.3, 66.7 or
+    # 100 with chances 8, 12, 6, 1 in 27 (100: 3.7% > 2.5%), so the interval runs from 0 to 100.
+    assert rows == {"agnostic snapkv 0.9": "", "agnostic snapkv+reskv 0.9": "+33.33 [+0.00, +100.00] (n=3)"}
 
 
 def budget(tokens: int, ratio: float) -> int:

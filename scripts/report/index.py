@@ -45,6 +45,8 @@ class ResultIndex:
         slices = samples.assign(setting=samples["setting"].fillna(""), ratio=samples["ratio"].map(_ratio_key))
         self.samples = slices
         self.slices = dict(list(slices.groupby(["backbone", "benchmark", "length", "setting", "ratio"])))
+        self._tasks: dict[tuple, list[str]] = {}  # tasks() of each backbone, benchmark and length
+        self._shared: dict[tuple, dict] = {}  # shared_scores() of each block
 
     @classmethod
     def from_directory(cls, runs_dir: Path) -> tuple[ResultIndex, list[str]]:
@@ -72,9 +74,13 @@ class ResultIndex:
 
     def tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """Tasks with a result or an unavailable mark, in the benchmark's order."""
-        found = set(self.matching(backbone=backbone, benchmark=benchmark, length=length)["task"])
-        found |= {task for *where, task in self.unavailable if tuple(where) == (backbone, benchmark, length)}
-        return _ordered(found, benchmarks.tasks(benchmark))
+        if (backbone, benchmark, length) not in self._tasks:
+            found = set(self.matching(backbone=backbone, benchmark=benchmark, length=length)["task"])
+            found |= {
+                task for *where, task in self.unavailable if tuple(where) == (backbone, benchmark, length)
+            }
+            self._tasks[backbone, benchmark, length] = _ordered(found, benchmarks.tasks(benchmark))
+        return list(self._tasks[backbone, benchmark, length])
 
     def averaged_tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """The tasks an average covers: available ones (LongBench: its 16 English tasks only)."""
@@ -105,21 +111,48 @@ class ResultIndex:
             }
             for label in labels
         }
-        rows = self.slices.get((backbone, benchmark, length, setting or "", _ratio_key(ratio)))
-        if rows is None:
-            return cells
-        for task, group in rows[rows["label"].isin(labels)].groupby("task"):
-            if (backbone, benchmark, length, task) in self.unavailable:
-                continue
-            present = group["label"].nunique()
-            shared = group.groupby("index")["label"].nunique() == present
-            scored = group[group["score"].notna()].groupby("index")["label"].nunique() == present
-            partial = shared.sum() < self.task_samples[(backbone, benchmark, length, task)]
-            for label, label_rows in group.groupby("label"):
-                scores = label_rows.loc[label_rows["index"].isin(scored[scored].index), "score"].tolist()
-                value = benchmarks.task_score(benchmark, scores) if scores else None
-                cells[label][task] = Cell(value, partial=partial, n=(len(scores), len(scores)))
+        for task, (shared, scores) in self.shared_scores(
+            backbone, benchmark, length, setting, ratio, labels
+        ).items():
+            partial = shared < self.task_samples[(backbone, benchmark, length, task)]
+            for label, values in scores.items():
+                value = benchmarks.task_score(benchmark, values.tolist()) if len(values) else None
+                cells[label][task] = Cell(value, partial=partial, n=(len(values), len(values)))
         return cells
+
+    def shared_scores(
+        self, backbone, benchmark, length, setting, ratio, labels: Sequence[str]
+    ) -> dict[str, tuple[int, dict[str, pd.Series]]]:
+        """Per available task with results: how many samples every label present ran (scored or
+        skipped), and each label's sample scores (fractions, by sample index) on the samples all of
+        them scored: what ``compare`` scores a block on, and what its intervals resample."""
+        where = (backbone, benchmark, length, setting or "", _ratio_key(ratio))
+        if (*where, *labels) in self._shared:
+            return self._shared[(*where, *labels)]
+        rows = self.slices.get(where)
+        found = self._shared[(*where, *labels)] = {}
+        if rows is None:
+            return found
+        selected = rows[rows["label"].isin(labels)]
+        sample = [selected["task"], selected["index"]]
+        present = selected.groupby("task")["label"].transform("nunique")  # methods with the task
+        ran = selected.groupby(sample)["label"].transform("size") == present
+        scored = selected["score"].notna().groupby(sample).transform("sum") == present
+        shared = selected[ran].groupby("task")["index"].nunique()
+        kept = dict(list(selected[scored].groupby(["task", "label"])))
+        empty = pd.Series(dtype=float, name="score", index=pd.Index([], name="index"))
+        for task, found_labels in selected.groupby("task")["label"].unique().items():
+            if (backbone, benchmark, length, task) not in self.unavailable:
+                found[task] = (
+                    int(shared.get(task, 0)),
+                    {
+                        label: kept[(task, label)].set_index("index")["score"]
+                        if (task, label) in kept
+                        else empty
+                        for label in sorted(found_labels)
+                    },
+                )
+        return found
 
     def average(self, backbone, benchmark, length, task_cells: dict[str, Cell]) -> Cell:
         """Unweighted mean of the averaged tasks' cells, missing unless every one has a value."""

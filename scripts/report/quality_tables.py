@@ -35,6 +35,7 @@ from scripts.report.index import ResultIndex
 from scripts.report.names import SETTING_NAMES, backbone_name, benchmark_name, retained
 from scripts.report.paper_tables import row_name
 from scripts.report.render import CMIDRULE, MIDRULE, Cell, Row, Table
+from scripts.report.statistics import Member, interval_text, mean_of_means, sign_test_interval
 
 GAP, KL, ERROR, SHARE = (
     field_column("quality", name)
@@ -149,6 +150,12 @@ def closer(base: pd.Series, reskv: pd.Series, reading: str) -> pd.Series:
     return reskv < base
 
 
+CONFIGURATION = ["base", "setting", "ratio", "task"]  # a pair's configuration in a pairs frame
+SCORE_DIFFERENCE_NOTE = (
+    "Score difference: +ResKV minus baseline, the mean over tasks (as the averages weight them) of the "
+    "mean over the pair's shared samples, with its 95% paired bootstrap interval (samples resampled "
+    "within each task; scripts/report/statistics.py)."
+)
 COMPARED = (("score", "higher"), *((column, reading) for _, column, _, reading in MEASURES))
 
 
@@ -157,6 +164,15 @@ def wins(frame: pd.DataFrame, column: str, reading: str, side: str = "reskv") ->
     other = "base" if side == "reskv" else "reskv"
     theirs, ours = frame[f"{column}:{other}"], frame[f"{column}:{side}"]
     return ours > theirs if reading == "higher" else closer(theirs, ours, reading)
+
+
+def score_differences(pairs: pd.DataFrame) -> Member:
+    """Per task, each shared sample's score difference +ResKV minus baseline (points) of pairs frame
+    rows: a member of ``statistics.mean_of_means``, which averages the tasks as the tables do."""
+    return {
+        task: 100 * (rows["score:reskv"] - rows["score:base"]).set_axis(rows["index"])
+        for task, rows in pairs.groupby("task")
+    }
 
 
 def pairs_frame(index: ResultIndex, where: tuple) -> pd.DataFrame:
@@ -187,16 +203,23 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
         f"tab:{benchmark}{length}_{backbone}_pairs",
         ["Budget", "Setting", "Baseline"],
         [
-            [("Closer to full (k/n)", 1 + len(MEASURES)), ("+ResKV vs baseline, mean (%)", len(MEASURES))],
+            [
+                ("Closer to full (k/n)", 1 + len(MEASURES)),
+                ("+ResKV vs baseline, mean (%)", len(MEASURES)),
+                ("Score difference (points)", 2),
+            ],
             [
                 ("Score (tasks)", 1),
                 *((f"{head} (samples)", 1) for head, _, _, _ in MEASURES),
                 *((f"{'|LL gap|' if reading == 'abs' else head}", 1) for head, _, _, reading in MEASURES),
+                ("Mean", 1),
+                ("95% CI", 1),
             ],
         ],
         notes=[
-            "Ties count for neither side; the last columns compare the means over the pair's samples "
-            "(+ResKV / baseline - 1, in percent; negative is closer to the full cache). " + NOTES[0]
+            "Ties count for neither side; the measures' columns compare the means over the pair's samples "
+            "(+ResKV / baseline - 1, in percent; negative is closer to the full cache). " + NOTES[0],
+            SCORE_DIFFERENCE_NOTE,
         ],
     )
     previous = None
@@ -213,6 +236,8 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
                 base_values, reskv_values = base_values.abs(), reskv_values.abs()
             base_mean = base_values.mean()
             cells.append(Cell(100 * (reskv_values.mean() / base_mean - 1) if base_mean else None, digits=1))
+        difference = mean_of_means([score_differences(group)])
+        cells += [Cell(difference.value), Cell(text=difference.interval_text())]
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
         table.body.append(Row([retained(ratio), SETTING_NAMES[setting], row_name(base)], cells))
@@ -221,9 +246,7 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
 
 def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
     backbone, benchmark, length = where
-    configs = (
-        pairs.groupby(["base", "setting", "ratio", "task"], sort=False).mean(numeric_only=True).reset_index()
-    )
+    configs = pairs.groupby(CONFIGURATION, sort=False).mean(numeric_only=True).reset_index()
     heads = [("Score", 1), *((head, 1) for head, _, _, _ in MEASURES)]
     table = Table(
         f"pairs_summary_{backbone.replace('/', '--')}_{benchmark}-{length}",
@@ -238,10 +261,17 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
                 ("Configurations won", len(heads)),
                 ("Configurations lost", len(heads)),
                 ("Mean difference", len(heads)),
+                ("Score, paired", 3),
             ],
-            heads * 3,
+            [*heads * 3, ("Difference 95% CI", 1), ("Won / decided", 1), ("Sign-test 95% CI", 1)],
         ],
-        notes=["A configuration's values are means over the samples both methods ran. " + NOTES[0]],
+        notes=[
+            "A configuration's values are means over the samples both methods ran. " + NOTES[0],
+            "Difference 95% CI: of the mean score difference, a paired bootstrap (samples resampled within "
+            "each task, every configuration of a task on the same draw: scripts/report/statistics.py). "
+            "Won / decided: the share of configurations with a higher score among those not tied, with "
+            "the sign test's exact (Clopper-Pearson) interval.",
+        ],
     )
     groups = [
         (
@@ -274,9 +304,20 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
             )
             for column, _ in COMPARED
         ]
+        config_pairs = pairs.merge(rows[CONFIGURATION], on=CONFIGURATION)
+        difference = mean_of_means(
+            [score_differences(group) for _, group in config_pairs.groupby(CONFIGURATION, sort=False)]
+        )
+        decided = won[0].count[0] + lost[0].count[0]
+        sign_test = sign_test_interval(won[0].count[0], decided)
+        paired = [
+            Cell(text=difference.interval_text()),
+            Cell(won[0].count[0] / decided if decided else None),
+            Cell(text=interval_text(*sign_test)) if sign_test else Cell(),
+        ]
         if name == "All" and groups[number - 1][0] != "All":
             table.body.append(MIDRULE)
-        table.body.append(Row([name, setting], won + lost + differences))
+        table.body.append(Row([name, setting], won + lost + differences + paired))
     return table
 
 

@@ -32,6 +32,7 @@ class Cell:
     n: tuple[int, int] | None = None  # fewest and most scored samples per task behind the value
     digits: int = 2  # decimals shown
     count: tuple[int, int] | None = None  # shown as "k/n" instead of a value (samples closer to full)
+    text: str | None = None  # shown as is instead of a value (an interval, a verdict)
 
 
 @dataclass
@@ -83,6 +84,8 @@ def cell_text(cell: Cell, style: str, show_n: bool = False) -> str:
         return "n/a"
     if cell.count is not None:
         return f"{cell.count[0]}/{cell.count[1]}"
+    if cell.text is not None:
+        return _escape(cell.text) if style == "latex" else cell.text
     if cell.value is None:
         return "" if style == "csv" else "--"
     text = _number(cell.value, cell.digits)

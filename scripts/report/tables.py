@@ -3,7 +3,8 @@
     python -m scripts.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
 
 Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
-and the frames themselves as ``results.csv`` (one row per configuration), ``samples.csv`` and, where
+and the frames themselves as ``results.csv`` (one row per configuration, with its score's 95% bootstrap
+interval ``score_low``, ``score_high``: scripts.report.statistics), ``samples.csv`` and, where
 the quality measures ran, ``layers.csv`` (per layer; the quality tables are scripts.report.quality_tables):
 
 - ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
@@ -15,6 +16,8 @@ the quality measures ran, ``layers.csv`` (per layer; the quality tables are scri
   task; bold on the best of each column.
 - ``ablation_<backbone>_<method>_<ratio>_<setting>`` (tab:ablation_main): ResKV and its three
   ablations per task with the drop from ResKV; bold on the best of each column.
+- ``verdict_claims_<backbone>``, ``verdict_pairs_<backbone>``, ``verdict_cells_<backbone>``: the
+  paper's claims, +ResKV pairs and numbers against the results (scripts.report.verdict).
 
 Rules every table follows: a configuration that was not run is shown as missing (``--``),
 never as 0; rows shown side by side (a baseline and its +ResKV, the CaM and ablation rows) are
@@ -40,6 +43,7 @@ import pandas as pd
 import benchmarks
 from scripts.harness.store import ResultStoreError, load_results
 from scripts.report.frames import (
+    KEY_COLUMNS,
     as_written,
     frames_from_results,
     heads_frame,
@@ -50,6 +54,8 @@ from scripts.report.index import ResultIndex
 from scripts.report.paper_tables import ablation_tables, averages_table, cam_tables, task_table
 from scripts.report.quality_tables import quality_tables
 from scripts.report.render import Table, write_tables
+from scripts.report.statistics import score_intervals
+from scripts.report.verdict import verdict_tables
 
 
 def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
@@ -64,7 +70,8 @@ def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Ta
                 task_table(index, backbone, benchmark, length)
                 for length in index.lengths(backbone, benchmark)
             ]
-    return tables + cam_tables(index) + ablation_tables(index) + quality_tables(index, heads)
+    tables += cam_tables(index) + ablation_tables(index) + quality_tables(index, heads)
+    return tables + verdict_tables(index)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -90,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     tables = all_tables(ResultIndex(samples, configs), heads_frame(results))
     out_dir = args.out_dir or args.results_dir / "tables"
     write_tables(tables, out_dir, args.show_n)
+    intervals = score_intervals(samples, KEY_COLUMNS)
+    configs = configs.merge(intervals, on=KEY_COLUMNS, how="left")
+    configs.insert(configs.columns.get_loc("score") + 1, "score_low", configs.pop("score_low"))
+    configs.insert(configs.columns.get_loc("score") + 2, "score_high", configs.pop("score_high"))
     frames = write_frames(samples, configs, out_dir)
     layers = layers_frame(results)
     if len(layers):
