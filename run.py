@@ -181,27 +181,34 @@ def result_table(plan: Plan, available_tasks: set[str]):
     return table
 
 
-def run(plan: Plan, threads: int | None) -> None:
-    """Load the backbone and the items, run the grid with a progress bar, print the scores."""
+def run(plan: Plan, threads: int | None, job_number: int | None = None) -> None:
+    """Load the backbone and the items, run the grid with a progress bar, print the scores.
+
+    Launcher job ``job_number`` (None outside a sweep) runs on a GPU of its own where several are
+    visible (``scripts.harness.devices``)."""
     import torch
     from rich.console import Console
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from reskv.backbones import load_backbone
+    from scripts.harness.devices import job_device, use_device
     from scripts.harness.grid import GridRun, load_task_items
 
     if threads is not None:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    backbone = load_backbone(plan.backbone, plan.dtype, plan.device)
+    device = job_device(plan.device, job_number)
+    use_device(device)
+    backbone = load_backbone(plan.backbone, plan.dtype, device)
     items = load_task_items(plan, backbone.tokenizer)
     grid = GridRun(plan, backbone, items)
     with logging_redirect_tqdm():
         total = grid.open()
         log.info(
-            "%s on %s-%d: %s x %s, %s to do (shard %d/%d)",
+            "%s on %s, %s-%d: %s x %s, %s to do (shard %d/%d)",
             plan.backbone,
+            backbone.device,
             plan.benchmark,
             plan.length,
             plural(len(items), "task"),
@@ -216,6 +223,13 @@ def run(plan: Plan, threads: int | None) -> None:
             grid.run()
     log.info("done in %.1f s; results in %s", time.perf_counter() - started, plan.runs_dir)
     Console().print(result_table(plan, set(items)))
+
+
+def hydra_job_number() -> int | None:
+    """This job's number in a sweep (``hydra.job.num``); None in a single run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return OmegaConf.select(HydraConfig.get(), "job.num", default=None)
 
 
 def fail(error: Exception) -> None:
@@ -247,7 +261,7 @@ def run_errors() -> tuple[type[Exception], ...]:
 def main(config: DictConfig) -> None:
     try:
         plan = make_plan(OmegaConf.to_container(config, resolve=True))
-        run(plan, config.threads)
+        run(plan, config.threads, hydra_job_number())
     except (PlanError, benchmarks.BenchmarkError) as error:
         remove_log_dir(Path(config.results_dir))
         fail(error)
