@@ -4,6 +4,7 @@
     python run.py method=snapkv+reskv ratio=0.9
     python run.py method=[snapkv,snapkv+reskv] ratio=[0.6,0.9] setting=[aware,agnostic]
     python run.py -m hydra/launcher=local method=snapkv,adakv    # parallel jobs (joblib)
+    python run.py grid=paper_ruler dry_run=true     # the grid, its result files and device hours
     python run.py --help                            # methods, benchmarks, tasks, presets, options
 
 Configuration lives in configs/ (Hydra); the loop itself in scripts.harness.grid. Results go to
@@ -29,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 import benchmarks
 from baselines.registry import METHODS, OPTIONS, RESKV_OPTIONS
 from reskv.config import SETTINGS
+from scripts.harness.estimate import check_dry_run
 from scripts.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 from scripts.harness.records import MethodLabel, option_text
 
@@ -98,6 +100,8 @@ def usage() -> str:
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
             "threads=N (torch CPU threads)   results_dir=DIR   decode=auto|eager|compiled",
             "decode_batch=N|auto (configurations of a sample decoded together; 1: each alone)",
+            "dry_run=true|calibrate (print the grid, its result files and device hours; calibrate: "
+            "measure this device first)   calibration=DEVICE-KIND|FILE.json",
             *(
                 f"{name}={override_text(option.default)} ({type(option.default).__name__})  {option.help}"
                 for name, option in OPTIONS.items()
@@ -224,27 +228,34 @@ def result_table(plan: Plan, available_tasks: set[str]):
     return table
 
 
-def run(plan: Plan, threads: int | None) -> None:
-    """Load the backbone and the items, run the grid with a progress bar, print the scores."""
+def run(plan: Plan, threads: int | None, job_number: int | None = None) -> None:
+    """Load the backbone and the items, run the grid with a progress bar, print the scores.
+
+    Launcher job ``job_number`` (None outside a sweep) runs on a GPU of its own where several are
+    visible (``scripts.harness.devices``)."""
     import torch
     from rich.console import Console
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from reskv.backbones import load_backbone
+    from scripts.harness.devices import job_device, use_device
     from scripts.harness.grid import GridRun, load_task_items
 
     if threads is not None:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    backbone = load_backbone(plan.backbone, plan.dtype, plan.device)
+    device = job_device(plan.device, job_number)
+    use_device(device)
+    backbone = load_backbone(plan.backbone, plan.dtype, device)
     items = load_task_items(plan, backbone.tokenizer)
     grid = GridRun(plan, backbone, items)
     with logging_redirect_tqdm():
         total = grid.open()
         log.info(
-            "%s on %s-%d: %s x %s, %s to do (shard %d/%d)",
+            "%s on %s, %s-%d: %s x %s, %s to do (shard %d/%d)",
             plan.backbone,
+            backbone.device,
             plan.benchmark,
             plan.length,
             plural(len(items), "task"),
@@ -259,6 +270,51 @@ def run(plan: Plan, threads: int | None) -> None:
             grid.run()
     log.info("done in %.1f s; results in %s", time.perf_counter() - started, plan.runs_dir)
     Console().print(result_table(plan, set(items)))
+
+
+def dry_run(
+    plan: Plan, mode: bool | str, calibration: str | None, threads: int | None, job_number: int | None
+) -> None:
+    """Print the plan, what the result store holds of it and its device hours without loading the
+    model (``scripts.harness.estimate``); ``mode="calibrate"`` first measures this device's rates
+    (``scripts.harness.calibrate``) into the calibration file the estimate then reads."""
+    from rich.console import Console
+
+    from scripts.harness import estimate
+
+    path = estimate.calibration_path(calibration, plan.device)
+    if mode == "calibrate":
+        import torch
+
+        from scripts.harness.calibrate import calibrate
+        from scripts.harness.devices import job_device, use_device
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        device = job_device(plan.device, job_number)
+        use_device(device)
+        calibrate(plan, device, path)
+    rates, problem = None, ""
+    if path.exists():
+        try:
+            rates = estimate.read_rates(path, plan.backbone)
+        except estimate.EstimateError as error:
+            problem = str(error)
+    else:
+        committed = sorted(found.stem for found in estimate.CALIBRATION_DIR.glob("*.json"))
+        problem = (
+            f"no calibration file {path}; measure this device with dry_run=calibrate, or name one with "
+            f"calibration=KIND (committed: {', '.join(committed)})"
+        )
+    # Wide enough for its tables when piped (rich takes 80 columns then).
+    Console(width=None if sys.stdout.isatty() else 140).print(estimate.report(plan, rates, problem))
+
+
+def hydra_job_number() -> int | None:
+    """This job's number in a sweep (``hydra.job.num``); None in a single run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return OmegaConf.select(HydraConfig.get(), "job.num", default=None)
 
 
 def fail(error: Exception) -> None:
@@ -289,8 +345,13 @@ def run_errors() -> tuple[type[Exception], ...]:
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(config: DictConfig) -> None:
     try:
+        check_dry_run(config.dry_run)
         plan = make_plan(OmegaConf.to_container(config, resolve=True))
-        run(plan, config.threads)
+        if config.dry_run:
+            dry_run(plan, config.dry_run, config.calibration, config.threads, hydra_job_number())
+            remove_log_dir(Path(config.results_dir))  # a plan leaves no trace
+        else:
+            run(plan, config.threads, hydra_job_number())
     except (PlanError, benchmarks.BenchmarkError) as error:
         remove_log_dir(Path(config.results_dir))
         fail(error)

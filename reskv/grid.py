@@ -4,16 +4,16 @@
     for index, generation in decode_grid(prefill, requests, max_new_tokens=32, decode="compiled"):
         ...
 
-Rows are ordered by the slots their caches will hold and cut into batches whose stacked cache fits
-the device's memory (``decode_batches``; at most ``max_rows`` rows). Each batch's rows are compressed
-(sharing, within a setting, what does not depend on the ratio: ``Prefill.sharing_construction``),
-stacked straight from their compressed states, and the question is fed to its query-agnostic rows in
-one forward, which the query-aware rows pass through with their new slots masked; then one greedy
-decode steps every row, a row that stopped being fed on with its logits unread, so that the batch
-keeps its shape (one compiled graph per number of rows). A row's tokens equal its decode alone but
-at near ties: a batch pads its rows and sums their attention in another order. A batch of one, and a
-row without the shared softmax (which the stacked attention does not compute), decode alone as
-``Prefill.generate`` does, bit for bit.
+Rows are ordered by the slots their caches will hold and cut into batches that pad little and whose
+stacked cache fits the device's memory (``reskv.batching.decode_batches``; at most ``max_rows``
+rows). Each batch's rows are compressed (sharing, within a setting, what does not depend on the
+ratio: ``Prefill.sharing_construction``), stacked straight from their compressed states, and the
+question is fed to its query-agnostic rows in one forward, which the query-aware rows pass through
+with their new slots masked; then one greedy decode steps every row, a row that stopped being fed on
+with its logits unread, so that the batch keeps its shape (one compiled graph per number of rows).
+A row's tokens equal its decode alone but at near ties: a batch pads its rows and sums their
+attention in another order. A batch of one, and a row without the shared softmax (which the stacked
+attention does not compute), decode alone as ``Prefill.generate`` does, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reskv.batching import decode_batches
 from reskv.cache import ObservedLayer, ResKVCache, StackedRow
 from reskv.compress import CompressedLayerState
-from reskv.config import AUTO, COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_CHOICES, budget_for
+from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, budget_for
 from reskv.decoding import compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
 from reskv.method import Method
@@ -36,12 +37,6 @@ from reskv.quality import FORCED_STEPS, TeacherForced
 # together; the rest is left to one step's activations (their attention logits, the logits over the
 # vocabulary) and to the allocator's slack.
 CUDA_MEMORY_SHARE = 0.8
-# The most a batch pads its rows, as a multiple of the slots they hold: a padded slot costs a step its
-# memory traffic and its share of the attention, and rows of a grid hold from a tenth of the prompt
-# (ratio 0.9) to all of it (the full cache), which would then pad the others tenfold. Twice keeps the
-# paper grid's compressed rows (10% to 40% of the prompt) in one batch and the full cache apart; the
-# value is this project's choice, not a measurement.
-PADDING = 2
 
 
 @dataclass
@@ -75,28 +70,6 @@ def memory_limit(device: torch.device) -> int | None:
     return int(free * CUDA_MEMORY_SHARE)
 
 
-def decode_batches(
-    slots: Sequence[int], row_slot_bytes: int, limit: int | None, max_rows: int | None
-) -> list[list[int]]:
-    """Rows (indices into ``slots``, each row's slot count) cut into batches, in ascending order of
-    slots: a row joins the current batch while the batch holds at most ``max_rows`` rows, pads its
-    rows to at most ``PADDING`` times the slots they hold (rows x longest <= PADDING x their sum), and
-    its stacked cache and its rows' compressed states, ``(rows x longest + their sum) x
-    row_slot_bytes``, stay within ``limit``; a row beyond the limit on its own decodes alone."""
-    order = sorted(range(len(slots)), key=lambda row: slots[row])
-    batches: list[list[int]] = []
-    for row in order:
-        batch = batches[-1] if batches else None
-        if batch is not None and (max_rows is None or len(batch) < max_rows):
-            padded = (len(batch) + 1) * slots[row]
-            held = sum(slots[other] for other in batch) + slots[row]
-            if padded <= PADDING * held and (limit is None or (padded + held) * row_slot_bytes <= limit):
-                batch.append(row)
-                continue
-        batches.append([row])
-    return batches
-
-
 def predicted_slots(prefill: Prefill, method: Method, setting: str, spare: int) -> int:
     """The slots a request's row will take before it is compressed: its prompt's budget (``b`` per head:
     a ragged method's longest head may hold more, counted once compressed), the question when it is
@@ -104,24 +77,6 @@ def predicted_slots(prefill: Prefill, method: Method, setting: str, spare: int) 
     compressed = len(prefill.prompt_ids) if setting == "aware" else prefill.context_length
     kept = compressed if method.scorer is None else min(compressed, budget_for(compressed, method.ratio))
     return kept + len(prefill.prompt_ids) - prefill.context_length + spare
-
-
-def grid_decoding(decode: str, decode_batch: int | str, device: torch.device) -> tuple[str, int | None]:
-    """The decode mode and the most rows a batch holds (``None``: as many as memory allows) that
-    ``decode`` (``DECODE_CHOICES``) and ``decode_batch`` (a positive integer or ``"auto"``) ask for on
-    ``device``. ``"auto"``: on CUDA the compiled step (CUDA graphs, no host cost per op) and every
-    configuration of a sample in one batch (one forward a step, the weights read once for all); on a
-    CPU eager decoding, each configuration alone (bit for bit what the committed results decoded)."""
-    if decode not in DECODE_CHOICES:
-        raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_CHOICES)}")
-    cuda = device.type == "cuda"
-    if decode == AUTO:
-        decode = "compiled" if cuda else "eager"
-    if decode_batch == AUTO:
-        return decode, None if cuda else 1
-    if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
-        raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer or {AUTO!r}")
-    return decode, decode_batch
 
 
 def decode_grid(

@@ -70,6 +70,20 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and its wall seconds, the device's queued work included."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    synchronize(device)
+    return result, time.perf_counter() - started
+
+
 def matmul_gflops(size: int = 1024, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """The fp32 matmul rate of ``device`` right now: the median of ``repeats`` products of two
     ``size``-square matrices (the first, which may select kernels, not counted). On a shared host it

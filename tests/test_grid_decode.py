@@ -12,11 +12,12 @@ import torch
 
 import reskv.grid
 from baselines import build_method
+from reskv.batching import decode_batches, grid_decoding
 from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
 from reskv.decoding import compiled_next_logits, forward, greedy
 from reskv.engine import Prefill
-from reskv.grid import GridRow, compress, decode_batches, decode_grid, grid_decoding, stacked_prompt
+from reskv.grid import GridRow, compress, decode_grid, stacked_prompt
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
 from tests.conftest import TINY_RUN, TOKENS, cached_tiny_backbone
@@ -266,14 +267,14 @@ def test_a_batch_step_makes_one_host_read(prefill):
 def test_auto_decodes_a_gpu_s_grid_compiled_in_one_batch_and_a_cpu_s_as_before(
     device, decode, decode_batch, expected
 ):
-    assert grid_decoding(decode, decode_batch, torch.device(device)) == expected
+    assert grid_decoding(decode, decode_batch, device) == expected
 
 
 def test_a_bad_decode_choice_is_refused_naming_the_values():
     with pytest.raises(ValueError, match=r"decode_batch 0 must be a positive integer or 'auto'"):
-        grid_decoding("eager", 0, torch.device("cpu"))
+        grid_decoding("eager", 0, "cpu")
     with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; choose one of \['auto', 'eager'"):
-        grid_decoding("fast", 1, torch.device("cpu"))
+        grid_decoding("fast", 1, "cpu")
 
 
 @pytest.mark.slow

@@ -144,11 +144,11 @@ class GridRun:
 
     def __post_init__(self) -> None:
         from baselines import build_method
-        from reskv.grid import grid_decoding
+        from reskv.batching import grid_decoding
 
         # The decode mode and the most rows a batch holds, "auto" resolved for the backbone's device.
         self.decode, self.max_rows = grid_decoding(
-            self.plan.decode, self.plan.decode_batch, self.backbone.model.device
+            self.plan.decode, self.plan.decode_batch, self.backbone.model.device.type
         )
 
         plan = self.plan

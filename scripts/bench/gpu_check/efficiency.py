@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import time
 from collections.abc import Sequence
 from unittest import mock
 
@@ -32,7 +31,15 @@ from baselines import build_method
 from reskv.backbones import Backbone
 from reskv.engine import Prefill
 from reskv.method import Method
-from scripts.measure import MemoryPeak, counted_gflop, peak_memory, random_prompt, top2_gap_at
+from scripts.measure import (
+    MemoryPeak,
+    counted_gflop,
+    peak_memory,
+    random_prompt,
+    synchronize,
+    timed,
+    top2_gap_at,
+)
 
 # The construction's paths ``--compare-paths`` times each +ResKV construction on besides the
 # default (row key: the switch patched for that timing).
@@ -57,11 +64,6 @@ WARM_UP_LENGTH = {"cuda": 1024, "cpu": 128}
 CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -70,15 +72,6 @@ def release_memory(device: torch.device) -> None:
 
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
-def timed(device: torch.device, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` and its wall seconds, the device's queued work included."""
-    synchronize(device)
-    started = time.perf_counter()
-    result = fn(*args, **kwargs)
-    synchronize(device)
-    return result, time.perf_counter() - started
 
 
 def kernel_totals(events, top: int) -> list[dict]:
