@@ -27,7 +27,7 @@ import torch
 from reskv.batching import decode_batches
 from reskv.cache import ObservedLayer, ResKVCache, StackedRow
 from reskv.compress import CompressedLayerState
-from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, budget_for
+from reskv.config import budget_for
 from reskv.decoding import compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
 from reskv.method import Method
@@ -91,7 +91,7 @@ def decode_grid(
 ) -> Iterator[tuple[int, Generation]]:
     """``(index into requests, generation)`` of every request, batch by batch (module docstring).
     ``decode`` is the step of a batch (``"eager"`` or ``"compiled"``); a request without the shared
-    softmax decodes alone, eagerly (refused if ``decode`` names the compiled step). In a batch,
+    softmax decodes alone and eagerly whatever ``decode`` is (its run section says so). In a batch,
     ``decode_s`` is the batch's time shared equally by its rows (their sum is the time spent), likewise
     ``question_s`` among its query-agnostic rows and the teacher-forced part of ``quality_s``."""
     prefill.check_positions(max_new_tokens)
@@ -102,8 +102,6 @@ def decode_grid(
         for index, (method, setting) in enumerate(requests)
     ]
     alone = [row for row in rows if not row.method.decode_rule.shared_softmax]
-    if alone and decode == "compiled":
-        raise ValueError(COMPILED_WITHOUT_SHARED_SOFTMAX)
     stacked = [row for row in rows if row.method.decode_rule.shared_softmax]
     bytes_per_slot = slot_bytes(prefill)
     limit = memory_limit(prefill.backbone.device)
