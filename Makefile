@@ -66,16 +66,19 @@ bench: assets
 	$(PY) -m scripts.bench.evicted_keys --results-dir $(RESULTS)
 
 # Engine speed on the embedded model: ResKV construction vs prefill, decode per token vs SnapKV
-# and vs the full cache at ~4K and ~8K tokens (a few minutes on CPU).
+# and vs the full cache at ~4K and ~8K tokens (a few minutes on CPU); then the ops and host syncs of
+# one sample's paper grid against one full-cache request at the 8B attention shape (grid_counts: the
+# host's cost on a GPU; about half an hour of CPU at 2,048 and 4,096 tokens).
 bench-engine: assets
 	$(PY) -m scripts.bench.engine
 	$(PY) -m scripts.bench.prefill_peak
+	$(PY) -m scripts.bench.grid_counts --lengths 2048 4096
 
-# The GPU path in one command (scripts/bench/gpu_check.py): CUDA correctness against the CPU on
-# tiny random models, then memory and speed at the paper backbones' shapes (random weights, no
-# download). Without CUDA it runs everything at tiny sizes on the CPU. With a preinstalled
-# torch/transformers and no registry: `python -m scripts.bench.gpu_check --out results/gpu` (needs
-# matplotlib besides them).
+# The GPU path in one command (scripts/bench/gpu_check): CUDA correctness against the CPU on tiny
+# random models, then memory and speed at the paper backbones' shapes (random weights, no download),
+# and one sample's paper grid against one full-cache request (scripts.bench.grid_gpu). Without CUDA
+# it runs everything at tiny sizes on the CPU. With a preinstalled torch/transformers and no
+# registry: `python -m scripts.bench.gpu_check --out results/gpu` (needs matplotlib besides them).
 gpu-check: install
 	$(PY) -m scripts.bench.gpu_check --out $(RESULTS)/gpu
 

@@ -21,6 +21,7 @@ quantity are measured the same way:
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import math
 import os
@@ -40,6 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 PROC_STATUS = Path("/proc/self/status")
+# A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
+CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
 
 
 def load_average() -> list[float]:
@@ -82,6 +85,12 @@ def timed(device: torch.device, fn, *args, **kwargs):
     result = fn(*args, **kwargs)
     synchronize(device)
     return result, time.perf_counter() - started
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def matmul_gflops(size: int = 1024, repeats: int = 5, device: torch.device | str = "cpu") -> float:

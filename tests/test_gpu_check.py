@@ -21,8 +21,8 @@ from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.bench.gpu_check import cli, correctness, efficiency, report
-from scripts.bench.gpu_check.efficiency import CONSTRUCTION_VARIANTS, CPU_SHRINK
-from scripts.measure import random_prompt
+from scripts.bench.gpu_check.efficiency import CONSTRUCTION_VARIANTS
+from scripts.measure import CPU_SHRINK, random_prompt
 from tests.conftest import state_attention
 
 
@@ -201,6 +201,15 @@ def test_efficiency_rows_measure_the_named_methods_and_the_full_cache():
     ]
     # The construction was timed on the full prefill; the request itself compressed inside its own.
     assert rows[1]["construct_s"] > 0 and rows[1]["construct_gflop"] > 0 and rows[1]["prefill_s"] > 0
+
+
+def test_a_decode_rate_is_the_median_of_its_repeated_runs_each_kept():
+    torch.manual_seed(0)
+    backbone = random_backbone("llama3.1-8b-instruct", torch.float32, "cpu", **CPU_SHRINK)
+    rows = efficiency.efficiency_rows(backbone, [96], [0.9], 2, method_names=("snapkv",), decode_repeats=3)
+    for row in rows:
+        runs = row["decode_tokens_per_s_runs"]
+        assert len(runs) == 3 and row["decode_tokens_per_s"] == sorted(runs)[1]
 
 
 def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypatch):

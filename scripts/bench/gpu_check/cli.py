@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -21,15 +22,19 @@ from reskv.config import DECODE_MODES
 from scripts.bench.gpu_check.correctness import DTYPES, TINY_MODELS, check_model
 from scripts.bench.gpu_check.efficiency import (
     CPU_LENGTHS,
-    CPU_SHRINK,
     EFFICIENCY_METHODS,
     GPU_LENGTHS,
     KERNEL_SWITCHES,
     WARM_UP_LENGTH,
     efficiency_rows,
-    release_memory,
 )
 from scripts.bench.gpu_check.report import check_machine, merged, plot, summary
+from scripts.bench.grid_gpu import GPU_LENGTHS as GRID_LENGTHS
+from scripts.bench.grid_gpu import grid_rows
+from scripts.bench.grid_gpu import summary as grid_summary
+from scripts.measure import CPU_SHRINK, release_memory
+
+GRID_NEW_TOKENS = 32  # every answer of the grid bench this long: its time does not depend on the weights
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -63,6 +68,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="lengths whose constructions (and compiled decodes) are profiled too (default: the first "
         "with CUDA, none without)",
+    )
+    parser.add_argument(
+        "--decode-repeats",
+        type=int,
+        default=None,
+        help="decode runs timed per request and mode, their median reported and their spread drawn "
+        "(default: 3 with CUDA, 1 without)",
+    )
+    parser.add_argument(
+        "--grid-lengths",
+        nargs="+",
+        type=int,
+        default=None,
+        help="lengths of one sample's paper grid against one full-cache request (scripts.bench.grid_gpu; "
+        "default: 4096 32768 with CUDA, none without)",
     )
     parser.add_argument("--skip-efficiency", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
@@ -106,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(report, indent=1) + "\n")
         plot(report, args.out)
         return 0 if report.get("correctness_passed", True) else 1
-    report = {"machine": check_machine(device), "correctness": [], "efficiency": []}
+    report = {"machine": check_machine(device), "correctness": [], "efficiency": [], "grid": []}
 
     def save() -> None:
         path.write_text(json.dumps(report, indent=1) + "\n")
@@ -129,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         new_tokens = args.new_tokens or (128 if cuda else 8)
         decode_modes = args.decode or (DECODE_MODES if cuda else ("eager",))
         profile_lengths = args.profile_lengths or (lengths[:1] if cuda else ())
+        repeats = args.decode_repeats or (3 if cuda else 1)
+        grid_lengths = args.grid_lengths or (GRID_LENGTHS if cuda else ())
         for shape in args.shapes:
             torch.manual_seed(0)
             if cuda:
@@ -142,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 decode_modes=decode_modes,
                 method_names=args.efficiency_methods,
                 compare_paths=args.compare_paths,
+                decode_repeats=repeats,
             )
             measure(backbone, [WARM_UP_LENGTH[device]], args.ratios[:1])
             print(f"warm-up {shape}: {time.perf_counter() - started:.1f}s", flush=True)
@@ -151,10 +174,16 @@ def run(args: argparse.Namespace) -> int:
                 report["efficiency"] += rows
                 print(f"efficiency {shape} {length}: {time.perf_counter() - started:.1f}s", flush=True)
                 save()
+            if grid_lengths:
+                started = time.perf_counter()
+                unstoppable = dataclasses.replace(backbone, stop_token_ids=())
+                report["grid"] += grid_rows(unstoppable, grid_lengths, GRID_NEW_TOKENS)
+                print(f"grid {shape} {grid_lengths}: {time.perf_counter() - started:.1f}s", flush=True)
+                save()
             del backbone
             release_memory(torch.device(device))
     save()
-    for line in summary(report):
+    for line in summary(report) + grid_summary(report.get("grid", [])):
         print(line)
     for figure in plot(report, args.out):
         print("wrote", figure)

@@ -17,7 +17,7 @@ request decodes again eagerly with the gated layers' torch form instead of the f
 from __future__ import annotations
 
 import dataclasses
-import gc
+import statistics
 from collections.abc import Sequence
 from unittest import mock
 
@@ -36,6 +36,7 @@ from scripts.measure import (
     counted_gflop,
     peak_memory,
     random_prompt,
+    release_memory,
     synchronize,
     timed,
     top2_gap_at,
@@ -60,14 +61,6 @@ CPU_LENGTHS = (256, 512)
 # A short request run once per backbone before the rows, not recorded: the first call's kernel
 # selection, allocator growth and the compiled step's compilation stay out of the timings.
 WARM_UP_LENGTH = {"cuda": 1024, "cpu": 128}
-# A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
-CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
-
-
-def release_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -131,23 +124,29 @@ def compiled_decode(
     new_tokens: int,
     eager_ids: list[int],
     profile_on: torch.device | None = None,
+    repeats: int = 1,
 ) -> dict:
-    """``method``'s decode with ``decode="compiled"``, run twice: the first run compiles (or re-records
-    the CUDA graphs of) the step for this cache's shapes, the second is timed. Records the rate, the
-    first run's seconds, whether the second run repeats the first's tokens (a replayed graph reads
-    what the recorded one did) and whether they equal the eager decode's; where they do not, the
+    """``method``'s decode with ``decode="compiled"``: a first run compiles (or re-records the CUDA
+    graphs of) the step for this cache's shapes, then ``repeats`` runs are timed. Records their
+    median rate and every run's (``decode_rates``), the first run's seconds, whether the timed runs
+    repeat the first's tokens (a replayed graph reads what the recorded one did) and whether they
+    equal the eager decode's; where they do not, the
     first step that differs and the eager logits' top-2 gap there (``top2_gap_at``: a near tie that
     half-precision kernels order differently, or a wrong step); and the compiler's counters: the
     graphs compiled so far in this process and the CUDA graphs skipped (which would leave the step
     launch-bound). With ``profile_on`` (the device) a third run is profiled (``device_profile``): its
     kernels say where a compiled step's time goes (+ResKV's 32K rate, results/gpu/README.md)."""
     first = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
-    second = source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled")
+    timed_runs = [
+        source.generate(method, "aware", max_new_tokens=new_tokens, decode="compiled") for _ in range(repeats)
+    ]
     differing = [step for step, (a, b) in enumerate(zip(first.token_ids, eager_ids, strict=True)) if a != b]
+    rates = decode_rates(timed_runs)
     row = {
-        "compiled_tokens_per_s": second.timings["decode_tokens"] / second.timings["decode_s"],
+        "compiled_tokens_per_s": statistics.median(rates),
+        "compiled_tokens_per_s_runs": rates,
         "compiled_first_run_s": first.timings["decode_s"],
-        "compiled_repeats_itself": first.token_ids == second.token_ids,
+        "compiled_repeats_itself": all(run.token_ids == first.token_ids for run in timed_runs),
         "compiled_same_tokens": first.token_ids == eager_ids,
         "compiled_first_difference": differing[0] if differing else None,
         "eager_top2_gap_there": (
@@ -163,6 +162,13 @@ def compiled_decode(
     return row
 
 
+def decode_rates(generations) -> list[float]:
+    """Decoded tokens a second of each generation."""
+    return [
+        generation.timings["decode_tokens"] / generation.timings["decode_s"] for generation in generations
+    ]
+
+
 def efficiency_rows(
     backbone: Backbone,
     lengths: Sequence[int],
@@ -172,8 +178,10 @@ def efficiency_rows(
     method_names: Sequence[str] = EFFICIENCY_METHODS,
     profile_lengths: Sequence[int] = (),
     compare_paths: bool = False,
+    decode_repeats: int = 1,
 ) -> list[dict]:
     """One row per (length, method, ratio), each a request as the paper's efficiency figure measures it.
+    Each decode rate is the median of ``decode_repeats`` runs (every run's in ``..._runs``).
 
     Per length, first one ``Prefill`` that keeps the full cache: the full method's request (that
     prefill and its decode), and every compressed method's construction after it
@@ -197,9 +205,14 @@ def efficiency_rows(
 
     def measured(row: dict, source: Prefill, method: Method, peak: MemoryPeak, generation) -> dict:
         slots = sum(sum(layer) for layer in generation.cache_stats["slots"])
+        again = [
+            source.generate(method, "aware", max_new_tokens=new_tokens) for _ in range(decode_repeats - 1)
+        ]
+        rates = decode_rates([generation, *again])
         row |= {
             "status": "ok",
-            "decode_tokens_per_s": generation.timings["decode_tokens"] / generation.timings["decode_s"],
+            "decode_tokens_per_s": statistics.median(rates),
+            "decode_tokens_per_s_runs": rates,
             "cache_bytes_after_decode": 2 * slots * config.head_dim * item_bytes,
             "request_peak_bytes": peak.bytes,
             "residual_heads": sum(
@@ -215,7 +228,9 @@ def efficiency_rows(
             row["torch_attention_same_tokens"] = other.token_ids == generation.token_ids
         if "compiled" in decode_modes:
             profile_on = device if row["length"] in profile_lengths else None
-            row |= compiled_decode(source, method, new_tokens, generation.token_ids, profile_on)
+            row |= compiled_decode(
+                source, method, new_tokens, generation.token_ids, profile_on, decode_repeats
+            )
         return row
 
     for length in lengths:

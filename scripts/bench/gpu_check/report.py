@@ -65,8 +65,8 @@ def kernel_path(switched_on: bool, kernel, details: str, torch_path: str) -> str
 PANELS = (
     ("request_peak_bytes", 2**-30, "peak memory (GiB)", "Peak memory per request (prefill included)"),
     ("cache_bytes_after_decode", 2**-30, "KV slots x 2 x head dim (GiB)", "KV cache after decoding"),
-    ("decode_tokens_per_s", 1, "decode tokens / s", "Decode throughput (eager)"),
-    ("compiled_tokens_per_s", 1, "decode tokens / s", "Decode throughput (compiled step)"),
+    ("decode_tokens_per_s", 1, "decode tokens / s", "Decode throughput (eager; median, min-max)"),
+    ("compiled_tokens_per_s", 1, "decode tokens / s", "Decode throughput (compiled; median, min-max)"),
 )
 
 
@@ -106,15 +106,32 @@ def plot(report: dict, out: Path) -> list[Path]:
             marker = markers[variants.index((method, ratio)) % len(markers)]
             for axis, (field, scale, _, _) in zip(axes, panels, strict=True):
                 measured = [p for p in ok if p.get(field) is not None]
+                lengths, values = [p["length"] for p in measured], [p[field] * scale for p in measured]
                 axis.plot(
-                    [p["length"] for p in measured],
-                    [p[field] * scale for p in measured],
+                    lengths,
+                    values,
                     marker=marker,
                     linestyle=styles[shapes.index(shape) % len(styles)],
                     color=colour,
                     label=label,
                     alpha=0.8,
                 )
+                runs = [p.get(f"{field}_runs") for p in measured]
+                if all(runs) and any(len(point_runs) > 1 for point_runs in runs):
+                    # A decode rate is the median of repeated runs: the bar spans the slowest to the fastest.
+                    spread = [
+                        [
+                            value - min(point_runs) * scale
+                            for value, point_runs in zip(values, runs, strict=True)
+                        ],
+                        [
+                            max(point_runs) * scale - value
+                            for value, point_runs in zip(values, runs, strict=True)
+                        ],
+                    ]
+                    axis.errorbar(
+                        lengths, values, yerr=spread, fmt="none", color=colour, alpha=0.6, capsize=2
+                    )
                 for p in points:
                     if p["status"] == "OOM":
                         axis.axvline(p["length"], color="grey", linewidth=0.5)
@@ -210,16 +227,19 @@ def summary(report: dict) -> list[str]:
 def merged(reports: Sequence[dict]) -> dict:
     """One report from several runs on one machine: the first run's machine block (the others'
     dates listed), all correctness rows, the efficiency rows with a later run's row replacing an
-    earlier one of the same (shape, length, method, ratio), correctness passed only if every run's did."""
+    earlier one of the same (shape, length, method, ratio), likewise the grid rows by (shape, length),
+    correctness passed only if every run's did."""
     latest = {
         (row["shape"], row["length"], row.get("method"), row.get("ratio")): row
         for part in reports
         for row in part["efficiency"]
     }
+    grid = {(row["shape"], row["length"]): row for part in reports for row in part.get("grid", [])}
     report = {
         "machine": {**reports[0]["machine"], "runs": [part["machine"]["date"] for part in reports]},
         "correctness": [row for part in reports for row in part["correctness"]],
         "efficiency": list(latest.values()),
+        "grid": list(grid.values()),
     }
     verdicts = [part["correctness_passed"] for part in reports if "correctness_passed" in part]
     if verdicts:

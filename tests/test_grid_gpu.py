@@ -1,0 +1,23 @@
+"""The grid's GPU bench in its CPU form (what a machine without CUDA runs): one sample's paper grid
+against one full-cache request, per stage, with the floor beside it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts.bench import grid_gpu
+
+
+@pytest.mark.slow
+def test_the_bench_times_the_grid_against_a_request_and_writes_its_report(tmp_path):
+    assert grid_gpu.main(["--out", str(tmp_path), "--lengths", "192", "--decode-batch", "64"]) == 0
+    (row,) = json.loads((tmp_path / "grid_gpu.json").read_text())["rows"]
+    assert (row["length"], row["rows"], row["decode"]) == (192, 33, "eager")
+    # The 32 compressed rows in one batch, the full cache's apart (it would pad them more than twice).
+    assert row["batches"] == [32, 1]
+    assert row["construct_gflop"] > 0 and row["floor_s"] > row["prefill_s"]
+    for name in ("full_eager", "full_compiled", "floor"):
+        assert row[f"grid_over_{name}"] == pytest.approx(row["grid_s"] / row[f"{name}_s"])
+    assert row["grid_s"] > row["construct_s"] > 0 and row["decode_s"] > 0
