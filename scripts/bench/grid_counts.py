@@ -10,7 +10,8 @@ decoded ``--decode-batch`` rows at a time (``reskv.grid.decode_grid``; ``auto``:
 batching rule lets together). The unit is one full-cache request: the same prefill, then ``generate``.
 Every answer runs to ``--new-tokens`` tokens (no stop token), eagerly; the model is the 32-layer 8B
 attention shape of ``scripts.bench.decode_counts`` (tiny hidden and MLP widths, random weights) and
-the construction is laid out as on an 80 GB GPU (``scripts.bench.construction_counts.gpu_layout``).
+the construction is laid out as on an 80 GB GPU (``scripts.bench.construction_counts.gpu_layout``);
+the host syncs are counted per step of a decode batch.
 On a GPU each op costs the host ~23 us at batch 1 (``results/gpu/README.md``), so these counts
 predict where a grid's wall time goes there. The ops are split by stage: the prefills, the
 constructions, stacking the rows, feeding the question to the query-agnostic rows, and decoding.
@@ -54,7 +55,7 @@ def paper_grid() -> list[tuple]:
 def staged():
     """Ops counted in the engine's stages (``STAGES``; the rest, the decode loop, counts as "decode")."""
     wrapped = (
-        (Prefill, "_prefill", "prefill"),
+        (Prefill, "__init__", "prefill"),
         (Prefill, "prefilled", "prefill"),
         (Prefill, "compressed_layers", "construction"),
         (StackedLayer, "__init__", "stacking"),
@@ -73,16 +74,17 @@ def staged():
             yield
 
 
-def count_grid(backbone, length: int, new_tokens: int, max_rows: int | None) -> DispatchCounts:
-    """The ops and syncs of one sample's grid (``paper_grid``) at ``length`` prompt tokens."""
+def count_grid(backbone, length: int, new_tokens: int, max_rows: int | None) -> tuple[DispatchCounts, float]:
+    """The ops and syncs of one sample's grid (``paper_grid``) at ``length`` prompt tokens, and the
+    number of decode batches it took."""
     prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
     requests = paper_grid()
     with gpu_layout(), staged(), count_dispatch() as counts:
         prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
         prefill.prefilled("aware")
-        for _ in reskv.grid.decode_grid(prefill, requests, new_tokens, max_rows=max_rows):
-            pass
-    return counts
+        grid = reskv.grid.decode_grid(prefill, requests, new_tokens, max_rows=max_rows)
+        rows = [generation.run["decode_batch"] for _, generation in grid]
+    return counts, sum(1 / size for size in rows)
 
 
 def count_full_request(backbone, length: int, new_tokens: int) -> DispatchCounts:
@@ -90,25 +92,28 @@ def count_full_request(backbone, length: int, new_tokens: int) -> DispatchCounts
     prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
     full = build_method("full")
     with gpu_layout(), staged(), count_dispatch() as counts:
-        Prefill(backbone, prompt, length - QUESTION_TOKENS, [full]).generate(full, "aware", new_tokens)
+        prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [full])
+        prefill.generate(full, "aware", new_tokens)
     return counts
 
 
 def counts_table(lengths: list[int], new_tokens: int, batches: list[str]) -> Table:
     table = Table(title=f"One sample's paper grid (33 configurations) against one full-cache request, ops "
                   f"(syncs), 8B attention shape, {new_tokens} new tokens, eager")  # fmt: skip
-    for column in ("prompt tokens", "decode batch", *STAGES, "total", "x full request", "syncs / step"):
+    for column in ("prompt tokens", "decode batch", *STAGES, "total", "x full request", "syncs a step"):
         table.add_column(column, justify="right")
     torch.manual_seed(0)
     backbone = dataclasses.replace(narrow_llama_8b_attention(), stop_token_ids=())
     for length in lengths:
         full = count_full_request(backbone, length, new_tokens)
-        table.add_row(
-            str(length), "full request", *stage_cells(full), f"{full.ops:,} ({full.syncs})", "1.00", ""
-        )
+        per_step = full.syncs_by_stage["decode"] / new_tokens
+        total = f"{full.ops:,} ({full.syncs})"
+        table.add_row(str(length), "full request", *stage_cells(full), total, "1.00", f"{per_step:.2f}")
         for batch in batches:
-            counts = count_grid(backbone, length, new_tokens, None if batch == "auto" else int(batch))
-            per_step = counts.syncs_by_stage["decode"] / new_tokens
+            counts, decode_batches = count_grid(
+                backbone, length, new_tokens, None if batch == "auto" else int(batch)
+            )
+            per_step = counts.syncs_by_stage["decode"] / (new_tokens * decode_batches)  # a batch's step
             cells = [f"{counts.ops:,} ({counts.syncs})", f"{counts.ops / full.ops:.2f}", f"{per_step:.2f}"]
             table.add_row(str(length), batch, *stage_cells(counts), *cells)
     return table
