@@ -491,8 +491,8 @@ def decoding(plan: Plan, tasks: Sequence[TaskPlan], rates: Rates | None) -> str:
     batches = (
         len(decode_batches(plan.grid, tasks[0].workload, max_rows)) if tasks and plan.share_prefill else None
     )
-    shown_rows = "auto" if max_rows is None else max_rows
-    return f" ({mode}, at most {shown_rows} rows: {batches or len(plan.grid)} decode batches a sample)"
+    rows = "no row cap" if max_rows is None else f"at most {max_rows} rows"
+    return f" ({mode}, {rows}: {batches or len(plan.grid)} decode batches a sample)"
 
 
 def report(plan: Plan, rates: Rates | None, problem: str = ""):
