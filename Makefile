@@ -9,9 +9,7 @@ TORCH_SPEC  ?= torch==2.13.0
 # torch pins an older Triton, pass EXTRAS=dev,slurm (the kernel runs on that Triton).
 EXTRAS      ?= dev,slurm,kernels
 # worksteal: a worker that runs out of tests takes half of the other's queue, so the few minute-long
-# tests do not end the suite on one worker (clean clone, cold compile cache: 14:44 against 14:57
-# with the default scheduling and a warm cache; 7:02 once tests/conftest.py shared the cores out
-# among the workers' torch threads).
+# tests do not end the suite on one worker.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results reproduce-ruler4k
@@ -82,7 +80,7 @@ bench-engine: assets
 gpu-check: install
 	$(PY) -m scripts.bench.gpu_check --out $(RESULTS)/gpu
 
-# Issue 10's reproduction (results/README.md): RULER at 4K on the embedded model, CPU, with the
+# The RULER-4K reproduction (results/README.md): RULER at 4K on the embedded model, CPU, with the
 # quality measures. Hours of CPU; resumable: rerun the same command to continue where it stopped.
 # Samples are added one round at a time (1, 2, ... per task), so an interrupted run has every task.
 # The ablations share one prefill per sample: a method entry may carry option overrides in its

@@ -12,7 +12,7 @@ Configuration lives in configs/ (Hydra); the loop itself in scripts.harness.grid
 ``<results_dir>/logs``; README "Running experiments" has the details.
 
 ``--help`` and every configuration error answer before torch and transformers are imported
-(seconds, not the ~15 s those imports take); a failed invocation leaves no log directory behind.
+(those imports take far longer than the answer); a failed invocation leaves no log directory behind.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CaM as the field ran it: merge values along the prompt, then select with SnapKV.
 
-Rule of baselines.md (CaM, revised 2026-11-22), the prefill form of Zefan-Cai/KVCache-Factory
+Rule of baselines.md (CaM), the prefill form of Zefan-Cai/KVCache-Factory
 ``pyramidkv/pyramidkv_utils.py`` ``CAMKVCluster.update_kv`` / ``_update_kv_kv_head`` (c97f9d7),
 itself a port of zyxxmu/cam's ``local_cam_mask``. Per KV head, with ``a`` the un-pooled window
 attention (SnapKV's statistic before pooling: the last ``W`` queries, fp32 causal softmax, group

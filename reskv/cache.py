@@ -53,8 +53,7 @@ from reskv.scoring import LayerObservation, accumulated_attention
 ATTENTION_NAME = "reskv"
 CACHE_KWARG = "reskv_cache"  # the forward kwarg that carries the cache to the attention function
 # SDPA backends allowed on CUDA: not cuDNN, which plans once per shape, so a decode whose cache grows
-# by one token a step re-plans every step (measured on an H100, torch 2.11, Llama-3.1-8B shape at
-# 4K: 98 ms per token against 52 ms once its plans were cached; results/gpu/README.md).
+# by one token a step re-plans every step, at a cost that dwarfs the step (results/gpu/README.md).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -155,7 +154,7 @@ class ObservedLayer(DynamicLayer, AttendingLayer):
     def _observe(self, query: Tensor, key: Tensor, scaling: float) -> None:
         recent = query if self.queries is None else torch.cat([self.queries, query], dim=1)
         # A copy, not a view: a view of the last rows keeps the whole prompt's queries alive (16 GiB
-        # over the layers of a Llama-3.1-8B-shaped model at 64K, measured by scripts.gpu_check).
+        # of bf16 queries over the 32 layers of a Llama-3.1-8B-shaped model at 64K).
         self.queries = recent[:, -self.observation_window :].clone()
         if not self.accumulate:
             return
@@ -232,7 +231,7 @@ class CompressedLayer(AttendingLayer):
     (padding) on main, 0 on appended tokens and ``-inf`` on spare slots (zero-filled). A token is
     written at a device-side slot (``position``, with ``index_copy_``), and attention always spans all
     ``capacity`` slots, the spare ones getting weight 0: a decode step has no host sync and no shape
-    that depends on data, which ``torch.compile`` and CUDA graphs need (issue 24).
+    that depends on data, which ``torch.compile`` and CUDA graphs need.
 
     The host keeps its own count of written slots (``claim``): ``update`` claims its tokens when run
     eagerly, and a compiled decode step's caller claims them before the step (``ResKVCache.claim``),

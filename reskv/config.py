@@ -14,8 +14,9 @@ SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (
 # How a generation decodes: one eager forward per token, or one compiled graph per token
 # (``reskv.decoding.compiled_step``).
 DECODE_MODES = ("eager", "compiled")
-# What a run asks for: a mode, or "auto", which the engine resolves by device (``reskv.grid.grid_decoding``):
-# on CUDA the compiled step, every configuration of a sample in one batch; elsewhere eager, one at a time.
+# What a run asks for: a mode, or "auto", which the engine resolves by device
+# (``reskv.batching.grid_decoding``): on CUDA the compiled step, every configuration of a sample in
+# one batch; elsewhere eager, one at a time.
 AUTO = "auto"
 DECODE_CHOICES = (AUTO, *DECODE_MODES)
 # The compiled step is one graph only through the shared softmax's masked form (reskv.md, the compiled

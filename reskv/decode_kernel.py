@@ -1,10 +1,10 @@
-"""A gated decode step's attention in two Triton launches (issue 24): the eager CUDA form of
+"""A gated decode step's attention in two Triton launches: the eager CUDA form of
 ``reskv.attention.shared_softmax_attention`` for a layer with residual entries and the gate on.
 
 Eagerly that layer takes at least 8 aten ops (the logits, the main softmax and its max, the gate's
 two ops, the in-place add, the softmax, the values' product; in half precision also casts) where a
-base layer takes one SDPA call and its mask's conversion, and on a GPU each op costs the host ~23 us
-whatever its size (results/gpu/README.md). Here the entries and the main slots are each split
+base layer takes one SDPA call and its mask's conversion, and on a GPU each op costs the host the
+same time whatever its size (results/gpu/README.md). Here the entries and the main slots are each split
 into chunks, so a chunk holds one part's slots; a program of the first kernel takes one KV head's
 query rows over one chunk and keeps its running softmax (the largest logit, the sum of
 ``exp(logit - max)``, the values weighed by those). The second kernel merges each head's entry
@@ -39,8 +39,7 @@ except ImportError:
 # and the main slots' apart, so at most 2 more: 8 KV heads make 128-144 programs, about an H100's
 # 132 SMs); warps per program. Not timed on a GPU yet, but sized so that ptxas keeps every tile in
 # registers on sm_90 at head dims 64 and 128 in fp32, bf16 and fp16 (``python -m
-# scripts.bench.kernel_resources``): the first version's 64-slot tiles with 4 warps spilled 1.1-1.7 KiB
-# a thread at head dim 128.
+# scripts.bench.kernel_resources``; 64-slot tiles with 4 warps spill at head dim 128).
 SLOT_TILE = 32
 MAX_CHUNKS = 16
 NUM_WARPS = 8

@@ -1,12 +1,12 @@
-"""Each point's nearest k-means centre in one Triton kernel, the distances never written (issue 22;
-``../shared/design/gpu-path.md``, D6).
+"""Each point's nearest k-means centre in one Triton kernel, the distances never written
+(``../shared/design/gpu-path.md``, D6).
 
 ``reskv.residual.nearest_centers``' torch path writes the ``[rows, E, r]`` fp32 distances
-(``baddbmm``) and reads them back (``argmin``): at 32K tokens on the H200 those passes, not the
-products' FLOPs, were most of the construction's device time above its floor, and at 131K the
-distances of one layer took blocks of gigabytes (results/gpu/README.md). Here a program takes a
-tile of one row's points, runs over that row's centres a tile at a time with a running minimum, and
-writes only the index: one launch per Lloyd step, no distance block.
+(``baddbmm``) and reads them back (``argmin``): on a GPU those memory passes, not the products'
+FLOPs, take most of the construction's device time above its floor, and at long prompts one layer's
+distances take blocks of gigabytes (results/gpu/README.md). Here a program takes a tile of one
+row's points, runs over that row's centres a tile at a time with a running minimum, and writes only
+the index: one launch per Lloyd step, no distance block.
 
 The rule is the torch path's: ``||c||² + bias - 2<p, c>`` (``center_norms`` holds the first two
 terms, ``+inf`` on padding centres), fp32 products in IEEE arithmetic (no TF32, as cuBLAS's default
@@ -34,8 +34,8 @@ except ImportError:
 # Tile sizes and warps per program, not timed on a GPU yet: ``scripts.bench.gpu_check
 # --compare-paths`` times the construction with this kernel and with the torch path, which decides
 # between them. Sized so that ptxas keeps the tiles in registers on sm_90 at head dims 64 and 128
-# (``python -m scripts.bench.kernel_resources``): 64 x 64 tiles with 4 warps spilled 6.8 KiB a
-# thread at head dim 128 in IEEE fp32.
+# (``python -m scripts.bench.kernel_resources``; 64 x 64 tiles with 4 warps spill at head dim 128 in
+# IEEE fp32).
 POINT_TILE = 64
 CENTER_TILE = 32
 NUM_WARPS = 8

@@ -11,9 +11,10 @@ decode step attends the deployed cache: everything it sees precedes it, for ever
 
 Every candidate of every head (and of every layer, when layers are stacked along the heads,
 ``reskv.scoring.stack_layers``) is built and judged in one pass whose shapes are planned from host
-integers (issue 22): one sort of the fit scores serves all candidates, since candidate ``r``'s
-``M'`` is the top ``m'_r - |P'|`` of that ranking plus ``P'`` and its ``E'`` the rest, in ranking
-order; one padded k-means per grid level; one joint attention for all losses.
+integers, so no shape is read back from the device and a GPU's host issues few ops: one sort of
+the fit scores serves all candidates, since candidate ``r``'s ``M'`` is the top ``m'_r - |P'|`` of
+that ranking plus ``P'`` and its ``E'`` the rest, in ranking order; one padded k-means per grid
+level; one joint attention for all losses.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class ValidationProxy:
         self.boundary = validation_positions[0]  # β
         self.validation_count = len(validation_positions)
         # S' is read in place: candidates gather its rows from the layer's own keys and values
-        # (positions below β), so no copy of the prefix sits beside the losses' buffers (issue 24).
+        # (positions below β), so no copy of the prefix sits beside the losses' buffers: +ResKV's peak
+        # is its base's plus the proxy's buffers (reskv.md, "Where the full cache lives").
         self.fit_scores = scorer.stacked_score(
             obs.keys[:, : self.boundary], obs.queries[:, fit], positions[fit], obs.scaling, num_layers
         )
@@ -211,7 +213,8 @@ class ValidationProxy:
         torch.cat([residual.keys, caches.main_keys, exact_keys], dim=1, out=keys)
         torch.cat([residual.values, caches.main_values, exact_values], dim=1, out=values)
         # The bias in two terms, per row (the entries' population, M''s padding) and per query (the
-        # exact tokens' causality), never their [rows, G * |validation|, slots] sum (issue 24's memory).
+        # exact tokens' causality), never their [rows, G * |validation|, slots] sum, which would
+        # weigh most in +ResKV's peak memory.
         padding = caches.main_bias
         row_bias = joint_bias(
             residual.log_counts,

@@ -17,33 +17,27 @@ from torch import Tensor
 from reskv.selection import gather_rows, token_rows
 
 # Bound on the k-means distance block (fp32 bytes) on CPU, so transient memory does not grow with
-# s * r: one layer's clustering at Llama-3.1-8B's shape and 32K tokens peaks at 142 MiB, mostly
-# the fp32 points (``scripts.bench.engine.kmeans_peak_memory``, ratio 0.6, r = 0.2 b, CPU). 4 MiB is
-# also the fastest block measured on CPU: [3, 3634, 64] points against 395 centres take 8.0 ms
-# in 4 MiB blocks and 12.1 ms in one, [3, 7200, 64] against 790 centres 30 ms and 68 ms (2 cores,
-# torch 2.13): larger blocks are fresh pages on every call, smaller ones make the GEMMs thin.
+# s * r: one layer's clustering then holds mostly its fp32 points (its peak at Llama-3.1-8B's shape
+# and 32K tokens is measured by ``scripts.bench.engine.kmeans_peak_memory``). 4 MiB is also the
+# fastest block on CPU: larger blocks are fresh pages on every call, smaller ones make the GEMMs thin.
 # The block size changes no bit of the result (tests/test_reskv_invariants.py).
 DISTANCE_CHUNK_BYTES = 4 << 20
 # BLOCK_LAYOUT: a block is whole rows (a row: one head's [E, r] distances) while a row fits, so a
-# block's GEMMs are never thin. [90, 2458, 64] points against 410 centres (the 30 stacked layers of
-# the embedded model at 4K, ratio 0.5) took 0.77 s in one-row blocks, 1.8 s in 3-row blocks of 852
-# points and 2.5 s in 90-row blocks of 28 points (2 cores, loaded machine: ratios, not rates).
-# On CUDA a block is one GEMM launch and one argmin, ~23 us of host time each whatever their size
+# block's GEMMs are never thin (slices of several rows' points make them thin, and slower on CPU).
+# On CUDA a block is one GEMM launch and one argmin, whose host time does not depend on their size
 # (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per layer at 131K tokens. There the
-# block is a 32nd of the device's memory (2.5 GiB on an 80 GB H100): at 131K tokens and the 8B
-# shape 108 launches per Lloyd step and layer batch, the grid's groups together (19 with an eighth;
-# ``scripts.bench.construction_counts`` prints the model), ~0.1 s more host time over the 14 s
-# stacked construction. An eighth (17.6 GiB on the H200) let one layer's distances (9.4 GiB for
-# r = 2621) outgrow the forward's own activations inside a compressing prefill: +ResKV's request
-# peaked 1.16 GiB above SnapKV's there (results/gpu/README.md).
+# block is a 32nd of the device's memory (2.5 GiB on an 80 GB GPU), far fewer launches per Lloyd step
+# and layer batch (``scripts.bench.construction_counts`` prints the count). A larger share (an eighth)
+# lets one layer's distances outgrow the forward's own activations inside a compressing prefill,
+# which raises +ResKV's peak above its base's.
 DEVICE_MEMORY_SHARE = 32
 
 
 # Rows of different sizes clustered in one call are padded to the largest size and point count. On
 # CPU, where distance FLOPs cost the time, rows are split into groups whose padded distances stay
-# within this factor of their own (AdaKV's ragged heads at ratio 0.6 padded into one group per grid
-# level wasted 3x: 0.33 of the computed distances were real). On CUDA, where each call costs host
-# time whatever its size, a level is one group.
+# within this factor of their own (AdaKV's ragged heads padded into one group per grid level would
+# compute mostly padding). On CUDA, where each call costs host time whatever its size, a level is
+# one group.
 CPU_PADDING_TOLERANCE = 1.25
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
@@ -53,20 +47,19 @@ CPU_VECTORISED_ARGMIN = True
 # ``scripts.bench.gpu_check --compare-paths`` times the construction with the kernel and without.
 CUDA_FUSED_NEAREST = True
 # On CUDA, sum each cluster's points by ``sorted_cluster_sums`` (a sort and a segment sum, in point
-# order: the same sums from run to run) instead of ``index_add_``'s atomics, which took 176 ms of
-# the construction's 1.25 s at 32K on the H200 (results/gpu/README.md). Off until a GPU has timed
-# it (``scripts.bench.gpu_check --compare-paths``): it costs 4 more ops per call, which would take
-# H2O+ResKV's construction past issue 22's 1.5x its base's ops (1.58x, 1,000 tokens, 32 layers).
+# order: the same sums from run to run) instead of ``index_add_``'s atomics, a visible share of the
+# construction's device time on a GPU (results/gpu/README.md). Off until a GPU has timed it
+# (``scripts.bench.gpu_check --compare-paths``): it costs 4 more ops per call, which would take
+# H2O+ResKV's construction past the op target of at most 1.5x its base's ops.
 CUDA_SORTED_CLUSTER_SUMS = False
 # On CPU the distances of a k-means step are computed over a whole number of 8-centre widths: MKL's
-# product and ``amin`` both slow down on a ragged width, so [3, 3600, 64] points against 79 centres
-# took 3.4 ms for the product and first minimum where 80 centres took 2.3 (59: 2.9 against 64: 1.7;
-# 395: 22 against 400: 13; 2 threads, torch 2.13, one run). Padding centres have norm +inf, so they
-# never win, and the real centres' distances keep every bit: checked for widths 12-139, 1-32 rows of
-# 40-7300 points, head dims 64 and 128. Narrower products MKL computes in blocks of 4 columns whose
-# sums round by the width (7 centres padded to 8 or to 16 round differently from 7 alone), so on CPU
-# a row of fewer centres is never padded: not here, and not into a group of wider rows
-# (``padded_groups``; two tied centres were picked differently, tests/test_construction_plan.py).
+# product and ``amin`` both slow down on a ragged width, more than the padding costs. Padding
+# centres have norm +inf, so they never win, and the real centres' distances keep every bit: checked
+# for widths 12-139, 1-32 rows of 40-7300 points, head dims 64 and 128. Narrower products MKL
+# computes in blocks of 4 columns whose sums round by the width (7 centres padded to 8 or to 16 round
+# differently from 7 alone), so on CPU a row of fewer centres is never padded: not here, and not
+# into a group of wider rows (``padded_groups``; padding would change which of two tied centres a
+# point takes, tests/test_construction_plan.py).
 CPU_DISTANCE_WIDTH_MULTIPLE = 8
 CPU_NARROWEST_PADDED_WIDTH = 12
 
@@ -184,7 +177,7 @@ def nearest_centers(
     if center_bias is not None:
         center_norms.add_(center_bias)
     if points.is_cuda and CUDA_FUSED_NEAREST:
-        from reskv import nearest_kernel  # imports Triton (~0.5 s), which the CPU never runs
+        from reskv import nearest_kernel  # imports Triton (slow to import), which the CPU never runs
 
         if nearest_kernel.available():
             return nearest_kernel.nearest(points, centers, center_norms)
@@ -214,12 +207,11 @@ def first_minimum(distances: Tensor) -> Tensor:
     (finite or ``+inf``, a row's minimum finite) is overwritten.
 
     On CPU (``CPU_VECTORISED_ARGMIN``) an index reduction is a scalar loop, while ``amin`` and
-    elementwise passes are vectorised: ``[2370, 395]`` fp32 took 1.17 ms by ``argmin`` and 0.5 ms by
-    these passes (2 threads, torch 2.13). ``d > min`` marks the losers, written as 1.0 and 0.0 over
-    the distances (one pass where ``sign(d - min)`` took two: 0.59 against 0.70 ms on ``[2370, 395]``);
-    index ``j`` plus ``r`` for a loser leaves the first minimum's index the smallest value (exact:
-    indices are far below 2^24). Returned as fp32 on CPU, to be written into an index tensor. On CUDA
-    ``argmin`` is one launch, the host's cost there (issue 22)."""
+    elementwise passes are vectorised, so these passes take less time than ``argmin``. ``d > min``
+    marks the losers, written as 1.0 and 0.0 over the distances (one pass where ``sign(d - min)``
+    takes two); index ``j`` plus ``r`` for a loser leaves the first minimum's index the smallest value
+    (exact: indices are far below 2^24). Returned as fp32 on CPU, to be written into an index tensor.
+    On CUDA ``argmin`` is one launch, and launches are what the host pays for there."""
     if distances.is_cuda or not CPU_VECTORISED_ARGMIN:
         return distances.argmin(-1)
     num_centers = distances.shape[-1]
@@ -253,7 +245,7 @@ def lloyd_assignments(
         )
         if step + 1 < iterations:  # the last step's means are the entries: the caller divides once
             # An empty cluster's 0 / 0 is discarded by the where: no clamp of the counts (one op fewer
-            # per step, issue 22).
+            # per step, each op a fixed host cost on a GPU).
             centers = torch.where(counts[..., None] > 0, sums / counts[..., None], centers)
     return flat_index, sums, counts
 

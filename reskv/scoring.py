@@ -50,7 +50,7 @@ def stack_layers(observations: list[LayerObservation]) -> LayerObservation:
     """``L`` layers of one prompt as one observation with ``L * H_kv`` KV heads (and ``L * H`` query
     heads), layer-major: query head ``h`` still belongs to KV head ``h // G``, so every rule whose
     heads are independent scores the stack as it scores each layer. The stack is a copy of the
-    layers' tensors: one op for many, which is what a GPU's host pays for (issue 22)."""
+    layers' tensors: one op for many, since a GPU's host pays per op whatever its size."""
     if len(observations) == 1:
         return observations[0]
     accumulated = None
@@ -89,7 +89,7 @@ def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: range
     logits[..., first:].masked_fill_(future, float("-inf"))
     # In place, into the logits: glibc often maps a second buffer of this size (13 MiB for 96 x 9
     # queries at 4K) fresh on every call, and its page faults then cost more than the arithmetic
-    # (on CPU, 6,580 faults per call; product and softmax took 16.4 ms instead of 6.5). Same bits.
+    # on CPU. Same bits.
     return torch.softmax(logits, dim=-1, out=logits)
 
 

@@ -96,10 +96,8 @@ def release_memory(device: torch.device) -> None:
 def matmul_gflops(size: int = 1024, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """The fp32 matmul rate of ``device`` right now: the median of ``repeats`` products of two
     ``size``-square matrices (the first, which may select kernels, not counted). On a shared host it
-    drifts by tens of percent within minutes without the load average showing it (2048-square
-    products on the 2-core machine of issue 8: 83-126 GFLOP/s over one minute, 160 a few minutes
-    later, load average below 2 throughout), so a header printed at the start and at the end of a
-    run tells whether its rows were timed alike."""
+    drifts by tens of percent within minutes without the load average showing it, so a header
+    printed at the start and at the end of a run tells whether its rows were timed alike."""
     left, right = (torch.randn(size, size, device=device) for _ in range(2))
     synchronize = torch.cuda.synchronize if left.is_cuda else lambda: None
     torch.mm(left, right)
@@ -151,9 +149,9 @@ def peak_memory(device: torch.device | str) -> Iterator[MemoryPeak]:
     On CUDA the allocator's max allocated bytes (``torch.cuda.max_memory_allocated``, reset at
     entry); on CPU, which keeps no allocator statistics, the resident set size at entry plus the
     block's ``peak_allocated`` (torch's allocations). Not the kernel's peak RSS (``VmHWM``): CI's
-    sandbox ignores its reset (two blocks, one allocating 64 MiB, read the same 1.83 GB), and where
-    it is reset a freed heap can serve a block without raising it (a 256 MiB tensor left it unchanged
-    under pytest-xdist). Both count the model weights and whatever else the process holds.
+    sandbox ignores its reset (two blocks, only one of them allocating, read the same peak), and
+    where it is reset a freed heap can serve a block without raising it (under pytest-xdist even a
+    block allocating a large tensor). Both count the model weights and whatever else the process holds.
     """
     device = torch.device(device)
     peak = MemoryPeak(kind=peak_memory_kind(device))
@@ -325,11 +323,11 @@ def replayed_matmul_seconds(fn, *args, repeats: int = 3) -> float:
     """Seconds the matmuls of ``fn(*args)`` take replayed alone (CPU), one after another on fresh
     operands of their sizes, strides and dtypes, each the fastest of ``repeats`` runs into its
     warm-up's output (no allocation, no page faults; the fastest, since a floor is what the machine
-    can do and this one's matmul rate moved between 87 and 148 GFLOP/s within one bench): the time
-    ``fn`` cannot go below while it issues these products as it does, at this machine's rate for each
-    of their shapes, where ``counted_gflop`` holds them to another computation's rate (here a K=64
-    product of a few hundred rows by thousands of columns ran at a third of the prefill's
-    projections' rate; scripts/bench/engine.py prints both)."""
+    can do and a shared machine's matmul rate moves within one bench): the time ``fn`` cannot go
+    below while it issues these products as it does, at this machine's rate for each of their shapes,
+    where ``counted_gflop`` holds them to another computation's rate (a K=64 product of a few hundred
+    rows by thousands of columns runs well below the prefill's projections' rate;
+    scripts/bench/engine.py prints both)."""
     seconds = 0.0
     for call in recorded_matmuls(fn, *args):
         operands = call.operands()

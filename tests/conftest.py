@@ -16,8 +16,8 @@ from reskv.attention import joint_attention, joint_buffers
 from reskv.backbones import tiny_backbone
 
 # pytest-xdist's workers share the machine's cores: each takes its share of torch's threads, and
-# passes it on to the processes it starts (`run.py`, scripts), where each took every core and their
-# OpenMP threads, two per core, spun for one another's time slices.
+# passes it on to the processes it starts (`run.py`, scripts), which would otherwise each take every
+# core, and their OpenMP threads, two per core, spin for one another's time slices.
 WORKER_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(WORKER_THREADS)
 os.environ["OMP_NUM_THREADS"] = str(WORKER_THREADS)

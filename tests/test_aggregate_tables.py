@@ -232,7 +232,7 @@ def test_bold_marks_only_a_strict_winner():
 
 
 def test_pair_with_mixed_sample_counts_is_compared_on_shared_samples(tmp_path):
-    """Issue 9: TOVA ran 3 samples, its +ResKV and the full cache 2 (each a complete file of its run).
+    """TOVA ran 3 samples, its +ResKV and the full cache 2 (each a complete file of its run).
 
     On all its samples TOVA would lead (1/3 = 33.33 against 25.00); on the 2 samples both have it
     scores 0.00, so +ResKV is the winner, and every cell has fewer samples than the task has (3).

@@ -1,4 +1,4 @@
-"""The benchmark amendments of ``docs/spec/benchmarks.md`` (2026-11-22), checked against upstream.
+"""The benchmark amendments of ``docs/spec/benchmarks.md``, checked against upstream.
 
 Expectations are written from upstream's code by hand: ``THUDM/LongBench`` ``LongBench/pred.py`` (chat
 template rule, samsum generation, the LongBench-E task list), ``LongBench/eval.py`` (``scorer``,

@@ -1,4 +1,4 @@
-"""CaM (baselines.md, CaM, revised 2026-11-22) against a plain loop in KVCache-Factory's form.
+"""CaM (baselines.md, CaM) against a plain loop in KVCache-Factory's form.
 
 ``plain_cam`` is written from the spec, step by step as ``CAMKVCluster.update_kv`` runs it: for
 ``i = start .. s-65`` in order, ``p_i`` from the window attention, a draw, and an in-place add of

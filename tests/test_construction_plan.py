@@ -1,4 +1,4 @@
-"""The stacked, host-planned construction (issue 22) against a plain per-head loop written here from
+"""The stacked, host-planned construction against a plain per-head loop written here from
 reskv.md: kept sets, residual sizes and entries equal bit for bit on CPU fp32.
 
 The plain loop takes each layer and KV head alone: the base method's scores and budgets, the
@@ -187,8 +187,8 @@ def test_rows_of_a_few_centres_beside_wider_ones_equal_the_plain_loop(sizes, see
     """On CPU MKL computes a product of fewer than ``CPU_NARROWEST_PADDED_WIDTH`` columns in column
     blocks whose sums round differently at another width, so a row of 7 centres padded to its
     group's 8 could give a point another of two tied centres than its own k-means gives. Every
-    point here ties: each head's keys come in identical pairs, so most centres have a twin. (These
-    seeds and sizes picked two tied centres differently when rows were padded together.)"""
+    point here ties: each head's keys come in identical pairs, so most centres have a twin. (With
+    these seeds and sizes, padding rows together picks two tied centres differently.)"""
     generator = torch.Generator().manual_seed(seed)
     twins = torch.randn(2, 40, 64, generator=generator) * 3
     keys = torch.cat([twins, twins], dim=1)  # key p and key p + 40 are one key

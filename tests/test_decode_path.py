@@ -1,4 +1,4 @@
-"""One decode path for every method (issue 24): static buffers, no host sync, and a compiled step."""
+"""One decode path for every method: static buffers, no host sync, and a compiled step."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_a_runs_methods_compile_one_graph_per_kind_of_cache():
     """A run decodes many methods at many ratios in one process: base and full caches (no gate, one
     SDPA call per layer) and +ResKV ones (the gated form) are two kinds of graph, each compiled once
     (the slots marked dynamic from the first call), whatever the number of configurations: far under
-    torch._dynamo's recompile limit (8). Left to automatic dynamic shapes, the slots took 3 graphs."""
+    torch._dynamo's recompile limit (8). Left to automatic dynamic shapes, the slots take 3 graphs."""
     backbone = tiny_backbone("tiny-llama", num_attention_heads=4, num_key_value_heads=2)
     names = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova+reskv")
     methods = [build_method(name, ratio) for ratio in (0.6, 0.9) for name in names]

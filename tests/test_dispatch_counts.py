@@ -1,6 +1,6 @@
 """The op and sync counter (scripts.bench.dispatch_counts) on hand-counted code, the construction's
-host-device syncs: a fixed number per layer batch, however many layers (issue 22), the ops of a
-decode step's attention as the spec lists them, and the compiled step's kernels (issue 24)."""
+host-device syncs: a fixed number per layer batch, however many layers, the ops of a decode step's
+attention as the spec lists them, and the compiled step's kernels."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_the_compiled_decode_step_attends_a_base_layer_by_one_sdpa_call_and_a_re
     cache's) has no gate, so each layer's attention is one SDPA call, as eagerly; a +ResKV layer's is
     the logits' product, the gate and softmax, and the values' product. One graph serves every base
     and one every +ResKV method (2 layers of the 8B attention shape, CPU). A base layer computing the
-    gate over no entries (the former compiled form) took +ResKV's kernels, 1.16x its own."""
+    gate over no entries would launch +ResKV's kernels, more than its own."""
     backbone = narrow_llama_8b_attention(num_layers=2)
     cache = synthetic_prefilled_cache(600, **dict(LLAMA_ATTENTION, num_layers=2))
     kernels = {}

@@ -1,4 +1,4 @@
-"""Fast paths against the straightforward computations they replace (issue 8).
+"""Fast paths against the straightforward computations they replace.
 
 Each reference below is the plain form written here from reskv.md: two separate matmuls and an
 explicit softmax for attention, a full ``[n, s]`` causal mask for observation probabilities, a

@@ -101,8 +101,8 @@ def ruler_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, ruler_cache, worker_id) -> Path:
     """The uninterrupted smoke grid, run once per session: pytest-xdist's workers share it through a
-    lock in the session's temporary directory, where each worker's module scope ran its own (~45 s
-    of a 15-minute suite)."""
+    lock in the session's temporary directory, rather than each worker's module scope running its
+    own, a large share of the suite's time budget."""
     session_dir = tmp_path_factory.getbasetemp()
     if worker_id != "master":
         session_dir = session_dir.parent  # above the workers' own directories, inside this session's

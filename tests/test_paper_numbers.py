@@ -185,7 +185,7 @@ STATED = {
 }
 
 
-def test_the_issues_claims_are_in_the_data_as_the_text_states_them():
+def test_the_papers_claims_are_in_the_data_as_the_text_states_them():
     claims = {claim.name: claim for claim in paper_numbers().claims}
     stated = {(claim.kind, claim.stated) for claim in claims.values()}
     listed = {("share", (63, 64)), ("share", (32, 32))}

@@ -349,7 +349,7 @@ def test_fit_switch_deploys_the_validated_cache(observation, base):
 
 def test_beta_zero_keeps_the_residual_in_the_proxy(observation):
     """Invariant 10 in the proxy: with beta = 0 the candidate losses are finite and a residual is
-    still chosen where it helps (it was silently turned off by NaN before)."""
+    still chosen where it helps (a NaN in the losses would silently turn it off)."""
     config = ResidualConfig(beta=0.0)
     proxy = proxy_for(observation, "snapkv", config)
     budgets = torch.full((observation.num_kv_heads,), budget_for(observation.seq_len, RATIO))

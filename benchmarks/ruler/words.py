@@ -38,7 +38,7 @@ def _word_file(name: str) -> tuple[str, ...]:
 class SortedPairs(Sequence):
     """``sorted(set(f"{a}-{b}" for a in firsts for b in seconds))`` without building all its strings.
 
-    Upstream builds the 6.2 million needle keys and sorts them (~10 s here) only to pick a few at
+    Upstream builds the 6.2 million needle keys and sorts them (seconds of CPU) only to pick a few at
     random indexes. The pairs of one first word form a sorted run; runs whose ranges overlap
     (``blue-*`` and ``blue-eyed-*``) are merged and sorted explicitly, every other run is indexed
     arithmetically. Same length, same element at every index.

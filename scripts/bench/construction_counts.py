@@ -1,4 +1,4 @@
-"""Ops and syncs of one whole-prompt compression at Llama-3.1-8B's attention shape (issue 22).
+"""Ops and syncs of one whole-prompt compression at Llama-3.1-8B's attention shape.
 
     python -m scripts.bench.construction_counts --lengths 4096 32768   # 32K: a host with more than 24 GB
 

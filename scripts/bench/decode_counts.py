@@ -1,4 +1,4 @@
-"""Ops and host-device syncs of one decoded token at Llama-3.1-8B's attention shape (issue 24).
+"""Ops and host-device syncs of one decoded token at Llama-3.1-8B's attention shape.
 
     python -m scripts.bench.decode_counts --lengths 4096
 

@@ -1,6 +1,6 @@
-"""Tensor ops and host-device syncs of a piece of code, counted on CPU (issue 22).
+"""Tensor ops and host-device syncs of a piece of code, counted on CPU.
 
-On a GPU the construction and the decode step are bound by the host: each aten op costs ~23 us of
+On a GPU the construction and the decode step are bound by the host: each aten op costs the same
 wall time there whatever its size (results/gpu/README.md), and each sync stalls the host until the
 device has caught up. Both are properties of the code, not of the device, so they are counted here
 on CPU with a ``TorchDispatchMode``:
@@ -153,8 +153,8 @@ def count_parser(description: str, methods: Sequence[str]) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    # 4K by default: at 32K a count holds more than 24 GB of host memory (OOM-killed at 23 GB on this
-    # project's 24 GB CPU machine), which a GPU machine's host has.
+    # 4K by default: at 32K a count holds more than 24 GB of host memory (more than this project's CPU
+    # machine has), which a GPU machine's host has.
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
     parser.add_argument("--ratio", type=float, default=0.9)
     parser.add_argument("--methods", nargs="+", default=list(methods))

@@ -6,7 +6,8 @@
 ``--backbone llama3.1-8b-attention`` measures a random model with Llama-3.1-8B's attention (32
 layers, 32 query heads, 8 KV heads, head dim 128, bf16) and hidden and MLP widths of 256
 (``scripts.bench.decode_counts.narrow_llama_8b_attention``): the 8B model's KV cache and attention
-transients on a CPU, without its weights (issue 24's memory target, at 8K).
+transients on a CPU, without its weights, where the spec compares +ResKV's peak with its base's
+(``docs/spec/reskv.md``, "Where the full cache lives").
 
 For every (context length, method): prefill a random-token prompt of that length, compress,
 decode exactly ``--new-tokens`` tokens (end-of-sequence tokens do not stop it, so every run
@@ -60,7 +61,7 @@ def measure(
 ) -> list[dict]:
     """One row per (length, method): peak memory of one request (prefill, compression, ``new_tokens``
     decoded tokens) and the decode rate, from a second prefill whose compressed caches decode
-    ``new_tokens`` steps in lockstep (``bench_engine.decode_seconds_per_token``)."""
+    ``new_tokens`` steps in lockstep (``scripts.bench.engine.decode_seconds_per_token``)."""
     unstoppable = dataclasses.replace(backbone, stop_token_ids=())
     rows = []
     for length in lengths:

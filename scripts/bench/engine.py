@@ -1,4 +1,4 @@
-"""Engine speed figures on the embedded model, every ratio measured within one run (issue 8).
+"""Engine speed figures on the embedded model, every ratio measured within one run.
 
     python -m scripts.bench.engine            # ~4K and ~8K prompts, ratios 0.5 .. 0.9
 
@@ -11,7 +11,7 @@ prefill's FLOP rate (its smaller matmuls reach less), so kernel tuning alone can
 share much below it; the seconds the construction's own matmuls take replayed alone at their shapes
 (``scripts.measure.replayed_matmul_seconds``) as a share of the prefill: the floor at this machine's
 rate for each shape, the rest of a target being what everything else may take; decode seconds per
-token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x, issue 24) and the full cache, eagerly and with
+token of ``snapkv``, ``snapkv+reskv`` (target <= 1.03x) and the full cache, eagerly and with
 the compiled step (``decode="compiled"``; its first compilation, tens of seconds to minutes, is not
 timed; ``--skip-compiled`` leaves it out). A second table
 isolates what the entries cost a decode step: one layer's ``shared_softmax_attention`` over the
@@ -24,9 +24,9 @@ of two methods' steps the median of their paired steps' ratios, with its 95% int
 (``scripts.measure.median_interval``: a run resolves a target only where the interval lies on one
 side of it). Then the
 op and host-device sync counts of a whole-prompt compression at Llama-3.1-8B's attention shape
-(``scripts.bench.construction_counts``: what a GPU's host pays, issue 22), the model of its k-means
+(``scripts.bench.construction_counts``: what a GPU's host pays), the model of its k-means
 distance launches at 131K tokens, and the same counts for one decoded token
-(``scripts.bench.decode_counts``, issue 24).
+(``scripts.bench.decode_counts``).
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def decode_seconds_per_token(
 
 def paired_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> str:
     """The median ratio of two methods' paired steps (``decode_step_seconds``) with its 95% interval
-    (``median_interval``), as ``1.019 [0.990, 1.050]``: a whole-step ratio moved by 3-5% between runs
-    on the 2-core CPU, where the interval says what one run resolves."""
+    (``median_interval``), as ``1.019 [0.990, 1.050]``: a whole-step ratio moves between runs on a
+    shared CPU by more than the targets' margins, and the interval says what one run resolves."""
     ratios = [a / b for a, b in zip(samples[numerator], samples[denominator], strict=True)]
     median, low, high = median_interval(ratios)
     return f"{median:.3f} [{low:.3f}, {high:.3f}]"

@@ -6,7 +6,7 @@ Runs the same plan three times in this process into scratch result directories (
 with ``share_prefill=false`` (a new prefill and decode per configuration, what running the
 configurations one at a time costs, minus process start-up), with one prefill per sample and each
 configuration decoded alone (``decode_batch=1``), and with one prefill per sample and its
-configurations decoded together (``decode_batch=N``, ``BATCH_OVERRIDE``; issue 25). Reports the
+configurations decoded together (``decode_batch=N``, ``BATCH_OVERRIDE``). Reports the
 wall-clock times, the speed-ups over the first, the seconds per phase, and how the predictions
 compare: the first two must be identical; the batched run's may differ at near ties only, so for
 every configuration whose tokens differ it prints the top-2 logit gap of its decode alone at the

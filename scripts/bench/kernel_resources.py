@@ -1,5 +1,4 @@
-"""What ptxas gives each Triton kernel of the project on a GPU, read on a machine without one (issues
-22 and 24).
+"""What ptxas gives each Triton kernel of the project on a GPU, read on a machine without one.
 
     python -m scripts.bench.kernel_resources              # sm_90: the H100 and H200
     python -m scripts.bench.kernel_resources --arch 80    # an A100

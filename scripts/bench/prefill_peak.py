@@ -1,5 +1,5 @@
 """Where a request's prefill peaks in memory, and the floor that puts under a compressed request's
-peak as a share of the full cache's (issue 24).
+peak as a share of the full cache's.
 
     python -m scripts.bench.prefill_peak [--tokens 2048] [--layers 2] [--at 131008]
 

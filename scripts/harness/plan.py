@@ -162,7 +162,7 @@ class Plan:
     share_prefill: bool
     max_new_tokens: int | None
     results_dir: Path
-    decode: str = "eager"  # reskv.config.DECODE_CHOICES ("auto": by device, reskv.grid.grid_decoding)
+    decode: str = "eager"  # reskv.config.DECODE_CHOICES ("auto": by device, reskv.batching.grid_decoding)
     decode_batch: int | str = 1  # most configurations of a sample decoded together (reskv.grid), or "auto"
     grid: tuple[GridEntry, ...] = field(default=())
     quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)

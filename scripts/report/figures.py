@@ -65,7 +65,7 @@ def save(figure, out_dir: Path, name: str) -> list[Path]:
 def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
     """Panels (a) peak memory and (b) decode throughput per method versus context length.
 
-    ``measurements`` is bench_efficiency's report: ``backbone``, ``memory_kind`` (what "peak
+    ``measurements`` is ``scripts.bench.efficiency``'s report: ``backbone``, ``memory_kind`` (what "peak
     memory" is on that device) and ``rows`` of ``method``, ``context_length``, ``peak_memory_bytes``,
     ``decode_tokens_per_s`` (None where the run failed, e.g. out of memory: drawn as a gap).
     """

@@ -22,10 +22,10 @@ the quality measures ran, ``layers.csv`` (per layer; the quality tables are scri
 Rules every table follows: a configuration that was not run is shown as missing (``--``),
 never as 0; rows shown side by side (a baseline and its +ResKV, the CaM and ablation rows) are
 scored, task by task, on the samples all of them scored, so a pair never compares different
-samples (issue 9); a cell whose samples are fewer than its task has so far (the most any
-configuration of the task has) is marked partial (dagger); the notes give the samples per task
-(``--show-n``: per cell in .md and .csv); a task whose data is unavailable is shown as ``n/a`` and
-left out of averages; an average needs every averaged task of its row, otherwise it is missing.
+samples; a cell whose samples are fewer than its task has so far (the most any configuration of the
+task has) is marked partial (dagger); the notes give the samples per task (``--show-n``: per cell
+in .md and .csv); a task whose data is unavailable is shown as ``n/a`` and left out of averages;
+an average needs every averaged task of its row, otherwise it is missing.
 Averages are the unweighted mean of the task scores shown (each the benchmark's own
 ``task_score``), rounded to two decimals; bold marks a strict winner of the two-decimal values
 only, none on a tie. LongBench averages cover its 16 English tasks.
@@ -59,7 +59,7 @@ from scripts.report.verdict import verdict_tables
 
 
 def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
-    """Every table the results support; ``heads`` (``results_frame.heads_frame``) adds the proxy's
+    """Every table the results support; ``heads`` (``scripts.report.frames.heads_frame``) adds the proxy's
     choices to the quality tables."""
     tables = [
         table for table in (averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS) if table

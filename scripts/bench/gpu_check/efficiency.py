@@ -53,7 +53,8 @@ CONSTRUCTION_VARIANTS = {
 # The decode path ``--compare-paths`` decodes each +ResKV request again on: the gated layers' torch form.
 TORCH_DECODE = (reskv.attention, "CUDA_FUSED_DECODE", False)
 # ``--torch-paths``: every Triton kernel off for a run, should one fail to compile on the device's
-# Triton (the kernels were tested under Triton 3.9's interpreter on CPU, the GPU image has 3.6).
+# Triton (the kernels are tested under Triton's interpreter on CPU, whose version may differ from the
+# GPU image's).
 KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -84,7 +85,7 @@ def kernel_totals(events, top: int) -> list[dict]:
 
 def device_profile(device: torch.device, fn, *args, top: int = 12, **kwargs) -> dict:
     """Where the wall time of ``fn(*args, **kwargs)`` goes, run once under ``torch.profiler``: a
-    construction (issue 22) or a compiled decode (issue 24). Records the profiled wall seconds, the
+    construction or a compiled decode. Records the profiled wall seconds, the
     device's busy seconds (its kernels' and copies' durations summed: one stream, so they do not
     overlap), the number of device launches, the host's aten calls, the ``top`` operators by self
     device time (by self host time without CUDA) and the ``top`` kernels (``kernel_totals``; none
@@ -185,9 +186,9 @@ def efficiency_rows(
 
     Per length, first one ``Prefill`` that keeps the full cache: the full method's request (that
     prefill and its decode), and every compressed method's construction after it
-    (``Prefill.compressed``: ``construct_s`` and its matmul ``construct_gflop``, issue 22). Once it is
+    (``Prefill.compressed``: ``construct_s`` and its matmul ``construct_gflop``). Once it is
     freed, each compressed method's own request: a ``Prefill(..., retain="compressed")``, which
-    compresses every layer inside the forward and frees it (the paper's memory behaviour, issue 24),
+    compresses every layer inside the forward and frees it (the paper's memory behaviour),
     then its decode. With "compiled" in ``decode_modes`` each request also decodes with the compiled
     step (``compiled_decode``), after its peak memory is taken. An out-of-memory request is marked
     ``"OOM"``: a full prefill that does not fit leaves the compressed requests to run. At the

@@ -1,5 +1,6 @@
 """The GPU check's report: what ran it (``check_machine``), the efficiency figure (``plot``), the
-issues' targets as printed lines (``summary``) and reports of several calls merged (``merged``)."""
+efficiency targets' ratios as printed lines (``summary``) and reports of several calls merged
+(``merged``)."""
 
 from __future__ import annotations
 
@@ -152,11 +153,11 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 
 def summary(report: dict) -> list[str]:
-    """The issues' targets as printed lines, per (shape, length, ratio) and base method X:
+    """The efficiency targets' ratios as printed lines, per (shape, length, ratio) and base method X:
     ResKV's construction (``construct_s`` of X+reskv minus X's) over the full prefill's time, and over
-    its fp32 matmul FLOPs' time at the machine's fp32 matmul rate (the floor, issue 22); each
-    request's peak over the full cache's, +ResKV's over X's; +ResKV's decode rate over X's, eager and
-    compiled, and the compiled rates (issue 24)."""
+    its fp32 matmul FLOPs' time at the machine's fp32 matmul rate (the floor); each request's peak
+    over the full cache's, +ResKV's over X's; +ResKV's decode rate over X's, eager and compiled, and
+    the compiled rates."""
     rows = {
         (row["shape"], row["length"], row["method"], row["ratio"]): row
         for row in report["efficiency"]
