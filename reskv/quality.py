@@ -22,16 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from reskv.cache import AttendingLayer, CompressedLayer, ResKVCache
 from reskv.decoding import forward, greedy
-
-if TYPE_CHECKING:
-    from reskv.engine import Prefill
 
 FORCED_STEPS = 16
 
@@ -122,7 +118,7 @@ class QualityProbe:
     what the full cache gives (its greedy continuation of ``FORCED_STEPS`` tokens, its logits along
     them, its log-likelihood of each reference answer) is computed once, on first use."""
 
-    def __init__(self, prefill: Prefill):
+    def __init__(self, prefill):  # a reskv.engine.Prefill, which holds its probe
         self.prefill = prefill
         self._forced: tuple[list[int], Tensor] | None = None
         self._answer_log_probs: dict[tuple[int, ...], float] = {}
