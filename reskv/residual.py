@@ -49,8 +49,8 @@ CUDA_FUSED_NEAREST = True
 # On CUDA, sum each cluster's points by ``sorted_cluster_sums`` (a sort and a segment sum, in point
 # order: the same sums from run to run) instead of ``index_add_``'s atomics, a visible share of the
 # construction's device time on a GPU (results/gpu/README.md). Off until a GPU has timed it
-# (``scripts.bench.gpu_check --compare-paths``): it costs 4 more ops per call, which would take
-# H2O+ResKV's construction past the op target of at most 1.5x its base's ops.
+# (``scripts.bench.gpu_check --compare-paths``): it costs 4 more ops per call, which a GPU's host
+# pays where the device may not gain them back.
 CUDA_SORTED_CLUSTER_SUMS = False
 # On CPU the distances of a k-means step are computed over a whole number of 8-centre widths: MKL's
 # product and ``amin`` both slow down on a ragged width, more than the padding costs. Padding

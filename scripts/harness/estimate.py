@@ -491,7 +491,7 @@ def decoding(plan: Plan, tasks: Sequence[TaskPlan], rates: Rates | None) -> str:
     batches = (
         len(decode_batches(plan.grid, tasks[0].workload, max_rows)) if tasks and plan.share_prefill else None
     )
-    rows = "no row cap" if max_rows is None else f"at most {max_rows} rows"
+    rows = "no row cap" if max_rows is None else f"at most {max_rows} row" + "s" * (max_rows > 1)
     return f" ({mode}, {rows}: {batches or len(plan.grid)} decode batches a sample)"
 
 
