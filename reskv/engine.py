@@ -13,7 +13,8 @@ compressed cache. Compression always builds a new cache, so one prefill serves e
 
 ``Prefill(..., retain="compressed")`` never holds a full cache of every layer: each setting's
 forward compresses each layer for every registered method as its attention runs and frees it
-(reskv.md, "Where the full cache lives").
+(reskv.md, "Where the full cache lives"). A prompt's configurations decoded together, as the runner
+decodes a sample's grid: ``reskv.grid.decode_grid``.
 """
 
 from __future__ import annotations
