@@ -220,38 +220,28 @@ def shared_softmax_attention(
 class RowGates:
     """The gates of stacked rows (``stacked_shared_softmax_attention``): each row's ``DecodeRule`` as
     ``[B, 1, 1, 1]`` tensors, so one expression computes every row's ``log g(q)`` as ``log_gate``
-    computes one. A row's gate is closed (``g = 1``) where its rule has no gate or it has no entries:
-    ``opened`` says which on the host (no step reads it back), ``open_column`` on the device."""
+    computes one. A row whose rule has no gate adds nothing (``open_column`` is false there); a row
+    without entries adds its ``log g`` nowhere. ``gated`` says on the host whether any row has a gate:
+    one bool, not one per row, so that a compiled step's graph depends on no row's rule but through
+    the device."""
 
-    opened: tuple[bool, ...]
+    gated: bool
     open_column: Tensor
     tau: Tensor
     negated_alpha: Tensor
     log_g_min: Tensor  # -inf where g_min <= 0: no clamp
 
     @classmethod
-    def of(cls, rules: list[DecodeRule], with_entries: list[bool], device: torch.device) -> RowGates:
+    def of(cls, rules: list[DecodeRule], device: torch.device) -> RowGates:
         def column(values: list[float]) -> Tensor:
             return torch.tensor(values, device=device)[:, None, None, None]
 
-        opened = tuple(rule.gate and entries for rule, entries in zip(rules, with_entries, strict=True))
         return cls(
-            opened,
-            column(list(opened)).bool(),
+            any(rule.gate for rule in rules),
+            column([rule.gate for rule in rules]).bool(),
             column([rule.tau for rule in rules]),
             column([-rule.alpha for rule in rules]),
             column([math.log(rule.g_min) if rule.g_min > 0 else float("-inf") for rule in rules]),
-        )
-
-    def rows(self, kept: list[int]) -> RowGates:
-        """The gates of the ``kept`` rows, in that order."""
-        index = torch.tensor(kept, device=self.tau.device)
-        return RowGates(
-            tuple(self.opened[row] for row in kept),
-            *(
-                column.index_select(0, index)
-                for column in (self.open_column, self.tau, self.negated_alpha, self.log_g_min)
-            ),
         )
 
     def log_gate(self, p_max: Tensor) -> Tensor:
@@ -277,7 +267,7 @@ def stacked_shared_softmax_attention(
     row's gate open, the fp32 logits once, each row's main ``p_max`` (its entries masked), ``log g(q)``
     added to its entries' logits in place (0 where its gate is closed), one softmax weighing the
     values; with none open, one SDPA call with the bias."""
-    if not any(gates.opened):
+    if not gates.gated:
         return torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=bias.to(queries.dtype), scale=scaling
         )

@@ -367,7 +367,7 @@ class CompressedLayer(AttendingLayer):
             # form's one row, its entries marked by a device count and its gate open whenever its
             # rule has one (without entries log g is added nowhere).
             entries = torch.arange(self._keys.shape[2], device=query.device) < self.entry_count
-            gates = RowGates.of([self.rule], [True], query.device)
+            gates = RowGates.of([self.rule], query.device)
             output = stacked_shared_softmax_attention(
                 queries[None], self._keys, self._values, bias[None], entries, gates, scaling
             )[0]
@@ -496,9 +496,13 @@ class StackedLayer(AttendingLayer):
         self._bias, self._entries = (static_address(buffer, 3) for buffer in (bias, entries))
         self.feed_bias = static_address(torch.zeros(batch, 1, 1, 1, device=device))
         self.position = static_address(torch.tensor([self.filled], device=device))  # the next slot
-        # A row's gate counts as open wherever its rule has one, entries or not (with none, log g is
-        # added nowhere): which rows hold entries then changes no graph.
-        self.gates = RowGates.of([row.rule for row in rows], [True] * batch, device)
+        self.gates = RowGates.of([row.rule for row in rows], device)
+        # A batch of any number of rows runs one compiled graph: the rows are a dynamic dimension.
+        gates = self.gates
+        for batched in (keys, values, bias, entries, self.feed_bias, gates.open_column, gates.tau):
+            torch._dynamo.maybe_mark_dynamic(batched, 0)
+        for batched in (gates.negated_alpha, gates.log_g_min):
+            torch._dynamo.maybe_mark_dynamic(batched, 0)
         self.is_initialized = True
 
     def claim(self, tokens: int) -> None:

@@ -103,6 +103,8 @@ def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: Re
     cache.claim(1)
     device = backbone.device
     tokens = torch.tensor(token_ids, device=device)[:, None]
-    return compiled_step(backbone.model, backbone.cache_argument)(
-        tokens, torch.full_like(tokens, position), cache
-    )
+    positions = torch.full_like(tokens, position)
+    if len(token_ids) > 1:  # a batch's rows: one graph whatever their number (``StackedLayer``)
+        for batched in (tokens, positions):
+            torch._dynamo.maybe_mark_dynamic(batched, 0)
+    return compiled_step(backbone.model, backbone.cache_argument)(tokens, positions, cache)

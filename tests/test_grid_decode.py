@@ -126,8 +126,8 @@ def test_stacked_rows_get_the_logits_each_gets_alone(prefill):
 @pytest.mark.slow
 def test_the_compiled_batch_step_gives_the_eager_batch_logits(prefill):
     """The batch's decode step compiled as one graph (``torch.compile(fullgraph=True)``: no graph break,
-    static shapes) gives the eager batch's logits to fp32 rounding, and one graph serves two grids whose
-    rows hold entries in other layers."""
+    static shapes) gives the eager batch's logits to fp32 rounding, and one graph serves grids whose
+    rows hold entries in other layers, other rules and another number of rows."""
     torch._dynamo.reset()
     methods = requests(DEFAULT_RULES)
     eager = stacked_logits(prefill, methods, eager_step(prefill))
@@ -140,6 +140,7 @@ def test_the_compiled_batch_step_gives_the_eager_batch_logits(prefill):
     assert torch.equal(first.argmax(-1), eager.argmax(-1))
     other = Prefill(prefill.backbone, random_prompt(TOKENS, 280, seed=4), 250)
     stacked_logits(other, methods, compiled)
+    stacked_logits(other, methods[3:8], compiled)  # other rows, and fewer: the rows are dynamic
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
