@@ -1,6 +1,7 @@
 """``scripts.bench.grid_replay`` on the tiny random backbone: a "committed" run decoded one configuration
 at a time, eagerly, each with its own prefill, then replayed compiled in one batch per sample; equal
-records are reported equal, and a token planted in the committed file is reported at its step."""
+records are reported equal, a token planted in the committed file is reported at its step, and a
+statistic planted there is reported with the lone construction here equal to the replay's."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def test_a_planted_token_and_a_planted_statistic_are_reported(runs):
     token, statistic = sorted(report["differing"], key=lambda found: found["configuration"])
     assert token["configuration"] == "vt agnostic snapkv+reskv 0.9"
     assert token["step"] == STEP and token["top2_gap"] >= 0
-    assert token["cache_stats_differ"] == [] and token["scores"] is None
+    assert token["cache_stats_differ"] == [] and token["scores"] is None and "alone_here_equal" not in token
     assert statistic["configuration"] == "vt aware snapkv+reskv 0.6"
     assert statistic["step"] is None and statistic["cache_stats_differ"] == ["budget"]
+    # The batch's construction is the one alone on this machine: the planted budget is the record's.
+    assert statistic["alone_here_equal"] is True

@@ -15,7 +15,10 @@ Each configuration's sample-0 record is then compared with the committed one:
   decode there (``top2_gap_at``, via ``grid_saving.batched_differences``). A batch pads its rows and
   sums their attention in another order, so a near tie may go the other way; nothing else may;
 - every ``cache_stats`` field the committed record has, and the score: the construction is bit for
-  bit the one alone, so these must not differ unless the tokens do (the score);
+  bit the one alone, so these must not differ unless the tokens do (the score). Where a field
+  differs, the configuration is also constructed alone here (``alone_here_equal``): fp32 near ties
+  in a construction can go another way on another CPU, so a field that differs from the committed
+  record but equals the lone construction on this machine is the machine's, not the batch's;
 - the quality measures: their largest absolute difference per measure (a batch's teacher-forced
   forwards round differently), reported, not counted as differences.
 
@@ -34,8 +37,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from reskv.backbones import load_backbone
+from reskv.engine import Prefill
 from scripts.bench.grid_saving import batched_differences, timed_run
-from scripts.harness.grid import load_task_items
+from scripts.harness.grid import GridRun, load_task_items
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results
 from scripts.measure import load_average, machine, machine_header
@@ -113,6 +117,13 @@ def compare(committed: dict, replayed: dict) -> dict:
     }
 
 
+def constructed_alone(plan, backbone, item, entry) -> dict:
+    """The construction statistics of ``entry`` on ``item`` built alone, with its own prefill, here."""
+    method = GridRun(plan, backbone, {}).methods[entry.label, entry.ratio]
+    prefill = Prefill(backbone, item.prompt_ids, item.context_length, [method])
+    return prefill.compressed_layers(method, entry.setting or "aware")[1]
+
+
 def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path) -> dict:
     """Rerun ``invocations`` (``run.py`` overrides) the GPU's way into ``out`` and compare their
     sample-0 records with ``committed_dir``'s (module docstring); returns the report."""
@@ -129,10 +140,7 @@ def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path)
     backbone = load_backbone(plans[0].backbone, plans[0].dtype, plans[0].device)
     items = load_task_items(plans[0], backbone.tokenizer)
     planned = {
-        entry.key(plan, task): f"{task} {entry.describe()}"
-        for plan in plans
-        for task in items
-        for entry in plan.grid
+        entry.key(plan, task): (plan, task, entry) for plan in plans for task in items for entry in plan.grid
     }
     missing = sorted(str(key) for key in planned if key not in committed)
     if missing:
@@ -152,10 +160,18 @@ def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path)
         for found in batched_differences(plan, backbone, items, alone, batched)
     }
     differing, quality_difference = [], collections.defaultdict(float)
-    for key, configuration in planned.items():
+    for key, (plan, task, entry) in planned.items():
+        configuration = f"{task} {entry.describe()}"
         found = compare(committed[key], replayed[key])
         for name, value in found.pop("quality").items():
             quality_difference[name] = max(quality_difference[name], value)
+        if found["cache_stats_differ"]:
+            alone_here = constructed_alone(plan, backbone, items[task][SAMPLE], entry)
+            found["alone_here_equal"] = all(
+                alone_here[name] == replayed[key]["cache_stats"][name]
+                for name in found["cache_stats_differ"]
+                if name in alone_here
+            )
         if configuration in tokens or any(found.values()):
             token = tokens.get(configuration, {})
             differing.append(
