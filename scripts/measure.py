@@ -4,8 +4,8 @@ The benchmarks and tools of ``scripts.bench`` (``gpu_check`` among them) and the
 provenance block (``scripts.harness.grid``) all take these from here, so two reports of one
 quantity are measured the same way:
 
-- ``machine``: cores, torch threads, load average, versions and the GPU; ``machine_header`` prints
-  it with the matmul rate of the moment, for tables of timings;
+- ``machine``: the CPU's model, cores, torch threads, load average, versions and the GPU;
+  ``machine_header`` prints it with the matmul rate of the moment, for tables of timings;
 - ``peak_memory``: the process's peak during a block (CUDA's max allocated bytes, or on CPU the
   resident size at entry plus the block's peak allocated), what a request needs to fit;
   ``peak_allocated``: the most bytes a block itself held allocated at once beyond what it started
@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 PROC_STATUS = Path("/proc/self/status")
+CPU_INFO = Path("/proc/cpuinfo")
 # A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
 CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
 
@@ -50,10 +51,22 @@ def load_average() -> list[float]:
     return [round(load, 2) for load in os.getloadavg()]
 
 
+def cpu_model(cpu_info: Path = CPU_INFO) -> str | None:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``, else the platform's processor string; None if
+    neither names one). fp32 results can differ between CPU models at near ties, so records name it."""
+    with contextlib.suppress(OSError):
+        for line in cpu_info.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    return platform.processor() or None
+
+
 def machine() -> dict[str, Any]:
-    """What ran a measurement: CPU cores, torch threads, load average, versions and, with CUDA,
-    the GPU, its driver and CUDA version."""
+    """What ran a measurement: the CPU's model, cores, torch threads, load average, versions and,
+    with CUDA, the GPU, its driver and CUDA version."""
     info = {
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": load_average(),

@@ -29,6 +29,7 @@ from reskv.backbones import load_backbone
 from scripts.harness.grid import GridRun, load_task_items, run_plan
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results, summarize
+from scripts.measure import cpu_model
 from tests.conftest import journaled_samples, start_interruptible
 from tests.test_aggregate_tables import write_result
 
@@ -295,6 +296,7 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
         machine = provenance["machine"]
         assert (machine["device"], machine["dtype"]) == ("cpu", "float32")
         assert machine["torch_threads"] >= 1 and machine["cpu_count"] == os.cpu_count()
+        assert machine["cpu"] == cpu_model() and "gpu" not in machine
         assert len(machine["load_average"]) == 3 and machine["started_at"].startswith(time.strftime("%Y-"))
 
 

@@ -166,13 +166,15 @@ class GridRun:
     @property
     def environment(self) -> dict[str, Any]:
         """Where this run's timings were taken (stored in each new result file's provenance): the
-        machine's cores, load average and torch threads (``scripts.measure.machine``), the model's
-        device and dtype, the decode mode and the most rows a decode batch holds ("auto": as many as the
-        device's memory allows), "auto" resolved."""
+        machine's CPU model, cores, load average and torch threads (``scripts.measure.machine``), the
+        GPU's name on CUDA, the model's device and dtype, the decode mode and the most rows a decode
+        batch holds ("auto": as many as the device's memory allows), "auto" resolved."""
         from scripts.measure import machine
 
         facts, model = machine(), self.backbone.model
         return {
+            "cpu": facts["cpu"],
+            **({"gpu": facts["gpu"]} if "gpu" in facts else {}),
             "cpu_count": facts["cpu_count"],
             "load_average": facts["load_average"],
             "device": str(model.device),
