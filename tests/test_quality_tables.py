@@ -170,10 +170,14 @@ def test_the_layers_figure_draws_and_names_every_label_ablations_included(tmp_pa
         document = {"schema": SCHEMA, "key": key.to_json(), "samples_total": 1}
         document["samples"] = [sample(0, method, (0, -1.0, 0.5, 0.1))]
         key.path(runs_dir).write_text(json.dumps(document))
-    legends = {}
+    legends, styles = {}, {}
 
     def recording_save(figure, out_dir, name):
         legends[name] = [[text.get_text() for text in axis.get_legend().get_texts()] for axis in figure.axes]
+        styles[name] = [
+            {line.get_label(): (line.get_color(), line.get_linestyle()) for line in axis.get_lines()}
+            for axis in figure.axes
+        ]
         return []
 
     monkeypatch.setattr(figures, "save", recording_save)
@@ -181,6 +185,13 @@ def test_the_layers_figure_draws_and_names_every_label_ablations_included(tmp_pa
     errors, shares = legends["layers_smollm2-135m_ruler-4096_agnostic"]
     assert errors == ["SnapKV", "SnapKV+ResKV", "SnapKV+ResKV (gate=false)"]
     assert shares == ["SnapKV+ResKV 0.6", "SnapKV+ResKV 0.9", "SnapKV+ResKV (gate=false) 0.9"]
+    # A label keeps its colour across the panels, a ratio its line style; no two lines look alike.
+    errors, shares = styles["layers_smollm2-135m_ruler-4096_agnostic"]
+    for panel in (errors, shares):
+        assert len(set(panel.values())) == len(panel)
+    assert shares["SnapKV+ResKV 0.6"][0] == shares["SnapKV+ResKV 0.9"][0] == errors["SnapKV+ResKV"][0]
+    assert shares["SnapKV+ResKV 0.6"][1] != shares["SnapKV+ResKV 0.9"][1]
+    assert shares["SnapKV+ResKV (gate=false) 0.9"][0] == errors["SnapKV+ResKV (gate=false)"][0]
 
 
 def test_proxy_table_bins_heads_by_the_recorded_choice_of_the_runs_grid(tmp_path):

@@ -100,6 +100,10 @@ def efficiency_figure(measurements: dict, out_dir: Path) -> list[Path]:
 
 
 MARKERS = "osD^vP*X"
+# The layer figures draw up to a dozen method labels and four ratios: a label keeps one colour of
+# tab20 in every panel and figure, a ratio one line style, so no two lines look alike.
+LABEL_COLOURS = plt.get_cmap("tab20").colors
+RATIO_STYLES = ("-", "--", "-.", ":")
 OFFSET_SHARE = 0.08  # of the narrowest budget gap between neighbouring curves, so equal curves stay visible
 
 
@@ -192,25 +196,33 @@ def evicted_keys_figure(panels: Sequence[dict], backbone: str, out_dir: Path) ->
 def layer_figures(layers, out_dir: Path) -> list[Path]:
     """Per-layer attention error and residual share (the quality measures), one figure per setting:
     (a) every method label at the tightest budget, (b) every +ResKV label (ablations included) at
-    every budget."""
+    every budget; a label has one colour in every panel and figure, a ratio one line style."""
     paths = []
     compressed = layers[layers["setting"].notna()]
     groups = compressed.groupby(["backbone", "benchmark", "length", "setting"])
+    labels = sorted(set(compressed["label"]))
+    colours = {label: LABEL_COLOURS[number % len(LABEL_COLOURS)] for number, label in enumerate(labels)}
     for (backbone, benchmark, length, setting), rows in groups:
         means = rows.groupby(["label", "ratio", "layer"])[["attention_error", "residual_share"]].mean()
         tightest = rows["ratio"].max()
         residual = set(rows.loc[rows["residual"].astype(bool), "label"])
-        figure, (error_axis, share_axis) = plt.subplots(1, 2, figsize=(11, 3.6))
+        ratios = sorted(set(rows["ratio"]))
+        figure, (error_axis, share_axis) = plt.subplots(1, 2, figsize=(14, 3.6), layout="constrained")
         for label in sorted(set(rows["label"])):
-            name = MethodLabel.parse(label).display()
+            name, colour = MethodLabel.parse(label).display(), colours[label]
             if (label, tightest) in means.index.droplevel("layer"):
                 curve = means.loc[(label, tightest)]
-                error_axis.plot(curve.index, curve["attention_error"], marker=".", label=name)
+                error_axis.plot(curve.index, curve["attention_error"], marker=".", color=colour, label=name)
             if label in residual:
                 for ratio in sorted(set(rows.loc[rows["label"] == label, "ratio"])):
                     curve = means.loc[(label, ratio)]
                     share_axis.plot(
-                        curve.index, curve["residual_share"], marker=".", label=f"{name} {ratio:g}"
+                        curve.index,
+                        curve["residual_share"],
+                        marker=".",
+                        color=colour,
+                        linestyle=RATIO_STYLES[ratios.index(ratio) % len(RATIO_STYLES)],
+                        label=f"{name} {ratio:g}",
                     )
         error_axis.set(
             xlabel="layer",
@@ -220,9 +232,9 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
         share_axis.set(
             xlabel="layer", ylabel="attention mass on residual entries", title="(b) residual share"
         )
-        for axis in (error_axis, share_axis):
+        for axis in (error_axis, share_axis):  # legends beside the panels: the curves fill them
             axis.grid(alpha=0.3)
-            axis.legend(fontsize=7)
+            axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
         samples = len(rows[["task", "index"]].drop_duplicates())
         figure.suptitle(
             f"{backbone_name(backbone)}, {benchmark_name(benchmark, length)}, {SETTING_NAMES[setting]}: "
