@@ -83,8 +83,9 @@ def joint_attention(
     rule: DecodeRule,
     evicted_fraction: Tensor | None = None,
     with_residual_share: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """ResKV attention output ``[H_kv, Q, d]`` (fp32) over residual entries and main cache held together.
+) -> tuple[Tensor, Tensor | None]:
+    """ResKV attention output ``[H_kv, Q, d]`` (fp32) over residual entries and main cache held
+    together, and the residual share (below) or None.
 
     ``keys``/``values`` ``[H_kv, r + n, d]`` hold the ``r = residual_slots`` entries first, then
     the main cache; ``bias`` (broadcastable to ``[H_kv, Q, r + n]``) is additive: ``beta * log(c_j)``
@@ -105,7 +106,7 @@ def joint_attention(
     fp32. ``evicted_fraction`` (``[H_kv]``, ``|E| / s``) is needed only by the no-shared-softmax
     ablation.
 
-    ``with_residual_share`` also returns ``[H_kv, Q]``: the softmax mass the residual entries
+    With ``with_residual_share`` the second value is ``[H_kv, Q]``: the softmax mass the residual entries
     received (without the shared softmax, the gate-weighted mixing weight of the residual branch),
     0 where there is no residual (``reskv.quality``).
     """
@@ -123,7 +124,7 @@ def joint_attention(
     main_output = torch.bmm(main_weights, main_values)
     if residual_slots == 0:
         output = main_output.div_(main_mass)
-        return (output, torch.zeros_like(main_mass[..., 0])) if with_residual_share else output
+        return output, torch.zeros_like(main_mass[..., 0]) if with_residual_share else None
     gate = gate_values(main_mass, rule)
     if rule.shared_softmax:
         residual_logits.add_(gate.log_())
@@ -148,7 +149,7 @@ def joint_attention(
             torch.isfinite(residual_max), gate * evicted_fraction[:, None, None], torch.zeros_like(gate)
         )
         output = (1 - residual_share) * (main_output / main_mass) + residual_share * residual_output
-    return (output, residual_share[..., 0]) if with_residual_share else output
+    return output, residual_share[..., 0] if with_residual_share else None
 
 
 def fp32_logits(queries: Tensor, keys: Tensor, bias: Tensor, scaling: float) -> Tensor:

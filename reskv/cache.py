@@ -400,7 +400,7 @@ class CompressedLayer(AttendingLayer):
         ``[1, H, q, d]`` (``reskv.attention.joint_attention``); the share is ``None`` unless asked
         for."""
         queries, bias = self._grouped(query)
-        attended = joint_attention(
+        output, residual_share = joint_attention(
             queries,
             self._keys[0],
             self._values[0],
@@ -411,7 +411,6 @@ class CompressedLayer(AttendingLayer):
             self.evicted_fraction,
             with_residual_share,
         )
-        output, residual_share = attended if with_residual_share else (attended, None)
         if residual_share is not None:
             residual_share = residual_share.reshape(query.shape[1], query.shape[2])
         return self._ungrouped(output, query), residual_share

@@ -223,7 +223,7 @@ class ValidationProxy:
             self.config.beta,
         )
         query_bias = torch.nn.functional.pad(self.exact_bias, (slots - exact, 0))
-        output = joint_attention(
+        output, _ = joint_attention(
             self.validation_queries.index_select(0, heads),
             keys,
             values,

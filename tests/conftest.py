@@ -120,7 +120,7 @@ def separate_attention(
     )
     return joint_attention(
         queries, keys, values, bias, residual_keys.shape[1], scaling, rule, evicted_fraction
-    )
+    )[0]
 
 
 def state_attention(state, queries, scaling, rule):

@@ -109,7 +109,7 @@ def test_joint_attention_equals_the_two_matmul_softmax(observation, rule):
     """One matmul over ``[entries ; main]`` with the population bias as the entries' bias row equals
     the plain two-matmul rule, with padded main slots and unused entries."""
     (queries, keys, values, bias, evicted_fraction), expected = padded_layer_with_entries(observation, rule)
-    joint = joint_attention(queries, keys, values, bias, 7, observation.scaling, rule, evicted_fraction)
+    joint, _ = joint_attention(queries, keys, values, bias, 7, observation.scaling, rule, evicted_fraction)
     torch.testing.assert_close(joint.double(), expected, rtol=1e-5, atol=1e-6)
 
 

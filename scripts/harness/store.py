@@ -60,7 +60,7 @@ UNITS = {
     "samples[].run": "never summed: " + ", ".join(f"{name} ({unit})" for name, unit in units("run").items()),
 }
 UNAVAILABLE_SCHEMA = "reskv-task-unavailable/1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Packages whose versions change predictions or scores; recorded in every result file.
 RECORDED_PACKAGES = (
     "torch",
