@@ -40,8 +40,9 @@ from torch.autograd.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from scripts.harness.devices import cpu_model
+
 PROC_STATUS = Path("/proc/self/status")
-CPU_INFO = Path("/proc/cpuinfo")
 # A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
 CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
 
@@ -49,17 +50,6 @@ CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, h
 def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages, to two decimals."""
     return [round(load, 2) for load in os.getloadavg()]
-
-
-def cpu_model(cpu_info: Path = CPU_INFO) -> str | None:
-    """The CPU's model name (Linux's ``/proc/cpuinfo``, else the platform's processor string; None if
-    neither names one). fp32 results can differ between CPU models at near ties, so records name it."""
-    with contextlib.suppress(OSError):
-        for line in cpu_info.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    return platform.processor() or None
 
 
 def machine() -> dict[str, Any]:

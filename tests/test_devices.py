@@ -1,12 +1,14 @@
-"""The GPU each launcher job runs on, checked on CPU with a faked device count."""
+"""The GPU each launcher job runs on, checked on CPU with a faked device count, and the CPU's name."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 
 import run
-from scripts.harness.devices import job_device, use_device
+from scripts.harness.devices import cpu_model, job_device, use_device
 from scripts.harness.plan import compose_plan
 
 
@@ -49,3 +51,15 @@ def test_one_visible_gpu_keeps_the_configured_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert job_device("auto", 3) == "auto"
+
+
+def test_cpu_model_reads_the_first_model_name_of_cpuinfo(tmp_path):
+    cpu_info = tmp_path / "cpuinfo"
+    cpu_info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13 64-Core Processor\n\n"
+        "processor\t: 1\nmodel name\t: another\n"
+    )
+    assert cpu_model(cpu_info) == "AMD EPYC 7B13 64-Core Processor"
+    cpu_info.write_text("processor\t: 0\nmodel name\t:\n")  # named by nothing: the platform's string
+    assert cpu_model(cpu_info) == (platform.processor() or None)
+    assert cpu_model(tmp_path / "absent") == (platform.processor() or None)

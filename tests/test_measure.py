@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import platform
 import random
 
 import torch
@@ -11,8 +10,8 @@ import torch
 from reskv.backbones import random_backbone
 from scripts import measure
 from scripts.bench.dispatch_counts import count_dispatch
+from scripts.harness.devices import cpu_model
 from scripts.measure import (
-    cpu_model,
     machine,
     median_interval,
     peak_allocated,
@@ -65,19 +64,7 @@ def test_machine_names_the_cores_threads_and_load():
     info = machine()
     assert info["torch_threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
     assert len(info["load_average"]) == 3 and info["cpu_count"] >= 1
-    assert info["cpu"] == cpu_model()
-
-
-def test_cpu_model_reads_the_first_model_name_of_cpuinfo(tmp_path):
-    cpu_info = tmp_path / "cpuinfo"
-    cpu_info.write_text(
-        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13 64-Core Processor\n\n"
-        "processor\t: 1\nmodel name\t: another\n"
-    )
-    assert cpu_model(cpu_info) == "AMD EPYC 7B13 64-Core Processor"
-    cpu_info.write_text("processor\t: 0\nmodel name\t:\n")  # named by nothing: the platform's string
-    assert cpu_model(cpu_info) == (platform.processor() or None)
-    assert cpu_model(tmp_path / "absent") == (platform.processor() or None)
+    assert info["cpu"] == cpu_model()  # tests/test_devices.py checks it
 
 
 def test_peak_site_finds_a_wide_mlp_product_of_the_last_layer():

@@ -26,10 +26,10 @@ import reskv.grid
 import run
 from baselines.registry import METHODS
 from reskv.backbones import load_backbone
+from scripts.harness.devices import cpu_model
 from scripts.harness.grid import GridRun, load_task_items, run_plan
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results, summarize
-from scripts.measure import cpu_model
 from tests.conftest import journaled_samples, start_interruptible
 from tests.test_aggregate_tables import write_result
 

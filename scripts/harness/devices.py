@@ -1,4 +1,5 @@
-"""Which device a run loads its backbone on: one GPU per launcher job on a node with several.
+"""Which device a run loads its backbone on (one GPU per launcher job on a node with several), and
+what the CPU is called, without torch.
 
 ``python run.py -m hydra/launcher=local hydra.launcher.n_jobs=8 ... shard.index=0,1,...,7`` starts
 8 jobs in one node's worker processes; each loads its own model, and without a device of its own
@@ -10,6 +11,11 @@ configured device as it is.
 
 from __future__ import annotations
 
+import contextlib
+import platform
+from pathlib import Path
+
+CPU_INFO = Path("/proc/cpuinfo")
 SHARED_DEVICES = ("auto", "cuda")  # configured devices a job may be given a GPU of its own for
 
 
@@ -33,3 +39,14 @@ def use_device(device: str) -> None:
         import torch
 
         torch.cuda.set_device(int(device.removeprefix("cuda:")))
+
+
+def cpu_model(cpu_info: Path = CPU_INFO) -> str | None:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``, else the platform's processor string; None if
+    neither names one). fp32 results can differ between CPU models at near ties, so records name it."""
+    with contextlib.suppress(OSError):
+        for line in cpu_info.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    return platform.processor() or None

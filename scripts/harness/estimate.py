@@ -57,6 +57,7 @@ from typing import Any
 from baselines.registry import FULL_METHOD, RESIDUAL_SUFFIX
 from reskv import batching
 from reskv.config import budget_for
+from scripts.harness.devices import cpu_model
 from scripts.harness.plan import GridEntry, Plan, PlanError
 
 SCHEMA = "reskv-calibration/1"
@@ -239,12 +240,7 @@ def slug(name: str) -> str:
 
 def cpu_name() -> str:
     """The CPU's model name and core count: CPU rates depend on both."""
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        model = next((line.split(":", 1)[1].strip() for line in lines if "model name" in line), model)
-    return f"{model} {os.cpu_count()} cores"
+    return f"{cpu_model() or platform.machine()} {os.cpu_count()} cores"
 
 
 def gpu_name(index: int) -> str | None:
