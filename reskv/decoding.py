@@ -77,9 +77,9 @@ def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
 def compiled_step(model: torch.nn.Module, cache_argument: str):
     """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
     graph break): ``(tokens [B, 1], positions [B, 1], cache) -> logits [B, V]``, for a cache of
-    ``CompressedLayer``s (``static_cache``, one row) or of ``StackedLayer``s (a grid's rows; a graph
-    per number of rows). On CUDA its kernels are replayed as CUDA graphs (``mode="reduce-overhead"``),
-    which removes the per-op host cost a decode step is bound by."""
+    ``CompressedLayer``s (``static_cache``, one row) or of ``StackedLayer``s (a grid's rows, a dynamic
+    dimension: one graph whatever their number). On CUDA its kernels are replayed as CUDA graphs
+    (``mode="reduce-overhead"``), which removes the per-op host cost a decode step is bound by."""
 
     def step(token: Tensor, position: Tensor, cache: ResKVCache) -> Tensor:
         output = model(

@@ -10,7 +10,7 @@ rows). Each batch's rows are compressed (sharing, within a setting, what does no
 ratio: ``Prefill.sharing_construction``), stacked straight from their compressed states, and the
 question is fed to its query-agnostic rows in one forward, which the query-aware rows pass through
 with their new slots masked; then one greedy decode steps every row, a row that stopped being fed on
-with its logits unread, so that the batch keeps its shape (one compiled graph per number of rows).
+with its logits unread, so that the batch keeps its shape (one compiled graph whatever the rows).
 A row's tokens equal its decode alone but at near ties: a batch pads its rows and sums their
 attention in another order. A batch of one, and a row without the shared softmax (which the stacked
 attention does not compute), decode alone as ``Prefill.generate`` does, bit for bit.
