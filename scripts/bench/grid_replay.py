@@ -117,11 +117,11 @@ def compare(committed: dict, replayed: dict) -> dict:
     }
 
 
-def constructed_alone(plan, backbone, item, entry) -> dict:
-    """The construction statistics of ``entry`` on ``item`` built alone, with its own prefill, here."""
-    method = GridRun(plan, backbone, {}).methods[entry.label, entry.ratio]
+def constructed_alone(backbone, item, method, setting: str) -> dict:
+    """The construction statistics of ``method`` in ``setting`` on ``item`` built alone, with its own
+    prefill, here."""
     prefill = Prefill(backbone, item.prompt_ids, item.context_length, [method])
-    return prefill.compressed_layers(method, entry.setting or "aware")[1]
+    return prefill.compressed_layers(method, setting)[1]
 
 
 def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path) -> dict:
@@ -139,8 +139,12 @@ def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path)
     ]
     backbone = load_backbone(plans[0].backbone, plans[0].dtype, plans[0].device)
     items = load_task_items(plans[0], backbone.tokenizer)
+    plan_methods = [GridRun(plan, backbone, items).methods for plan in plans]  # by (label, ratio)
     planned = {
-        entry.key(plan, task): (plan, task, entry) for plan in plans for task in items for entry in plan.grid
+        entry.key(plan, task): (methods[entry.label, entry.ratio], task, entry)
+        for plan, methods in zip(plans, plan_methods, strict=True)
+        for task in items
+        for entry in plan.grid
     }
     missing = sorted(str(key) for key in planned if key not in committed)
     if missing:
@@ -160,13 +164,13 @@ def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path)
         for found in batched_differences(plan, backbone, items, alone, batched)
     }
     differing, quality_difference = [], collections.defaultdict(float)
-    for key, (plan, task, entry) in planned.items():
+    for key, (method, task, entry) in planned.items():
         configuration = f"{task} {entry.describe()}"
         found = compare(committed[key], replayed[key])
         for name, value in found.pop("quality").items():
             quality_difference[name] = max(quality_difference[name], value)
         if found["cache_stats_differ"]:
-            alone_here = constructed_alone(plan, backbone, items[task][SAMPLE], entry)
+            alone_here = constructed_alone(backbone, items[task][SAMPLE], method, entry.setting or "aware")
             found["alone_here_equal"] = all(
                 alone_here[name] == replayed[key]["cache_stats"][name]
                 for name in found["cache_stats_differ"]
