@@ -56,11 +56,6 @@ class Method:
         return self.residual or NO_RESIDUAL_RULE
 
     @property
-    def retained_fraction(self) -> float:
-        """The share of the prompt its cache holds (1 for the full cache): what orders a grid's rows."""
-        return 1.0 if self.scorer is None else 1.0 - self.ratio
-
-    @property
     def needs_accumulated_attention(self) -> bool:
         return self.scorer is not None and self.scorer.needs_accumulated_attention
 
