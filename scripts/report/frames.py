@@ -65,7 +65,6 @@ TASK_COLUMNS = KEY_COLUMNS[:4]
 LABEL_COLUMNS = ["method", "base_method", "residual", "options"]
 # Derived from cache_stats.residual_entries: the share of (layer, KV head) pairs with entries.
 RESIDUAL_HEADS = "cache_stats.residual_heads"
-STATUSES = ("complete", "partial", "unavailable")
 # The columns every frame has, even an empty one (no results yet).
 SAMPLE_COLUMNS = [*KEY_COLUMNS, *LABEL_COLUMNS, "index", "score", "skipped"]
 CONFIG_COLUMNS = [
