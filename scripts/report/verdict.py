@@ -289,7 +289,7 @@ def pairs_table(reproduction: Reproduction, backbone: str) -> Table | None:
             )
             if measured:
                 cells = _gain_cells(pair.gain, measured.value, [measured.member])
-                other = f"vs {MethodLabel.parse(pair.other.method).display()}"
+                other = f"vs {reproduction.index.method_name(pair.other.method)}"
                 rows.append(Row([*_stub(pair.reskv, length), other], cells))
     if not rows:
         return None
@@ -320,7 +320,7 @@ def cells_table(reproduction: Reproduction, backbone: str) -> Table | None:
                 Cell(text=estimate.samples_text),
                 Cell(text=WITHIN if low <= cell.value <= high else OUTSIDE),
             ]
-            rows.append(Row([*_stub(cell, length), MethodLabel.parse(cell.method).display()], cells))
+            rows.append(Row([*_stub(cell, length), reproduction.index.method_name(cell.method)], cells))
     if not rows:
         return None
     caption = f"The paper's numbers on {backbone_name(backbone)} against the reproduced ones."
