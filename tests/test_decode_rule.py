@@ -36,7 +36,7 @@ def non_default(field: dataclasses.Field):
     return 2 * field.default if field.default else 0.99
 
 
-DECODE_FIELDS = {field.name: non_default(field) for field in dataclasses.fields(DecodeRule)}
+NON_DEFAULT_VALUES = {field.name: non_default(field) for field in dataclasses.fields(DecodeRule)}
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +58,16 @@ def compiled_step(prefill: Prefill):
 
 def test_the_options_are_every_field_of_the_rule():
     """The fields are the rule's, each with a value its default is not."""
-    assert set(DECODE_FIELDS) >= {"tau", "alpha", "g_min", "beta", "gate", "shared_softmax"}
-    assert all(value != getattr(DecodeRule(), name) for name, value in DECODE_FIELDS.items())
+    assert set(NON_DEFAULT_VALUES) >= {"tau", "alpha", "g_min", "beta", "gate", "shared_softmax"}
+    assert all(value != getattr(DecodeRule(), name) for name, value in NON_DEFAULT_VALUES.items())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(DECODE_FIELDS))
+@pytest.mark.parametrize("name", list(NON_DEFAULT_VALUES))
 def test_a_decode_time_option_is_honoured_alone_and_beside_the_default_eager_and_compiled(prefill, name):
-    changed, default = reskv(**{name: DECODE_FIELDS[name]}), reskv()
+    changed, default = reskv(**{name: NON_DEFAULT_VALUES[name]}), reskv()
     rule = changed[0].decode_rule
-    assert getattr(rule, name) == DECODE_FIELDS[name]  # the layers' plain rule carries it
+    assert getattr(rule, name) == NON_DEFAULT_VALUES[name]  # the layers' plain rule carries it
     alone = alone_logits(prefill, *changed)
     assert (alone - alone_logits(prefill, *default)).abs().max() > EFFECT, "the option changes nothing"
     tokens = prefill.generate(*changed, max_new_tokens=NEW_TOKENS).token_ids
