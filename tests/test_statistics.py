@@ -67,6 +67,13 @@ def test_tasks_are_drawn_apart():
     assert not np.array_equal(first, second)
 
 
+def test_the_p_value_rejects_exactly_where_the_interval_excludes_0():
+    rng = np.random.default_rng(3)
+    for shift in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0):
+        found = mean_of_means([{task: pd.Series(shift + rng.normal(0, 3, 10)) for task in range(3)}])
+        assert (found.p_value <= 0.05) == (found.low > 0 or found.high < 0), shift
+
+
 def test_tied_strata_carry_no_information_and_an_exact_bound():
     # Every one of 10 samples tied in each of two tasks: not a zero-width interval but the exact bound,
     # 0 of 20 prompts differing: the share may be up to 1 - 0.025^(1/20), times 100 points either way.

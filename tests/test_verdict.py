@@ -21,7 +21,7 @@ from scripts.report.index import ResultIndex
 from scripts.report.names import averaged_task_set
 from scripts.report.paper_numbers import LLAMA, paper_numbers
 from scripts.report.render import to_markdown
-from scripts.report.verdict import verdict_tables
+from scripts.report.verdict import rounds_needed, verdict_tables
 from tests.test_aggregate_tables import write_result
 
 LONGBENCH_LENGTH = 127500  # configs/backbone/llama3.1-8b-instruct.yaml: longbench_length
@@ -189,6 +189,17 @@ def test_a_backbone_the_paper_did_not_run_gets_only_the_claims(tmp_path):
         "niah_single_1 50%, vt 50%",
     ]
     assert cells[7:] == ["unresolved", "--", "no full-cache run", "0.080", "--", "--", "14", "1147 (points)"]
+    # What the dry run reads: every unresolved claim with the samples per task it has and needs.
+    unresolved = {found.claim: found for found in rounds_needed(tmp_path)}
+    assert sorted(unresolved) == [
+        "CaM table: +ResKV over SnapKV",  # its S-1 pair: the paper states no length for its RULER tasks
+        "RULER 10%: mean gain",
+        "RULER q-Agnostic: mean gain",
+        "RULER: mean gain",
+    ]
+    mean_gain = unresolved["RULER: mean gain"]
+    assert (mean_gain.backbone, mean_gain.direction, mean_gain.samples) == ("tiny-llama", "unresolved", 3)
+    assert (mean_gain.observed, mean_gain.paper, mean_gain.rounds) == (14, 1147, 1144)
 
 
 def test_configurations_improved_counts_pairs_on_shared_draws(tmp_path):

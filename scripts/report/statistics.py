@@ -292,7 +292,8 @@ def estimate(
     if error == 0 or not (math.isfinite(low_t) and math.isfinite(high_t)):
         low, high = exact_bound(combined, ranges)
         return Estimate(value, low, high, samples, spread, EXACT, 1.0, strata, cells)
-    # Two-sided against 0: 0 lies outside the interval exactly when t = T / SE is outside t*'s.
+    # Two-sided against 0, the Monte Carlo p-value (tail + 1) / (draws + 1) doubled: at most 5% exactly
+    # when 0 lies outside the interval (t = T / SE beyond the order statistic an end is read from).
     observed = value / error
     tail = min(np.count_nonzero(t >= observed), np.count_nonzero(t <= observed))
     p_value = min(1.0, 2 * (tail + 1) / (N_RESAMPLES + 1))

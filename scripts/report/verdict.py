@@ -27,7 +27,7 @@ The two verdicts, never one word for both (``statistics.direction``, ``statistic
   or lies on the other side (*reversed*); over a table's gain and contrast claims, which are nested
   (the settings' and budgets' pairs are subsets of the overall row's), Holm's step-down adjustment
   holds the family's error rate at 5%: a row whose interval excludes 0 but whose adjusted p-value
-  does not is *unresolved (Holm)*. *No information*: no prompt differed between the compared
+  exceeds 5% is *unresolved (Holm)*. *No information*: no prompt differed between the compared
   methods; the interval is the exact bound, never zero-width evidence;
 - **size**: the paper's value inside the interval (*consistent*), above it (*smaller than the
   paper's*) or below it (*larger than the paper's*): in points on the paper's backbones, otherwise
@@ -588,7 +588,7 @@ def claim_verdicts(
     family = [judged for judged, _ in read if judged.p_value is not None]
     for judged, adjusted in zip(family, holm([judged.p_value for judged in family]), strict=True):
         judged.cells[CLAIM_HEADS.index("Holm p")] = Cell(adjusted, digits=3)
-        if judged.cells[DIRECTION_COLUMN].text in (REPLICATED, REVERSED) and adjusted >= 1 - CONFIDENCE:
+        if judged.cells[DIRECTION_COLUMN].text in (REPLICATED, REVERSED) and adjusted > 1 - CONFIDENCE:
             judged.cells[DIRECTION_COLUMN] = Cell(text=HOLM_UNRESOLVED)
         if judged.cells[DIRECTION_COLUMN].text in (REPLICATED, REVERSED):  # resolved: nothing to size
             judged.cells[-2:] = [Cell(), Cell()]
