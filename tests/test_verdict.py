@@ -11,12 +11,13 @@ differences still vary.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from baselines.registry import FULL_METHOD
-from scripts.harness.store import ResultKey
+from scripts.harness.store import SCHEMA, ResultKey
 from scripts.report.index import ResultIndex
 from scripts.report.names import averaged_task_set
 from scripts.report.paper_numbers import LLAMA, paper_numbers
@@ -223,3 +224,51 @@ def test_configurations_improved_counts_pairs_on_shared_draws(tmp_path):
         "| RULER: configurations improved | 63/64 | 1/3 (all: 0%) | [0, 1] | 3/64 | 2 | 1/1 tasks, 2/6 cells "
         "| -- | reversed | -- | smaller than the paper's | -- | -- | -- | -- | -- |"
     )
+
+
+def test_size_off_the_papers_backbones_is_the_share_of_the_loss_recovered(tmp_path):
+    runs_dir = tmp_path / "runs"
+    # One task, six samples: the full cache answers all; +ResKV wins back 20, 0, 20, 0, 10, 0 points of
+    # SnapKV's losses 80, 60, 90, 70, 50, 80: 50 / 430 = 0.116 of the loss. Log-likelihood gaps to the
+    # full cache: SnapKV -4, -6, -5, -3, -4, -2 nats, +ResKV 1, 1, 0, 1, 1, 0 closer: 4 / 24 = 0.167.
+    scores = {
+        FULL_METHOD: [1.0] * 6,
+        "snapkv": [0.2, 0.4, 0.1, 0.3, 0.5, 0.2],
+        "snapkv+reskv": [0.4, 0.4, 0.3, 0.3, 0.6, 0.2],
+    }
+    gaps = {
+        FULL_METHOD: [0.0] * 6,
+        "snapkv": [-4.0, -6.0, -5.0, -3.0, -4.0, -2.0],
+        "snapkv+reskv": [-3.0, -5.0, -5.0, -2.0, -3.0, -2.0],
+    }
+    for method in scores:
+        full = method == FULL_METHOD
+        key = ResultKey(
+            "tiny-llama", "ruler", 1024, "vt", None if full else "agnostic", method, None if full else 0.9
+        )
+        samples = [
+            {"index": index, "score": score, "quality": {"answer_log_prob_gap": gap}}
+            for index, (score, gap) in enumerate(zip(scores[method], gaps[method], strict=True))
+        ]
+        path = key.path(runs_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 6, "samples": samples})
+        )
+    (claims,) = verdict_tables(ResultIndex.from_directory(runs_dir)[0])
+    row = next(line for line in to_markdown(claims).splitlines() if line.startswith("| RULER: mean gain |"))
+    cells = [cell.strip() for cell in row.split("|")[2:-1]]
+    heads = [name for name, _ in claims.heads[-1]]
+    recovered, ll_recovered = cells[heads.index("Recovered")], cells[heads.index("LL recovered")]
+    assert recovered.startswith("0.116 [") and ll_recovered.startswith("0.167 [")
+    # Size reads the paper's share of its RULER table (0.080) against the reproduced share's interval.
+    low, high = (float(end) for end in recovered.removeprefix("0.116 [").removesuffix("]").split(", "))
+    expected = (
+        "consistent"
+        if low <= 0.080 <= high
+        else "smaller than the paper's"
+        if high < 0.080
+        else "larger than the paper's"
+    )
+    assert cells[heads.index("Recovered: paper")] == "0.080"
+    assert cells[heads.index("Size")] == expected, cells
