@@ -178,7 +178,7 @@ class PromptTable:
             total += np.nan_to_num(matrix)[rows].mean(axis=1) * share[position]
         return total
 
-    def informative(self, coefficients: np.ndarray | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    def informative(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """Strata, and (member, prompt) cells, where a value departs from 0 (a difference that is not a
         tie): ``((strata informative, strata), (cells informative, cells))``."""
         strata = cells = total = 0
@@ -287,7 +287,7 @@ def estimate(
     value, error, t = studentized(combined, table.draws())
     samples = table.samples
     spread = error * math.sqrt(samples[0])
-    strata, cells = table.informative(coefficients)
+    strata, cells = table.informative()
     low_t, high_t = _order_statistic(t, (1 - CONFIDENCE) / 2), _order_statistic(t, (1 + CONFIDENCE) / 2)
     if error == 0 or not (math.isfinite(low_t) and math.isfinite(high_t)):
         low, high = exact_bound(combined, ranges)
@@ -296,7 +296,7 @@ def estimate(
     # when 0 lies outside the interval (t = T / SE beyond the order statistic an end is read from).
     observed = value / error
     tail = min(np.count_nonzero(t >= observed), np.count_nonzero(t <= observed))
-    p_value = min(1.0, 2 * (tail + 1) / (N_RESAMPLES + 1))
+    p_value = min(1.0, 2 * (int(tail) + 1) / (N_RESAMPLES + 1))
     low, high = value - high_t * error, value - low_t * error
     return Estimate(value, low, high, samples, spread, BOOTSTRAP_T, p_value, strata, cells)
 

@@ -96,6 +96,7 @@ from scripts.report.statistics import (
     mean_of_means,
     ratio_estimate,
     samples_needed,
+    samples_text,
     size,
 )
 
@@ -278,10 +279,10 @@ def _interval(low: float, high: float) -> tuple[float, float]:
     return round(low, 2), round(high, 2)
 
 
-def information_text(found: Estimate) -> str:
-    (strata, of_strata), (cells, of_cells) = found.informative_strata, found.informative_prompts
-    text = f"{strata}/{of_strata} tasks, {cells:,}/{of_cells:,} cells"
-    return f"none: {text}" if found.no_information else text
+def information_text(strata: tuple[int, int], cells: tuple[int, int]) -> str:
+    """Tasks, and pair x prompt cells, where the compared methods differ (``PromptTable.informative``)."""
+    text = f"{strata[0]}/{strata[1]} tasks, {cells[0]:,}/{cells[1]:,} cells"
+    return f"none: {text}" if cells[0] == 0 else text
 
 
 def carried_by(table: PromptTable, coefficients: np.ndarray | None = None) -> str:
@@ -339,7 +340,7 @@ def _gain_cells(paper_gain: float, gain: float, members: list[Member]) -> list[C
         Cell(gain),
         Cell(text=interval_text(low, high)),
         Cell(text=found.samples_text),
-        Cell(text=information_text(found)),
+        Cell(text=information_text(found.informative_strata, found.informative_prompts)),
         Cell(text=verdicts[0]),
         Cell(text=verdicts[1]),
         _count_cell(needed),
@@ -505,7 +506,7 @@ def judge_gain(
         Cell(text=interval_text(low, high)),
         None,  # pairs: filled by claim_row
         Cell(text=result.samples_text),
-        Cell(text=information_text(result)),
+        Cell(text=information_text(result.informative_strata, result.informative_prompts)),
         Cell(text=carried_by(table, coefficients) or None),
         Cell(text=verdicts[0]),
         None,  # Holm p: filled over the family
@@ -534,17 +535,8 @@ def judge_share(claim: PaperClaim, found: ClaimEvidence) -> ClaimVerdict:
     low = int(counts[round((N_RESAMPLES + 1) * (1 - CONFIDENCE) / 2) - 1])
     high = int(counts[round((N_RESAMPLES + 1) * (1 + CONFIDENCE) / 2) - 1])
     every = float(np.mean(counts == len(gains)))
-    (strata, of_strata), (cells, of_cells) = table.informative()
-    informed = Estimate(
-        0.0,
-        0.0,
-        0.0,
-        table.samples,
-        0.0,
-        informative_strata=(strata, of_strata),
-        informative_prompts=(cells, of_cells),
-    )
-    if informed.no_information:
+    strata, cells = table.informative()
+    if cells[0] == 0:
         verdicts = (NO_INFORMATION, NO_INFORMATION)
     else:
         share = won / of
@@ -552,20 +544,20 @@ def judge_share(claim: PaperClaim, found: ClaimEvidence) -> ClaimVerdict:
             direction(share, low / len(gains), high / len(gains), null=0.5),
             size(share, low / len(gains), high / len(gains)),
         )
-    cells_ = [
+    row = [
         Cell(count=(won, of)),
         Cell(text=f"{wins}/{len(gains)} (all: {100 * every:.0f}%)"),
         Cell(text=f"[{low}, {high}]"),
         None,
-        Cell(text=informed.samples_text),
-        Cell(text=information_text(informed)),
+        Cell(text=samples_text(table.samples)),
+        Cell(text=information_text(strata, cells)),
         Cell(),
         Cell(text=verdicts[0]),
         Cell(),
         Cell(text=verdicts[1]),
         *[Cell()] * 5,
     ]
-    return ClaimVerdict(claim, None, cells_, (None, None), table.samples[0])
+    return ClaimVerdict(claim, None, row, (None, None), table.samples[0])
 
 
 def claim_verdicts(
