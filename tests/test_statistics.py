@@ -18,6 +18,7 @@ from scripts.report.statistics import (
     PromptTable,
     direction,
     draw_indices,
+    flips_spread,
     holm,
     mean_of_means,
     samples_needed,
@@ -193,6 +194,12 @@ def test_samples_needed_from_the_t_distribution():
 def test_direction_and_size_are_separate_verdicts(paper, low, high, null, expected_direction, expected_size):
     assert direction(paper, low, high, null) == expected_direction
     assert size(paper, low, high) == expected_size
+
+
+def test_a_gain_without_spread_is_sized_as_whole_sample_flips():
+    # A 4-point gain made of 100-point flips: 4% of samples flip, the rest tie: sd 100 * sqrt(.04 * .96).
+    assert flips_spread(4.0) == pytest.approx(19.5959, abs=1e-4)
+    assert flips_spread(-4.0) == flips_spread(4.0) and flips_spread(0.0) == 0.0
 
 
 def test_holm_on_a_textbook_family():
