@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import zipfile
 from types import SimpleNamespace
 
@@ -23,7 +24,10 @@ from reskv.cache import ResKVCache
 from reskv.decoding import forward
 from reskv.engine import Prefill
 from reskv.grid import decode_grid
+from scripts.harness.store import SCHEMA, ResultKey
 from scripts.measure import random_prompt
+from scripts.report.index import ResultIndex
+from scripts.report.tables import all_tables
 from tests.conftest import TOKENS
 
 PROMPT, CONTEXT = 100, 90  # tokens: the prompt, and its context prefix
@@ -184,3 +188,35 @@ def test_a_chunked_asset_whose_sha256_differs_is_an_error_naming_the_wheels(tmp_
     ):
         assembled_path(swapped)
     assert not list((tmp_path / "assembled").iterdir())  # nothing kept to be loaded later
+
+
+def test_tables_name_the_whole_caches_retained_share_beside_the_budget(tmp_path):
+    """Hand-written records of a hybrid backbone: the averages table's budget head gives the whole
+    cache's share (the mean over the configurations' samples) beside the compressed layers' 10%; a
+    backbone whose two shares agree keeps the plain head."""
+    runs_dir = tmp_path / "runs"
+    shares = {  # (backbone, method): per-sample (retained_compressed, retained_cache)
+        ("gemma3-270m", "snapkv"): [(0.1, 0.44), (0.1, 0.46)],
+        ("gemma3-270m", "snapkv+reskv"): [(0.1, 0.45), (0.1, 0.45)],
+        ("smollm2-135m", "snapkv"): [(0.1, 0.1), (0.1, 0.1)],
+    }
+    for (backbone, method), samples in shares.items():
+        key = ResultKey(backbone, "ruler", 4096, "niah_single_1", "aware", method, 0.9)
+        records = [
+            {
+                "index": index,
+                "score": 1,
+                "prediction": "7",
+                "cache_stats": {"retained_compressed": c, "retained_cache": w},
+            }
+            for index, (c, w) in enumerate(samples)
+        ]
+        path = key.path(runs_dir)
+        path.parent.mkdir(parents=True)
+        path.write_text(
+            json.dumps({"schema": SCHEMA, "key": key.to_json(), "samples_total": 2, "samples": records})
+        )
+    index, warnings = ResultIndex.from_directory(runs_dir)
+    tables = {table.name: table for table in all_tables(index)}
+    heads = [text for text, _ in tables["ruler_averages"].heads[-1]]
+    assert heads == ["10% (45% of cache)", "10%"]
