@@ -220,3 +220,19 @@ def test_tables_name_the_whole_caches_retained_share_beside_the_budget(tmp_path)
     tables = {table.name: table for table in all_tables(index)}
     heads = [text for text, _ in tables["ruler_averages"].heads[-1]]
     assert heads == ["10% (45% of cache)", "10%"]
+
+
+@pytest.mark.parametrize("decode", ["alone", "grid"])
+def test_quality_measures_average_the_compressed_layers(prefill, decode):
+    """The attention probe runs on both layer kinds; a sliding-window layer is the full cache's own
+    (error 0, no entries) and the means are over the full-attention layers."""
+    method, answer = build_method("snapkv+reskv", 0.75), random_prompt(TOKENS, 3, seed=2)
+    if decode == "alone":
+        quality = prefill.generate(method, "agnostic", max_new_tokens=4, answer_ids=answer).quality
+    else:
+        requests = [(method, "agnostic"), (build_method("snapkv", 0.75), "aware")]
+        quality = dict(decode_grid(prefill, requests, max_new_tokens=4, answer_ids=answer))[0].quality
+    errors = quality["attention_error_by_layer"]
+    assert errors[0::2] == [0.0] * (LAYERS // 2)  # the windowed layers
+    assert min(errors[1::2]) > 0
+    assert quality["attention_error"] == pytest.approx(sum(errors[1::2]) / (LAYERS // 2), rel=1e-5)
