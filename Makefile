@@ -118,7 +118,7 @@ reproduce-gemma-ruler4k: reproduce-ruler4k
 
 # RULER at long context on Gemma 3 270M: the paper grid only, 5 samples per task (one per round), at
 # GEMMA_LONG, the longest length whose full-cache average keeps half its 4K one (results/README.md).
-GEMMA_LONG  ?= 8192
+GEMMA_LONG  ?= 16384
 reproduce-gemma-ruler-long: REPRO_BACKBONE = gemma3-270m
 reproduce-gemma-ruler-long: REPRO_LENGTH = $(GEMMA_LONG)
 reproduce-gemma-ruler-long: REPRO = results/gemma-ruler$(GEMMA_LONG)
