@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reskv.batching import decode_batches
-from reskv.cache import ObservedLayer, ResKVCache, StackedRow
+from reskv.cache import ObservedLayer, ResKVCache, StackedRow, WindowedLayer
 from reskv.compress import CompressedLayerState
 from reskv.config import budget_for
 from reskv.decoding import compiled_next_logits, forward, greedy
@@ -136,11 +136,17 @@ def compress(prefill: Prefill, row: GridRow, quality: bool, feeds: int) -> None:
     row.layers, row.stats = prefill.compressed_layers(row.method, row.setting)
     row.timings["compress_s"] = time.perf_counter() - start
     question = len(prefill.prompt_ids) - prefill.context_length
-    row.slots = (
-        max(StackedRow.of(layer, row.method.decode_rule).slots for layer in row.layers) + question + feeds
-    )
+    row.slots = max(stacked_row(layer, row.method).slots for layer in row.layers) + question + feeds
     if quality:
         row.compressed, _ = row.method.assemble(row.layers, row.stats["compressed_tokens"])
+
+
+def stacked_row(
+    layer: CompressedLayerState | ObservedLayer | WindowedLayer, method: Method
+) -> StackedRow | WindowedLayer:
+    """A method's layer as a row of a stacked cache: a sliding-window layer as it is
+    (``ResKVCache.stacked`` stacks it in a ``StaticWindowedLayer``), any other as a ``StackedRow``."""
+    return layer if isinstance(layer, WindowedLayer) else StackedRow.of(layer, method.decode_rule)
 
 
 def stacked_prompt(prefill: Prefill, rows: list[GridRow], feeds: int) -> tuple[ResKVCache, torch.Tensor]:
@@ -154,7 +160,7 @@ def stacked_prompt(prefill: Prefill, rows: list[GridRow], feeds: int) -> tuple[R
     agnostic = [row.setting == "agnostic" for row in rows]
     fed = question if any(agnostic) else []
     cache = ResKVCache.stacked(
-        [[StackedRow.of(layer, row.method.decode_rule) for layer in row.layers] for row in rows],
+        [[stacked_row(layer, row.method) for layer in row.layers] for row in rows],
         len(prefill.prompt_ids) - len(fed),
         len(fed) + feeds,
     )

@@ -130,6 +130,7 @@ def test_the_compiled_batch_step_gives_the_eager_batch_logits(prefill):
     static shapes) gives the eager batch's logits to fp32 rounding, and one graph serves grids whose
     rows hold entries in other layers, other rules and another number of rows."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graphs compiled by earlier tests in this process
     methods = requests(DEFAULT_RULES)
     eager = stacked_logits(prefill, methods, eager_step(prefill))
 
