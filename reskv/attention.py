@@ -9,13 +9,12 @@ so a decode step's logits are one matmul (``CompressedLayer`` appends new tokens
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from reskv.config import DecodeRule
+from reskv.decode_rule import DecodeRule, GateTerms
 
 # On CUDA with Triton, a gated layer's decode step (one token: one bias row for all its queries) is
 # ``reskv.decode_kernel``'s two launches instead of the 8 ops below (a GPU's host pays per op); off,
@@ -38,35 +37,34 @@ def padding_bias(counts: list[int], device: torch.device) -> Tensor | None:
     return additive_mask(slots[None, :] < torch.tensor(counts, device=device)[:, None])[:, None, :]
 
 
-def gate_logit(p_max: Tensor, rule: DecodeRule) -> Tensor:
-    """``alpha * (tau - p_max)``, the gate's argument (reskv.md, Eq. gate), computed as
-    ``(p_max - tau) * -alpha``: the same bits (negation is exact), in place."""
-    return p_max.sub_(rule.tau).mul_(-rule.alpha)
-
-
-def gate_values(main_mass: Tensor, rule: DecodeRule) -> Tensor:
-    """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` with ``p_max = exp(max(a) - lse_M)``,
-    which is ``1 / main_mass`` for ``main_mass = sum_p exp(a_p - max(a))``."""
-    if not rule.gate:
+def gate_values(main_mass: Tensor, gate: GateTerms) -> Tensor:
+    """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` (reskv.md, Eq. gate; 1 where the gate is
+    not open) with ``p_max = exp(max(a) - lse_M)``, which is ``1 / main_mass`` for
+    ``main_mass = sum_p exp(a_p - max(a))``. The argument is computed as ``(p_max - tau) * -alpha``,
+    in place: ``alpha * (tau - p_max)`` to the bit (negation is exact)."""
+    if not gate.open:
         return torch.ones_like(main_mass)
     # A sigmoid is never below a g_min <= 0, so that clamp is skipped.
-    gate = gate_logit(main_mass.reciprocal(), rule).sigmoid_()
-    return gate.clamp_(min=rule.g_min) if rule.g_min > 0 else gate
+    values = main_mass.reciprocal().sub_(gate.tau).mul_(-gate.alpha).sigmoid_()
+    return values.clamp_(min=gate.g_min) if gate.g_min > 0 else values
 
 
-def log_gate(p_max: Tensor, rule: DecodeRule) -> Tensor:
-    """``log g(q)`` (``gate_values``) from ``p_max`` in two ops (``rule.gate`` is on): the gate's argument
-    as ``alpha * tau - alpha * p_max`` (one ``rsub``; ``gate_logit``'s two ops give it to the last bit,
-    this to fp rounding), then ``logsigmoid``, one op where ``log(sigmoid)`` takes two."""
-    logit = torch.rsub(p_max, rule.alpha * rule.tau, alpha=rule.alpha)
+def log_gate(p_max: Tensor, gate: GateTerms) -> Tensor:
+    """``log g(q)`` (``gate_values``; the gate open) from ``p_max`` in two ops: the argument as
+    ``alpha_tau - alpha * p_max`` (one ``rsub``: ``gate_values``' two ops give it to the last bit, this
+    to fp rounding), then ``logsigmoid``, one op where ``log(sigmoid)`` takes two. ``RowGates.log_gate``
+    is the same expression over stacked rows."""
+    logit = torch.rsub(p_max, gate.alpha_tau, alpha=gate.alpha)
     log_gate = torch.nn.functional.logsigmoid(logit)
-    return log_gate.clamp_(min=math.log(rule.g_min)) if rule.g_min > 0 else log_gate
+    return log_gate.clamp_(min=gate.log_g_min) if gate.g_min > 0 else log_gate
 
 
-def population_bias(log_counts: Tensor, beta: float) -> Tensor:
-    """``beta * log(c_j)`` on used slots, ``-inf`` on unused ones whatever ``beta`` is (reskv.md,
-    invariant 10): validity is read from the slot, never from ``beta * -inf`` (NaN when beta = 0).
-    ``beta = 1`` (the default) is ``log_counts`` itself, whose unused slots are already ``-inf``: no op."""
+def population_bias(log_counts: Tensor, rule: DecodeRule) -> Tensor:
+    """``beta * log(c_j)`` (``rule.population_weight``) on used slots, ``-inf`` on unused ones whatever
+    ``beta`` is (reskv.md, invariant 10): validity is read from the slot, never from ``beta * -inf``
+    (NaN when beta = 0). ``beta = 1`` (the default) is ``log_counts`` itself, whose unused slots are
+    already ``-inf``: no op."""
+    beta = rule.population_weight
     if beta == 1.0:
         return log_counts
     used = torch.isfinite(log_counts)
@@ -125,7 +123,7 @@ def joint_attention(
     if residual_slots == 0:
         output = main_output.div_(main_mass)
         return output, torch.zeros_like(main_mass[..., 0]) if with_residual_share else None
-    gate = gate_values(main_mass, rule)
+    gate = gate_values(main_mass, rule.gate_terms)
     if rule.shared_softmax:
         residual_logits.add_(gate.log_())
         shared_max = torch.maximum(main_max, residual_logits.amax(dim=-1, keepdim=True))
@@ -201,7 +199,8 @@ def shared_softmax_attention(
     ``joint_attention`` stays the reference, used where the residual share is measured and by the
     no-shared-softmax ablation.
     """
-    if not (residual_slots and rule.gate):
+    gate = rule.gate_terms
+    if not (residual_slots and gate.open):
         mask = bias.to(queries.dtype)[:, None]  # SDPA takes a float mask in the queries' dtype
         return torch.nn.functional.scaled_dot_product_attention(
             queries[:, None], keys[:, None], values[:, None], attn_mask=mask, scale=scaling
@@ -210,45 +209,54 @@ def shared_softmax_attention(
         from reskv import decode_kernel  # imports Triton (slow to import), which the CPU never runs
 
         if decode_kernel.available() and queries.shape[1] <= decode_kernel.MAX_ROWS:
-            return decode_kernel.gated_attention(queries, keys, values, bias, residual_slots, scaling, rule)
+            return decode_kernel.gated_attention(queries, keys, values, bias, residual_slots, scaling, gate)
     logits = fp32_logits(queries, keys, bias, scaling)
     p_max = logits[..., residual_slots:].softmax(dim=-1).amax(dim=-1, keepdim=True)
-    logits[..., :residual_slots].add_(log_gate(p_max, rule))
+    logits[..., :residual_slots].add_(log_gate(p_max, gate))
     return softmax_values(logits, values)
 
 
 @dataclass
 class RowGates:
-    """The gates of stacked rows (``stacked_shared_softmax_attention``): each row's ``DecodeRule`` as
-    ``[B, 1, 1, 1]`` tensors, so one expression computes every row's ``log g(q)`` as ``log_gate``
-    computes one. A row whose rule has no gate adds nothing (``open_column`` is false there); a row
-    without entries adds its ``log g`` nowhere. ``gated`` says on the host whether any row has a gate:
-    one bool, not one per row, so that a compiled step's graph depends on no row's rule but through
-    the device."""
+    """The gates of stacked rows (``stacked_shared_softmax_attention``): each row's ``GateTerms`` as
+    ``[B, 1, 1, 1]`` tensors, so that one expression computes every row's ``log g(q)`` as ``log_gate``
+    computes one. A row whose gate is not open adds nothing (``open`` is false there); a row without
+    entries adds its ``log g`` nowhere. ``gated`` says on the host whether any row has a gate: one
+    bool, not one per row, so that a compiled step's graph depends on no row's rule but through the
+    device."""
 
     gated: bool
-    open_column: Tensor
-    tau: Tensor
+    open: Tensor
+    alpha_tau: Tensor
     negated_alpha: Tensor
     log_g_min: Tensor  # -inf where g_min <= 0: no clamp
 
     @classmethod
     def of(cls, rules: list[DecodeRule], device: torch.device) -> RowGates:
+        gates = [rule.gate_terms for rule in rules]
+
         def column(values: list[float]) -> Tensor:
             return torch.tensor(values, device=device)[:, None, None, None]
 
         return cls(
-            any(rule.gate for rule in rules),
-            column([rule.gate for rule in rules]).bool(),
-            column([rule.tau for rule in rules]),
-            column([-rule.alpha for rule in rules]),
-            column([math.log(rule.g_min) if rule.g_min > 0 else float("-inf") for rule in rules]),
+            any(gate.open for gate in gates),
+            column([gate.open for gate in gates]).bool(),
+            column([gate.alpha_tau for gate in gates]),
+            column([-gate.alpha for gate in gates]),
+            column([gate.log_g_min for gate in gates]),
         )
 
+    @property
+    def columns(self) -> tuple[Tensor, ...]:
+        """Its per-row tensors (``[B, 1, 1, 1]``), the batch a dynamic dimension of the compiled step."""
+        return self.open, self.alpha_tau, self.negated_alpha, self.log_g_min
+
     def log_gate(self, p_max: Tensor) -> Tensor:
-        """``log g(q)`` of every row (0 where the gate is closed), as ``log_gate`` gives for one rule."""
-        log_gate = torch.nn.functional.logsigmoid((p_max - self.tau) * self.negated_alpha)
-        return torch.where(self.open_column, torch.maximum(log_gate, self.log_g_min), 0.0)
+        """``log g(q)`` of every row (0 where the gate is not open): ``log_gate``'s expression, its
+        ``rsub`` written as ``addcmul``, the same bits on CPU (``rsub``'s ``alpha`` cannot be a tensor,
+        and torch 2.13's inductor drops it where it is a symbolic float: reskv.md, the compiled step)."""
+        log_gate = torch.nn.functional.logsigmoid(torch.addcmul(self.alpha_tau, p_max, self.negated_alpha))
+        return torch.where(self.open, torch.maximum(log_gate, self.log_g_min), 0.0)
 
 
 def stacked_shared_softmax_attention(
@@ -281,10 +289,12 @@ def stacked_shared_softmax_attention(
     return softmax_values(logits, values)
 
 
-def joint_bias(residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, beta: float) -> Tensor:
+def joint_bias(
+    residual_log_counts: Tensor, main_bias: Tensor | None, main_slots: int, rule: DecodeRule
+) -> Tensor:
     """``[H_kv, 1 or Q, r + n]``: ``population_bias`` on the entries, then ``main_bias`` (0 when None;
     broadcastable to ``[H_kv, Q, n]``)."""
-    population = population_bias(residual_log_counts, beta)[:, None, :]
+    population = population_bias(residual_log_counts, rule)[:, None, :]
     if main_bias is None:
         main_bias = population.new_zeros(population.shape[0], 1, main_slots)
     heads, rows = max(population.shape[0], main_bias.shape[0]), max(population.shape[1], main_bias.shape[1])
@@ -298,7 +308,7 @@ def joint_buffers(
     main_keys: Tensor,
     main_values: Tensor,
     main_bias: Tensor | None,
-    beta: float,
+    rule: DecodeRule,
     spare_slots: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``[entries ; main]`` keys and values (in the main cache's dtype) and their ``joint_bias``:
@@ -310,5 +320,5 @@ def joint_buffers(
     values = torch.cat(
         [residual_values.to(main_values.dtype), main_values, spare.to(main_values.dtype)], dim=1
     )
-    bias = joint_bias(residual_log_counts, main_bias, main_keys.shape[1], beta)
+    bias = joint_bias(residual_log_counts, main_bias, main_keys.shape[1], rule)
     return keys, values, torch.nn.functional.pad(bias, (0, spare_slots), value=float("-inf"))

@@ -48,7 +48,7 @@ from reskv.attention import (
     stacked_shared_softmax_attention,
 )
 from reskv.compress import CompressedLayerState
-from reskv.config import NO_RESIDUAL_RULE, DecodeRule, plain_rule
+from reskv.decode_rule import NO_RESIDUAL_RULE, DecodeRule, plain_rule
 from reskv.residual import ResidualEntries
 from reskv.scoring import LayerObservation, accumulated_attention
 
@@ -264,7 +264,7 @@ class CompressedLayer(AttendingLayer):
             )
         keys, values, bias = joint_buffers(
             residual.keys, residual.values, residual.log_counts,
-            state.main_keys, state.main_values, main_bias, rule.beta, spare_slots,
+            state.main_keys, state.main_values, main_bias, rule, spare_slots,
         )  # fmt: skip
         self.filled = self.residual_slots + state.main_keys.shape[1]  # written slots, host side
         self._set_buffers(keys[None], values[None], bias)
@@ -443,7 +443,7 @@ class StackedRow:
         its main part), a compressed layer's written slots, or every token of an exact layer."""
         if isinstance(layer, CompressedLayerState):
             residual = layer.residual
-            population = population_bias(residual.log_counts, rule.beta)[:, None, :]
+            population = population_bias(residual.log_counts, rule)[:, None, :]
             entries = (residual.keys, residual.values, population)
             return cls(
                 [entries, (layer.main_keys, layer.main_values, layer.main_bias)], residual.keys.shape[1], rule
@@ -476,7 +476,7 @@ class StackedLayer(AttendingLayer):
 
     def __init__(self, rows: Sequence[StackedRow], seq_len: int, spare_slots: int):
         super().__init__()
-        if any(not row.rule.shared_softmax for row in rows):
+        if any(not row.rule.batches for row in rows):
             raise ValueError("a layer without the shared softmax (joint_attention's ablation) decodes alone")
         self.seq_len, self.filled = seq_len, max(row.slots for row in rows)
         first = rows[0].parts[0][0]
@@ -502,10 +502,7 @@ class StackedLayer(AttendingLayer):
         self.position = static_address(torch.tensor([self.filled], device=device))  # the next slot
         self.gates = RowGates.of([row.rule for row in rows], device)
         # A batch of any number of rows runs one compiled graph: the rows are a dynamic dimension.
-        gates = self.gates
-        for batched in (keys, values, bias, entries, self.feed_bias, gates.open_column, gates.tau):
-            torch._dynamo.maybe_mark_dynamic(batched, 0)
-        for batched in (gates.negated_alpha, gates.log_g_min):
+        for batched in (keys, values, bias, entries, self.feed_bias, *self.gates.columns):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
         self.is_initialized = True
 

@@ -6,9 +6,10 @@ The runner validates a configuration and answers ``--help`` from these before it
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from fractions import Fraction
+
+from reskv.decode_rule import DecodeRule, plain_rule
 
 SETTINGS = ("aware", "agnostic")  # query-aware and query-agnostic compression (reskv.md)
 # How a generation decodes: one eager forward per token, or one compiled graph per token
@@ -28,35 +29,6 @@ COMPILED_WITHOUT_SHARED_SOFTMAX = (
 )
 
 
-@dataclass(frozen=True)
-class DecodeRule:
-    """The decode-time rule of reskv.md: gate parameters, population weight and ablation switches."""
-
-    tau: float = 0.25
-    alpha: float = 12.0  # 1 / T_g
-    g_min: float = 0.0
-    beta: float = 1.0  # weight of log(count) in the residual logits
-    gate: bool = True  # False: "w/o dynamic gate", g = 1
-    shared_softmax: bool = True  # False: "w/o shared softmax" (this project's reading, reskv.md)
-
-
-# How a cache without residual entries is attended (a base method's, the full cache's): no gate, so
-# its layers make one SDPA call, compiled as well as eager (reskv.md, "How the harness decodes").
-NO_RESIDUAL_RULE = DecodeRule(gate=False)
-
-
-def plain_rule(rule: DecodeRule) -> DecodeRule:
-    """The ``DecodeRule`` with ``rule``'s fields (a ``ResidualConfig``'s decode part), one object per
-    value. A compiled decode step guards on its layers' rule objects, their type and which are the
-    same object, so two caches of equal rules would otherwise compile apart."""
-    return _rule_of(tuple(getattr(rule, field.name) for field in fields(DecodeRule)))
-
-
-@functools.cache
-def _rule_of(values: tuple) -> DecodeRule:
-    return DecodeRule(*values)
-
-
 FINAL_SELECTIONS = ("base", "fit")
 
 
@@ -64,9 +36,10 @@ FINAL_SELECTIONS = ("base", "fit")
 class ResidualConfig(DecodeRule):
     """ResKV hyper-parameters and ablation switches (defaults: the paper's, reskv.md).
 
-    It *is* the decode rule (gate, ``beta``, shared softmax: the inherited ``DecodeRule`` fields)
-    extended with the residual size and validation settings, so one flat constructor takes every
-    option by name and the cache layers use it as their rule directly.
+    The decode-time options are the inherited ``DecodeRule`` fields (gate, ``beta``, shared softmax:
+    ``reskv.decode_rule``); the fields declared here are construction-time (residual size, validation,
+    final selection), read while the cache is built and never by a decode step. One flat constructor
+    takes every option by name; the cache layers keep ``decode_rule``, the decode-time part.
     """
 
     grid: tuple[float, ...] = (0.0, 0.05, 0.10, 0.15, 0.20)
@@ -89,6 +62,11 @@ class ResidualConfig(DecodeRule):
             raise ValueError(f"residual grid {self.grid}: every ratio must lie in [0, 1)")
         if min(self.fit_queries, self.validation_queries) < 1:
             raise ValueError("fit_queries and validation_queries must be at least 1")
+
+    @property
+    def decode_rule(self) -> DecodeRule:
+        """The decode-time part, the plain ``DecodeRule`` a cache's layers hold (``plain_rule``)."""
+        return plain_rule(self)
 
     @property
     def observation_window(self) -> int:

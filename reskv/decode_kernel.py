@@ -22,12 +22,10 @@ it and without it (``reskv.attention.CUDA_FUSED_DECODE``). Triton is optional: w
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from reskv.config import DecodeRule
+from reskv.decode_rule import GateTerms
 
 try:
     import triton
@@ -64,13 +62,13 @@ def gated_attention(
     bias: Tensor,
     residual_slots: int,
     scaling: float,
-    rule: DecodeRule,
+    gate: GateTerms,
 ) -> Tensor:
     """``shared_softmax_attention``'s output ``[H_kv, G, d]`` (in the values' dtype, as on CUDA) for one
     decoded token: ``queries`` ``[H_kv, G, d]``, ``keys``/``values`` ``[H_kv, n, d]`` holding the
     ``residual_slots`` entries first, ``bias`` ``[H_kv, 1, n]`` (fp32: ``beta * log(c_j)`` on the
-    entries, 0 or ``-inf`` on the rest); ``rule.gate`` on, at least one entry, every row seeing at
-    least one main slot."""
+    entries, 0 or ``-inf`` on the rest); ``gate`` (``DecodeRule.gate_terms``) open, at least one entry,
+    every row seeing at least one main slot."""
     num_heads, rows, dim = queries.shape
     num_slots = keys.shape[1]
     chunk_slots = triton.cdiv(triton.cdiv(num_slots, MAX_CHUNKS), SLOT_TILE) * SLOT_TILE
@@ -90,10 +88,9 @@ def gated_attention(
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     output = values.new_empty(num_heads, rows, dim)
-    log_g_min = math.log(rule.g_min) if rule.g_min > 0 else -math.inf  # no clamp at g_min <= 0
     _merge_kernel[(num_heads,)](
         partial_max, partial_sum, partial_output, output,
-        rows, dim, chunks, entry_chunks, rule.alpha * rule.tau, rule.alpha, log_g_min,
+        rows, dim, chunks, entry_chunks, gate.alpha_tau, gate.alpha, gate.log_g_min,
         ROW_TILE=row_tile, DIM_TILE=dim_tile, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return output

@@ -284,7 +284,7 @@ class Prefill:
         step of each new cache shape pays the compilation."""
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_MODES)}")
-        if decode == "compiled" and not method.decode_rule.shared_softmax:
+        if decode == "compiled" and not method.decode_rule.compiles:
             raise ValueError(COMPILED_WITHOUT_SHARED_SOFTMAX)
         self.check_positions(max_new_tokens)
         with_quality = answer_ids is not None

@@ -101,8 +101,8 @@ def decode_grid(
         GridRow(index, method, setting, predicted_slots(prefill, method, setting, feeds))
         for index, (method, setting) in enumerate(requests)
     ]
-    alone = [row for row in rows if not row.method.decode_rule.shared_softmax]
-    stacked = [row for row in rows if row.method.decode_rule.shared_softmax]
+    alone = [row for row in rows if not row.method.decode_rule.batches]
+    stacked = [row for row in rows if row.method.decode_rule.batches]
     bytes_per_slot = slot_bytes(prefill)
     limit = memory_limit(prefill.backbone.device)
     planned = decode_batches([row.slots for row in stacked], bytes_per_slot, limit, max_rows)
@@ -116,7 +116,7 @@ def decode_grid(
         for batch in [[stacked[row] for row in rows] for rows in planned] + [[row] for row in alone]:
             if len(batch) == 1:
                 (row,) = batch
-                mode = decode if row.method.decode_rule.shared_softmax else "eager"
+                mode = row.method.decode_rule.decode_mode(decode)
                 generation = prefill.generate(row.method, row.setting, decode=mode, **options)
                 generation.run["decode_batch"] = 1
                 yield row.index, generation

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache, WindowedLayer
 from reskv.compress import CompressedLayerState, SharedLayers, compress_layers
-from reskv.config import NO_RESIDUAL_RULE, DecodeRule, ResidualConfig
+from reskv.config import ResidualConfig
+from reskv.decode_rule import NO_RESIDUAL_RULE, DecodeRule
 from reskv.scoring import LayerObservation, TokenScorer
 
 # Bound on the keys and values of the layers compressed together: ResKV's work on them is stacked
@@ -51,9 +52,9 @@ class Method:
 
     @property
     def decode_rule(self) -> DecodeRule:
-        """How its cache is attended: the residual's rule (a ``ResidualConfig`` is one), or without a
-        residual ``NO_RESIDUAL_RULE``."""
-        return self.residual or NO_RESIDUAL_RULE
+        """How its cache is attended: the residual's decode-time part, or without a residual
+        ``NO_RESIDUAL_RULE``."""
+        return NO_RESIDUAL_RULE if self.residual is None else self.residual.decode_rule
 
     @property
     def needs_accumulated_attention(self) -> bool:

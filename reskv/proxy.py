@@ -220,7 +220,7 @@ class ValidationProxy:
             residual.log_counts,
             None if padding is None else torch.nn.functional.pad(padding, (0, exact)),
             main_slots + exact,
-            self.config.beta,
+            self.config,
         )
         query_bias = torch.nn.functional.pad(self.exact_bias, (slots - exact, 0))
         output, _ = joint_attention(

@@ -90,7 +90,7 @@ INTERPRETED_KERNEL = """
 import importlib, sys, torch
 module, name = sys.argv[1].split(":")
 kernel = getattr(importlib.import_module(module), name)
-cases = torch.load(sys.argv[2], weights_only=False)  # the test's own file (DecodeRules in it)
+cases = torch.load(sys.argv[2], weights_only=False)  # the test's own file (GateTerms in it)
 torch.save([kernel(*case) for case in cases], sys.argv[3])
 """
 
@@ -116,7 +116,7 @@ def separate_attention(
     residual entries given apart, as ``joint_buffers`` lays them out in a compressed layer: outputs
     ``[H_kv, Q, d]`` for grouped queries ``[H_kv, Q, d]``; ``main_bias`` carries padding (0 or -inf)."""
     keys, values, bias = joint_buffers(
-        residual_keys, residual_values, residual_log_counts, main_keys, main_values, main_bias, rule.beta
+        residual_keys, residual_values, residual_log_counts, main_keys, main_values, main_bias, rule
     )
     return joint_attention(
         queries, keys, values, bias, residual_keys.shape[1], scaling, rule, evicted_fraction

@@ -170,6 +170,24 @@ def test_ablation_table(tables):
     ]
 
 
+def test_tables_name_a_label_from_its_frame_columns(results_dir):
+    """Row names from the configurations' ``base_method``, ``residual`` and ``options`` columns: the
+    registry's display names, ``+ResKV`` under its baseline, options in brackets (the method then named
+    in full); a registry method without results (a row shown as --) named by the registry."""
+    index, _ = ResultIndex.from_directory(results_dir / "runs")
+    names = {
+        label: (index.method_name(label), index.method_name(label, under_baseline=True))
+        for label in ("snapkv", "snapkv+reskv", "cam", "snapkv+reskv~validate=false", "adakv+reskv")
+    }
+    assert names == {
+        "snapkv": ("SnapKV", "SnapKV"),
+        "snapkv+reskv": ("SnapKV+ResKV", "+ResKV"),
+        "cam": ("CaM", "CaM"),
+        "snapkv+reskv~validate=false": ("SnapKV+ResKV (validate=false)", "SnapKV+ResKV (validate=false)"),
+        "adakv+reskv": ("AdaKV+ResKV", "+ResKV"),
+    }
+
+
 def test_markdown_and_csv(tables):
     table = tables["ruler_averages"]
     markdown = to_markdown(table)

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from baselines import build_method
 from reskv.backbones import tiny_backbone
 from reskv.cache import CompressedLayer, ResKVCache
-from reskv.config import DecodeRule, plain_rule
+from reskv.decode_rule import DecodeRule, plain_rule
 from reskv.decoding import static_cache
 from reskv.engine import Prefill
 from scripts.bench.dispatch_counts import count_dispatch

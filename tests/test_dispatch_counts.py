@@ -11,7 +11,7 @@ import torch
 
 from baselines import build_method
 from reskv.attention import shared_softmax_attention
-from reskv.config import DecodeRule
+from reskv.decode_rule import DecodeRule
 from reskv.decoding import compiled_next_logits, static_cache
 from scripts.bench.construction_counts import LLAMA_ATTENTION, count_compression, synthetic_prefilled_cache
 from scripts.bench.decode_counts import narrow_llama_8b_attention

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from baselines import METHODS, build_method
-from reskv.attention import DecodeRule
 from reskv.backbones import BackboneError, load_backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache, reskv_attention
 from reskv.compress import CompressedLayerState, ResidualConfig, budget_for, compress_layer
+from reskv.decode_rule import DecodeRule
 from reskv.engine import Prefill, generate
 from reskv.method import Method
 from reskv.residual import ResidualEntries

@@ -17,7 +17,7 @@ from baselines import build_scorer
 from reskv.attention import gate_values, joint_attention, shared_softmax_attention
 from reskv.cache import CompressedLayer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
-from reskv.config import DecodeRule
+from reskv.decode_rule import DecodeRule
 from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import lloyd_assignments
@@ -163,7 +163,8 @@ def test_the_fused_decode_kernel_equals_the_two_matmul_softmax(observation, tmp_
     expected.append(plain)
     cases.append((queries.bfloat16(), keys.bfloat16(), values.bfloat16(), bias, slots, scaling, rule))
     expected.append(plain_attention_of(cases[-1], observation))
-    fused = interpreted("reskv.decode_kernel:gated_attention", cases, tmp_path)
+    launches = [(*case[:-1], case[-1].gate_terms) for case in cases]  # the kernel takes the gate's terms
+    fused = interpreted("reskv.decode_kernel:gated_attention", launches, tmp_path)
     for output, plain in zip(fused[:-1], expected[:-1], strict=True):
         assert output.dtype == torch.float32
         torch.testing.assert_close(output.double(), plain, rtol=1e-5, atol=1e-6)
@@ -214,7 +215,7 @@ def test_gate_is_the_spec_formula_bit_for_bit(rule):
     )
     expected = torch.sigmoid(rule.alpha * (rule.tau - 1 / main_mass)).clamp(min=rule.g_min)
     assert expected.min() < 0.5 < expected.max()  # the gate both closes and opens here
-    assert torch.equal(gate_values(main_mass[:, None, None], rule)[:, 0, 0], expected)
+    assert torch.equal(gate_values(main_mass[:, None, None], rule.gate_terms)[:, 0, 0], expected)
 
 
 def test_single_normalisation_equals_the_lse_merge(observation):

@@ -71,9 +71,10 @@ def grid(prefill: Prefill, methods, **options) -> list:
     return [generations[row] for row in range(len(methods))]
 
 
-def alone_logits(prefill: Prefill, method, setting: str) -> torch.Tensor:
+def alone_logits(prefill: Prefill, method, setting: str, step=None) -> torch.Tensor:
     """``[1 + len(FORCED) - 1, V]``: what ``generate`` decodes from, after the prompt and along the
-    forced tokens."""
+    forced tokens, each fed by ``step(token_ids, cache)`` (``prefill.next_logits`` unless given)."""
+    step = step or prefill.next_logits
     cache, _ = prefill.compressed(method, setting)
     logits = prefill.prefilled(setting).last_logits
     question = prefill.prompt_ids[prefill.context_length :]
@@ -81,7 +82,7 @@ def alone_logits(prefill: Prefill, method, setting: str) -> torch.Tensor:
         cache.reserve(len(question) + len(FORCED))
         logits = prefill.next_logits(question, cache)
     cache.reserve(len(FORCED))
-    return torch.stack([logits] + [prefill.next_logits([token], cache) for token in FORCED[:-1]])
+    return torch.stack([logits] + [step([token], cache) for token in FORCED[:-1]])
 
 
 def prompted_batch(prefill: Prefill, methods, feeds: int) -> tuple[ResKVCache, torch.Tensor]:

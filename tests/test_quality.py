@@ -135,7 +135,7 @@ def test_residual_share_is_the_softmax_mass_on_the_entries():
     keys, values = torch.randn(2, 9, 4, generator=generator), torch.randn(2, 9, 4, generator=generator)
     log_counts = torch.tensor([[0.0, math.log(3.0), float("-inf")], [math.log(2.0), 0.0, 0.0]])
     rule = ResidualConfig()
-    bias = joint_bias(log_counts, None, 6, rule.beta)
+    bias = joint_bias(log_counts, None, 6, rule)
     _, share = joint_attention(queries, keys, values, bias, 3, 0.5, rule, with_residual_share=True)
     logits = queries @ keys.transpose(1, 2) * 0.5 + bias
     main_probs = logits[..., 3:].softmax(-1)

@@ -45,6 +45,15 @@ def readme_problems(readme: str, registry) -> list[str]:
         f"remove `{name}` from {row}: the registry has no such method" for name in listed if name not in names
     ]
     problems += [f"list `{name}` once in {row}" for name in sorted(set(listed)) if listed.count(name) > 1]
+    (layout,) = re.findall(r"^\| `baselines/` \| (.*) \|$", readme, flags=re.MULTILINE)
+    files = [
+        spec.scorer.partition(":")[0].removeprefix("baselines.") + ".py" for spec in registry if spec.scorer
+    ]
+    problems += [
+        f"add `{file}` to the README's layout row for `baselines/`"
+        for file in files
+        if f"`{file}`" not in layout
+    ]
     intro = readme.split("\n\n")[1]
     return problems + [
         f"name {spec.display.split()[0]} in the README's first paragraph, among the methods compared"
@@ -79,18 +88,22 @@ def test_every_base_method_builds_a_scorer_and_cites_its_spec_section():
 
 
 def test_the_documentation_checks_say_what_a_new_method_needs_and_where():
-    """A registry line for kvpress's Knorm, its documentation not written yet."""
-    knorm = MethodSpec(
-        "knorm", "Knorm", "baselines.snapkv:SnapKV", "Knorm (key norms)", pairs_with_reskv=True
+    """A registry line for a made-up method nobody will register, its documentation not written yet."""
+    made_up = MethodSpec(
+        "madeup", "MadeUp", "baselines.snapkv:SnapKV", "MadeUp (a test's method)", pairs_with_reskv=True
     )
     row = 'the README\'s `method=` row (the table under "One command, one grid")'
-    assert readme_problems(README, (*REGISTRY, knorm)) == [
-        f"add `knorm` to {row}",
-        f"add `knorm+reskv` to {row}",
-        "name Knorm in the README's first paragraph, among the methods compared",
+    assert readme_problems(README, (*REGISTRY, made_up)) == [
+        f"add `madeup` to {row}",
+        f"add `madeup+reskv` to {row}",
+        "name MadeUp in the README's first paragraph, among the methods compared",
     ]
-    assert spec_problems(BASELINES_SPEC, (*REGISTRY, knorm)) == [
-        "add a `## Knorm (key norms)` section to docs/spec/baselines.md: the rule knorm follows "
+    without_snapkv = README.replace("`snapkv.py`, ", "")
+    assert readme_problems(without_snapkv, REGISTRY) == [
+        "add `snapkv.py` to the README's layout row for `baselines/`"
+    ]
+    assert spec_problems(BASELINES_SPEC, (*REGISTRY, made_up)) == [
+        "add a `## MadeUp (a test's method)` section to docs/spec/baselines.md: the rule madeup follows "
         "(its MethodSpec's spec names the heading)"
     ]
 
@@ -99,8 +112,8 @@ def test_the_documentation_checks_say_what_a_new_method_needs_and_where():
     ("scorer", "problem"),
     [
         (
-            "baselines.knorm:Knorm",
-            "no module baselines.knorm (a method's rule is its file, baselines/<name>.py",
+            "baselines.madeup:MadeUp",
+            "no module baselines.madeup (a method's rule is its file, baselines/<name>.py",
         ),
         (
             "baselines.snapkv:SnapKv",
@@ -112,16 +125,16 @@ def test_the_documentation_checks_say_what_a_new_method_needs_and_where():
 )
 def test_a_registry_line_with_a_bad_scorer_is_refused_as_it_is_declared(scorer, problem):
     """The line names its method, its scorer and what is wrong, before any scorer or torch loads."""
-    expected = f"baselines/registry.py, the line of 'knorm': scorer '{scorer}': {problem}"
+    expected = f"baselines/registry.py, the line of 'madeup': scorer '{scorer}': {problem}"
     with pytest.raises(ValueError, match=re.escape(expected)):
-        MethodSpec("knorm", "Knorm", scorer, "Knorm (key norms)")
+        MethodSpec("madeup", "MadeUp", scorer, "MadeUp (a test's method)")
 
 
 def test_the_registry_checks_its_scorers_without_importing_them():
     """Every line's scorer is a TokenScorer, found from the source (CaM and AdaKV through SnapKV)."""
     code = (
         "import sys; from baselines.registry import REGISTRY, MethodSpec; "
-        "MethodSpec('knorm', 'Knorm', 'baselines.adakv:AdaKV', 'Knorm'); "
+        "MethodSpec('madeup', 'MadeUp', 'baselines.adakv:AdaKV', 'MadeUp'); "
         "assert not {'torch', 'baselines.snapkv', 'baselines.adakv'} & set(sys.modules), 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -11,8 +11,8 @@ import torch
 
 import reskv.residual
 from baselines import build_method, build_scorer
-from reskv.attention import DecodeRule
 from reskv.compress import ResidualConfig, budget_for, compress_layer
+from reskv.decode_rule import DecodeRule
 from reskv.engine import Prefill
 from reskv.method import Method, attended_slots
 from reskv.residual import (

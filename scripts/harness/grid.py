@@ -329,7 +329,7 @@ class GridRun:
             return
         for position, (entry, (method, setting)) in enumerate(zip(runnable, requests, strict=True)):
             prefill = self._prefill(item, [entry])
-            decode = self.decode if method.decode_rule.shared_softmax else "eager"
+            decode = method.decode_rule.decode_mode(self.decode)
             yield position, prefill, prefill.generate(method, setting, decode=decode, **decoding)
 
     def _prefill(self, item: Item, served: list[GridEntry]):

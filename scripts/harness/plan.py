@@ -336,7 +336,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
     residual = residual_config(config["reskv"])
-    if config["decode"] == "compiled" and not residual.shared_softmax:
+    if config["decode"] == "compiled" and not residual.compiles:
         raise PlanError(COMPILED_WITHOUT_SHARED_SOFTMAX)
     try:  # each registered base-method option is a top-level config key (option_defaults)
         options = {name: option.check(config[name]) for name, option in OPTIONS.items()}

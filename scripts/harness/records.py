@@ -139,14 +139,19 @@ class MethodLabel:
         return str(self).partition(OPTIONS_SEPARATOR)[2]
 
     def display(self, under_baseline: bool = False) -> str:
-        """How tables and figures name the label: ``SnapKV``, ``SnapKV+ResKV``, ``+ResKV`` in the row
-        under its baseline's (``under_baseline``; a label with options names its method in full),
-        options in brackets: ``SnapKV+ResKV (validate=false)``. The names are the registry's."""
-        base = self.base
-        name = SPECS[base].display if base in SPECS else base
-        if self.residual:
-            name = RESKV_DISPLAY if under_baseline and not self.options else name + RESKV_DISPLAY
-        return f"{name} ({self.options_text})" if self.options else name
+        """How tables and figures name the label (``display_name`` of its parts)."""
+        return display_name(self.base, self.residual, self.options_text, under_baseline)
+
+
+def display_name(base: str, residual: bool, options: str = "", under_baseline: bool = False) -> str:
+    """How tables and figures name a label from its parts (a ``MethodLabel``'s, or the results frames'
+    ``base_method``, ``residual`` and ``options`` columns): ``SnapKV``, ``SnapKV+ResKV``, ``+ResKV`` in
+    the row under its baseline's (``under_baseline``; a label with options names its method in full),
+    options in brackets: ``SnapKV+ResKV (validate=false)``. The names are the registry's."""
+    name = SPECS[base].display if base in SPECS else base
+    if residual:
+        name = RESKV_DISPLAY if under_baseline and not options else name + RESKV_DISPLAY
+    return f"{name} ({options})" if options else name
 
 
 def field_column(section: str, name: str) -> str:

@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 import benchmarks  # noqa: E402
-from scripts.harness.records import MethodLabel  # noqa: E402
+from scripts.harness.records import MethodLabel, display_name  # noqa: E402
 from scripts.harness.store import ResultStoreError, load_results  # noqa: E402
 from scripts.report.frames import frames_from_results, layers_frame  # noqa: E402
 from scripts.report.index import ResultIndex  # noqa: E402
@@ -143,14 +143,14 @@ def budget_figure(index: ResultIndex, backbone, benchmark, length, setting, out_
     full = index.block_averages(backbone, benchmark, length, None, None, ["full"])["full"]
     figure, axis = plt.subplots(figsize=(4.5, 3.6), layout="constrained")
     for number, (label, cells) in enumerate(curves.items()):
-        shown = MethodLabel.parse(label)
+        _, residual, _ = index.label_parts[label]
         axis.plot(
             budgets + (number - (len(curves) - 1) / 2) * OFFSET_SHARE * gap,
             [np.nan if cell.value is None else cell.value for cell in cells],
             marker=MARKERS[number % len(MARKERS)],
             markerfacecolor="none",
-            linestyle="--" if shown.residual else "-",
-            label=shown.display(),
+            linestyle="--" if residual else "-",
+            label=index.method_name(label),
         )
     if full.value is not None:
         axis.axhline(full.value, color="black", linewidth=1, label="Full Cache")
@@ -208,8 +208,13 @@ def layer_figures(layers, out_dir: Path) -> list[Path]:
         residual = set(rows.loc[rows["residual"].astype(bool), "label"])
         ratios = sorted(set(rows["ratio"]))
         figure, (error_axis, share_axis) = plt.subplots(1, 2, figsize=(14, 3.6), layout="constrained")
-        for label in sorted(set(rows["label"])):
-            name, colour = MethodLabel.parse(label).display(), colours[label]
+        parts = (
+            rows[["label", "base_method", "residual", "options"]]
+            .drop_duplicates("label")
+            .sort_values("label")
+        )
+        for label, base, with_residual, options in parts.values:
+            name, colour = display_name(base, with_residual, options), colours[label]
             if (label, tightest) in means.index.droplevel("layer"):
                 curve = means.loc[(label, tightest)]
                 error_axis.plot(curve.index, curve["attention_error"], marker=".", color=colour, label=name)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 import benchmarks
+from scripts.harness.records import MethodLabel, display_name
 from scripts.report.frames import (
     TASK_COLUMNS,
     frames_from_runs,
@@ -43,6 +44,10 @@ class ResultIndex:
             ratio=lambda frame: frame["ratio"].map(_ratio_key),
         )
         self.unavailable = set(configs.loc[~available, TASK_COLUMNS].itertuples(index=False, name=None))
+        parts = self.configs.drop_duplicates("label")[["label", "base_method", "residual", "options"]]
+        self.label_parts = {
+            label: (base, bool(residual), options) for label, base, residual, options in parts.values
+        }
         self.task_samples = (
             self.configs.groupby(TASK_COLUMNS)["task_samples"].max().to_dict() if len(self.configs) else {}
         )
@@ -51,6 +56,17 @@ class ResultIndex:
         self.slices = dict(list(slices.groupby(["backbone", "benchmark", "length", "setting", "ratio"])))
         self._tasks: dict[tuple, list[str]] = {}  # tasks() of each backbone, benchmark and length
         self._shared: dict[tuple, dict] = {}  # shared_scores() of each block
+
+    def method_name(self, label: str, under_baseline: bool = False) -> str:
+        """How tables and figures name ``label`` (``display_name``), read from its configurations'
+        ``base_method``, ``residual`` and ``options`` columns; a registry method without results (a
+        table's row shown as ``--``) is named by the registry."""
+        parts = self.label_parts.get(label)
+        return (
+            MethodLabel(label).display(under_baseline)
+            if parts is None
+            else display_name(*parts, under_baseline)
+        )
 
     @classmethod
     def from_directory(cls, runs_dir: Path) -> tuple[ResultIndex, list[str]]:

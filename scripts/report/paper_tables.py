@@ -58,11 +58,6 @@ def method_blocks(
     return blocks
 
 
-def row_name(label: str) -> str:
-    """A label's row name in a block (``MethodLabel.display``: ``+ResKV`` under its baseline)."""
-    return MethodLabel.parse(label).display(under_baseline=True)
-
-
 def averages_table(index: ResultIndex, benchmark: str, bases: Sequence[str] = TABLE_BASES) -> Table | None:
     """tab:ruler_paper / tab:longbench_paper: averages over backbones x lengths x budgets."""
     groups = [
@@ -121,7 +116,10 @@ def averages_table(index: ResultIndex, benchmark: str, bases: Sequence[str] = TA
             for column in columns:
                 mark_better(list(column.values()) if len(block) == 2 else ())
             table.body += [
-                Row([SETTING_NAMES[setting], row_name(label)], [column[label] for column in columns])
+                Row(
+                    [SETTING_NAMES[setting], index.method_name(label, under_baseline=True)],
+                    [column[label] for column in columns],
+                )
                 for label in block
             ]
     coverage = [
@@ -153,7 +151,7 @@ def task_table(
         compared = index.compare(backbone, benchmark, length, setting, ratio, block)
         rows = [
             Row(
-                stub + [row_name(label)] if len(stub) > 1 else stub,
+                stub + [index.method_name(label, under_baseline=True)] if len(stub) > 1 else stub,
                 [compared[label][task] for task in tasks]
                 + [index.average(backbone, benchmark, length, compared[label])],
             )

@@ -29,11 +29,10 @@ import pandas as pd
 
 from baselines.registry import FULL_METHOD, RESIDUAL_BASES, RESIDUAL_SUFFIX, UNPAIRED_METHODS
 from reskv.config import ResidualConfig
-from scripts.harness.records import MethodLabel, field_column
+from scripts.harness.records import display_name, field_column
 from scripts.report.frames import RESIDUAL_HEADS
 from scripts.report.index import ResultIndex
 from scripts.report.names import SETTING_NAMES, backbone_name, benchmark_name, retained
-from scripts.report.paper_tables import row_name
 from scripts.report.render import CMIDRULE, MIDRULE, Cell, Row, Table
 from scripts.report.statistics import Member, interval_text, mean_of_means, sign_test_interval
 
@@ -139,7 +138,8 @@ def quality_table(index: ResultIndex, where: tuple) -> Table:
         for number, block in enumerate(_blocks(rows)):
             table.body.append(CMIDRULE if number else MIDRULE)
             for label, cells in _quality_cells(index, where, setting, ratio, block, rows):
-                table.body.append(Row([retained(ratio), SETTING_NAMES[setting], row_name(label)], cells))
+                name = index.method_name(label, under_baseline=True)
+                table.body.append(Row([retained(ratio), SETTING_NAMES[setting], name], cells))
     return table
 
 
@@ -240,7 +240,7 @@ def pairs_table(index: ResultIndex, where: tuple, pairs: pd.DataFrame) -> Table:
         cells += [Cell(difference.value), Cell(text=difference.interval_text())]
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
-        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], row_name(base)], cells))
+        table.body.append(Row([retained(ratio), SETTING_NAMES[setting], display_name(base, False)], cells))
     return table
 
 
@@ -276,7 +276,7 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
     )
     groups = [
         (
-            row_name(base),
+            display_name(base, False),
             SETTING_NAMES[setting],
             configs[(configs["base"] == base) & (configs["setting"] == setting)],
         )
@@ -358,8 +358,8 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
         ],
     )
     previous = None
-    groups = rows.groupby(["ratio", "setting", "label"], sort=False)
-    for (ratio, setting, label), group in sorted(
+    groups = rows.groupby(["ratio", "setting", "label", "base_method", "residual", "options"], sort=False)
+    for (ratio, setting, _, base, residual, options), group in sorted(
         groups, key=lambda item: (-item[0][0], item[0][1], item[0][2])
     ):
         counts = group["choice"].value_counts(normalize=True)
@@ -370,7 +370,7 @@ def proxy_table(where: tuple, heads: pd.DataFrame) -> Table | None:
         table.body.append(CMIDRULE if (ratio, setting) == previous else MIDRULE)
         previous = (ratio, setting)
         table.body.append(
-            Row([retained(ratio), SETTING_NAMES[setting], MethodLabel.parse(label).display()], cells)
+            Row([retained(ratio), SETTING_NAMES[setting], display_name(base, residual, options)], cells)
         )
     return table
 

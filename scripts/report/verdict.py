@@ -634,8 +634,8 @@ def claims_table(reproduction: Reproduction, backbone: str) -> Table | None:
         "Pairs: the claim's +ResKV pairs in these results (any length) / in the paper; a claim without "
         "a number in the text takes the paper's mean over all of its pairs, covered here or not.",
         *(
-            f"{judged.claim.name}: covers {', '.join(_pair_names(found.covered))} of the paper's "
-            f"{len(found.scoped)}."
+            f"{judged.claim.name}: covers {', '.join(_pair_names(found.covered, reproduction.index))} of the "
+            f"paper's {len(found.scoped)}."
             for judged, found in read
             if judged.claim.scope.table in (CAM_TABLE, ABLATION_TABLE)
             and len(found.covered) < len(found.scoped)
@@ -652,11 +652,11 @@ def claims_table(reproduction: Reproduction, backbone: str) -> Table | None:
     return table
 
 
-def _pair_names(pairs: list[PaperPair]) -> list[str]:
+def _pair_names(pairs: list[PaperPair], index: ResultIndex) -> list[str]:
     names = []
     for pair in pairs:
         task = TASK_NAMES.get(pair.reskv.task, pair.reskv.task)
-        names.append(f"{task} vs {MethodLabel.parse(pair.other.method).display()}")
+        names.append(f"{task} vs {index.method_name(pair.other.method)}")
     return names
 
 
@@ -706,7 +706,7 @@ def pairs_table(reproduction: Reproduction, backbone: str) -> Table | None:
             )
             if measured:
                 cells = _gain_cells(pair.gain, measured.gain.value, [measured.gain.member])
-                other = f"vs {MethodLabel.parse(pair.other.method).display()}"
+                other = f"vs {reproduction.index.method_name(pair.other.method)}"
                 rows.append(Row([*_stub(pair.reskv, length), other], cells))
     if not rows:
         return None
@@ -744,7 +744,7 @@ def cells_table(reproduction: Reproduction, backbone: str) -> Table | None:
                 Cell(text=found.samples_text),
                 Cell(text=WITHIN if low <= cell.value <= high else OUTSIDE),
             ]
-            rows.append(Row([*_stub(cell, length), MethodLabel.parse(cell.method).display()], cells))
+            rows.append(Row([*_stub(cell, length), reproduction.index.method_name(cell.method)], cells))
     if not rows:
         return None
     caption = f"The paper's numbers on {backbone_name(backbone)} against the reproduced ones."
