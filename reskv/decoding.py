@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
@@ -93,6 +94,16 @@ def compiled_step(model: torch.nn.Module, cache_argument: str):
 
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     return torch.compile(step, fullgraph=True, mode=mode)
+
+
+def release_compiled() -> None:
+    """Forget every compiled step: ``compiled_step``'s cache (which holds its model alive),
+    torch._dynamo's graphs and guards, and its counters (``counters["stats"]["unique_graphs"]``, the
+    graphs compiled since), which ``torch._dynamo.reset`` keeps. A job calls it when it ends, so that a
+    reused worker holds no previous model; whatever counts compiled graphs calls it first."""
+    compiled_step.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
 
 
 def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:

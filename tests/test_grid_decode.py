@@ -15,7 +15,7 @@ from baselines import build_method
 from reskv.batching import decode_batches, grid_decoding
 from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
-from reskv.decoding import compiled_next_logits, forward, greedy
+from reskv.decoding import compiled_next_logits, forward, greedy, release_compiled
 from reskv.engine import Prefill
 from reskv.grid import GridRow, compress, decode_grid, stacked_prompt
 from scripts.bench.dispatch_counts import count_dispatch
@@ -128,7 +128,7 @@ def test_the_compiled_batch_step_gives_the_eager_batch_logits(prefill):
     """The batch's decode step compiled as one graph (``torch.compile(fullgraph=True)``: no graph break,
     static shapes) gives the eager batch's logits to fp32 rounding, and one graph serves grids whose
     rows hold entries in other layers, other rules and another number of rows."""
-    torch._dynamo.reset()
+    release_compiled()
     methods = requests(DEFAULT_RULES)
     eager = stacked_logits(prefill, methods, eager_step(prefill))
 
