@@ -3,7 +3,7 @@ PYTHON_BOOT ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 # The CPU build this project is developed and tested with; on a GPU machine pass e.g.
-# TORCH_SPEC="torch==2.6.0" (any version pyproject.toml admits).
+# TORCH_SPEC="torch==2.11.0" (any version pyproject.toml admits: 2.11 to 2.13).
 TORCH_SPEC  ?= torch==2.13.0
 # kernels: Triton, for the fused kernels' tests under its interpreter; on a GPU machine whose CUDA
 # torch pins an older Triton, pass EXTRAS=dev,slurm (the kernel runs on that Triton).
