@@ -5,9 +5,10 @@
         ...
 
 Rows are ordered by the slots their caches will hold and cut into batches that pad little and whose
-stacked cache fits the device's memory (``reskv.batching.decode_batches``; at most ``max_rows``
-rows). Each batch's rows are compressed (sharing, within a setting, what does not depend on the
-ratio: ``Prefill.sharing_construction``), stacked straight from their compressed states, and the
+stacked cache fits the device's memory beside what the sample's construction holds
+(``reskv.batching.sample_batches``; at most ``max_rows`` rows); a batch that fails to allocate all
+the same is split and decoded again (``decoded_or_split``). Each batch's rows are compressed
+(sharing, within a setting, what does not depend on the ratio: ``Prefill.sharing_construction``), stacked straight from their compressed states, and the
 question is fed to its query-agnostic rows in one forward, which the query-aware rows pass through
 with their new slots masked; then one greedy decode steps every row, a row that stopped being fed on
 with its logits unread, so that the batch keeps its shape (one compiled graph whatever the rows).
@@ -18,25 +19,20 @@ attention does not compute), decode alone as ``Prefill.generate`` does, bit for 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from reskv.batching import decode_batches
+from reskv.batching import DeviceMemory, ModelShape, decode_batches, predicted_slots, sample_batches
 from reskv.cache import ObservedLayer, ResKVCache, StackedRow
 from reskv.compress import CompressedLayerState
-from reskv.config import budget_for
 from reskv.decoding import compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
 from reskv.method import Method
 from reskv.quality import FORCED_STEPS, TeacherForced
-
-# The share of a CUDA device's free memory a batch's compressed states and stacked cache may take
-# together; the rest is left to one step's activations (their attention logits, the logits over the
-# vocabulary) and to the allocator's slack.
-CUDA_MEMORY_SHARE = 0.8
 
 
 @dataclass
@@ -53,30 +49,25 @@ class GridRow:
     compressed: ResKVCache | None = None  # for the quality measures: its cache before the question
 
 
-def slot_bytes(prefill: Prefill) -> int:
-    """Bytes one slot of one row takes over every layer of a stacked cache: its keys and values in the
-    model's dtype, its fp32 bias and its entry mark."""
+def model_shape(prefill: Prefill) -> ModelShape:
+    """The sizes of ``prefill``'s model that the memory rule counts."""
     config, model = prefill.backbone.model.config, prefill.backbone.model
-    heads = config.num_key_value_heads
-    return config.num_hidden_layers * heads * (2 * prefill.backbone.head_dim * model.dtype.itemsize + 4 + 1)
+    return ModelShape(
+        layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads,
+        query_heads=config.num_attention_heads,
+        head_dim=prefill.backbone.head_dim,
+        dtype_bytes=model.dtype.itemsize,
+    )
 
 
-def memory_limit(device: torch.device) -> int | None:
-    """Bytes a batch's compressed states and stacked cache may take (``CUDA_MEMORY_SHARE`` of what is
-    free on a CUDA device); ``None`` (no limit) elsewhere, where ``max_rows`` bounds a batch."""
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """What a CUDA device's driver and caching allocator say of its memory now; ``None`` elsewhere
+    (no limit: ``max_rows`` bounds a batch)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * CUDA_MEMORY_SHARE)
-
-
-def predicted_slots(prefill: Prefill, method: Method, setting: str, spare: int) -> int:
-    """The slots a request's row will take before it is compressed: its prompt's budget (``b`` per head:
-    a ragged method's longest head may hold more, counted once compressed), the question when it is
-    fed after compression, and ``spare`` fed tokens."""
-    compressed = len(prefill.prompt_ids) if setting == "aware" else prefill.context_length
-    kept = compressed if method.scorer is None else min(compressed, budget_for(compressed, method.ratio))
-    return kept + len(prefill.prompt_ids) - prefill.context_length + spare
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
 
 
 def decode_grid(
@@ -97,15 +88,25 @@ def decode_grid(
     prefill.check_positions(max_new_tokens)
     quality = answer_ids is not None
     feeds = max(max_new_tokens, FORCED_STEPS, len(answer_ids or ())) if quality else max_new_tokens
+    prompt, context = len(prefill.prompt_ids), prefill.context_length
     rows = [
-        GridRow(index, method, setting, predicted_slots(prefill, method, setting, feeds))
+        GridRow(index, method, setting, predicted_slots(prompt, context, ratio_of(method), setting, feeds))
         for index, (method, setting) in enumerate(requests)
     ]
     alone = [row for row in rows if not row.method.decode_rule.shared_softmax]
     stacked = [row for row in rows if row.method.decode_rule.shared_softmax]
-    bytes_per_slot = slot_bytes(prefill)
-    limit = memory_limit(prefill.backbone.device)
-    planned = decode_batches([row.slots for row in stacked], bytes_per_slot, limit, max_rows)
+    shape, copies = model_shape(prefill), 2 if quality else 1
+    settings = len({row.setting for row in stacked if row.method.scorer is not None})  # compressed
+    planned, limit = sample_batches(
+        [row.slots for row in stacked],
+        shape,
+        device_memory(prefill.backbone.device),
+        prompt,
+        settings,
+        prefill.observation_window,
+        max_rows,
+        copies,
+    )
     options = dict(
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
@@ -124,9 +125,42 @@ def decode_grid(
             for row in batch:
                 compress(prefill, row, quality, feeds)
             # Split again by the slots the rows took (a ragged method's longest head is known now).
-            actual = decode_batches([row.slots for row in batch], bytes_per_slot, limit, max_rows)
+            actual = decode_batches([row.slots for row in batch], shape.slot_bytes, limit, max_rows, copies)
             for rows in actual:
-                yield from decode_batch(prefill, [batch[row] for row in rows], decode, feeds, **options)
+                yield from decoded_or_split(
+                    prefill, [batch[row] for row in rows], decode, quality, feeds, options
+                )
+
+
+def ratio_of(method: Method) -> float | None:
+    """The ratio a request's row is compressed at; ``None`` for the full cache (no scorer)."""
+    return None if method.scorer is None else method.ratio
+
+
+def decoded_or_split(
+    prefill: Prefill, rows: list[GridRow], decode: str, quality: bool, feeds: int, options: dict
+) -> list[tuple[int, Generation]]:
+    """The generations of ``rows`` (compressed) as one batch (``decode_batch``); a batch the device
+    cannot allocate is let go of, split in halves and each decoded again (its rows compressed again),
+    down to rows alone, so that no sample is lost to the memory plan's misses. A row's ``run``
+    section counts the splits (``out_of_memory_splits``)."""
+    try:
+        return list(decode_batch(prefill, rows, decode, feeds, **options))
+    except torch.OutOfMemoryError:
+        if len(rows) == 1:
+            raise
+    gc.collect()
+    if prefill.backbone.device.type == "cuda":
+        torch.cuda.empty_cache()
+    decoded = []
+    half = len(rows) // 2
+    for part in (rows[:half], rows[half:]):
+        for row in part:
+            compress(prefill, row, quality, feeds)
+        decoded += decoded_or_split(prefill, part, decode, quality, feeds, options)
+    for _, generation in decoded:
+        generation.run["out_of_memory_splits"] = generation.run.get("out_of_memory_splits", 0) + 1
+    return decoded
 
 
 def compress(prefill: Prefill, row: GridRow, quality: bool, feeds: int) -> None:

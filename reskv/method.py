@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache
 from reskv.compress import CompressedLayerState, SharedLayers, compress_layers
-from reskv.config import NO_RESIDUAL_RULE, DecodeRule, ResidualConfig
+from reskv.config import DEFAULT_OBSERVATION_WINDOW, NO_RESIDUAL_RULE, DecodeRule, ResidualConfig
 from reskv.scoring import LayerObservation, TokenScorer
 
 # Bound on the keys and values of the layers compressed together: ResKV's work on them is stacked
@@ -23,9 +23,6 @@ LAYER_BATCH_BYTES = 4 << 30
 # of the caches; 8 MiB holds one layer of the embedded model at 4K (results/README.md has the timings).
 # The bits are the same either way (tests/test_in_prefill.py).
 CPU_LAYER_BATCH_BYTES = 8 << 20
-# Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
-# the validation proxy (96 fit + 32 validation).
-DEFAULT_OBSERVATION_WINDOW = 128
 
 
 @dataclass(frozen=True)

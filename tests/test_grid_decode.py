@@ -12,7 +12,7 @@ import torch
 
 import reskv.grid
 from baselines import build_method
-from reskv.batching import decode_batches, grid_decoding
+from reskv.batching import DeviceMemory, decode_batches, grid_decoding
 from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
 from reskv.decoding import compiled_next_logits, forward, greedy, release_compiled
@@ -189,16 +189,50 @@ def test_batches_take_rows_in_ascending_slots_within_the_padding_the_memory_and_
 
 
 def test_a_grid_beyond_the_memory_limit_is_split_and_every_row_is_decoded(prefill, monkeypatch):
-    """A faked device memory that holds a stacked cache of about three rows: the grid is decoded in
-    batches within it, each row's tokens as alone."""
+    """A faked allocator whose free and reserved-but-unused bytes, less what the construction holds
+    (both settings' stacked fp32 keys, values and observed queries, one fp32 copy of the points, a
+    32nd of the device for the distances), leave 0.8 x that a stacked cache of about three rows: the
+    grid is decoded in batches within it, each row's tokens as alone."""
     methods = requests(DEFAULT_RULES)
-    slot_bytes = reskv.grid.slot_bytes(prefill)
-    monkeypatch.setattr(reskv.grid, "memory_limit", lambda device: 3 * 2 * 320 * slot_bytes)
+    config = prefill.backbone.model.config
+    layers, kv, heads = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads
+    head_dim, prompt = prefill.backbone.head_dim, len(prefill.prompt_ids)
+    slot_bytes = layers * kv * (2 * head_dim * 4 + 4 + 1)  # fp32 keys and values, fp32 bias, entry mark
+    total = 1 << 30
+    stacked = layers * (2 * kv * prompt + heads * prefill.observation_window) * head_dim * 4
+    construction = 2 * stacked + layers * kv * prompt * head_dim * 4 + total // 32
+    available = construction + int(3 * 2 * 320 * slot_bytes / 0.8)
+    reserved, allocated = 5 << 20, 3 << 20
+    faked = DeviceMemory(total, available - (reserved - allocated), reserved, allocated)
+    monkeypatch.setattr(reskv.grid, "device_memory", lambda device: faked)
     together = grid(prefill, methods, max_new_tokens=4)
     sizes = [generation.run["decode_batch"] for generation in together]
     assert max(sizes) < len(methods) and max(sizes) > 1
     alone = [prefill.generate(method, setting, max_new_tokens=4) for method, setting in methods]
     assert [generation.token_ids for generation in together] == [generation.token_ids for generation in alone]
+
+
+def test_a_batch_the_device_cannot_allocate_is_split_and_decoded_again(prefill, monkeypatch):
+    """A device that cannot stack more than two rows (a faked out-of-memory error): every row is still
+    decoded, in halves, each with the tokens of the same rows batched by ``max_rows=2``, and its run
+    section counts the splits."""
+    methods = [request for request in requests(DEFAULT_RULES) if request[0].scorer is not None][:4]
+    stacked_prompt = reskv.grid.stacked_prompt
+
+    def two_rows_at_most(prefill, rows, feeds):
+        stacked = stacked_prompt(prefill, rows, feeds)  # the rows have let go of their compressed layers
+        if len(rows) > 2:
+            raise torch.OutOfMemoryError("faked: CUDA out of memory")
+        return stacked
+
+    expected = grid(prefill, methods, max_new_tokens=4, max_rows=2)
+    monkeypatch.setattr(reskv.grid, "stacked_prompt", two_rows_at_most)
+    together = grid(prefill, methods, max_new_tokens=4)
+    assert [generation.token_ids for generation in together] == [
+        generation.token_ids for generation in expected
+    ]
+    assert [generation.run["decode_batch"] for generation in together] == [2, 2, 2, 2]
+    assert [generation.run.get("out_of_memory_splits") for generation in together] == [1, 1, 1, 1]
 
 
 BATCHED_QUALITY = ("answer_log_prob", "answer_log_prob_gap", "kl")  # teacher-forced as one batch
