@@ -8,10 +8,11 @@ Rows are ordered by the slots their caches will hold and cut into batches that p
 stacked cache fits the device's memory beside what the sample's construction holds
 (``reskv.batching.sample_batches``; at most ``max_rows`` rows); a batch that fails to allocate all
 the same is split and decoded again (``decoded_or_split``). Each batch's rows are compressed
-(sharing, within a setting, what does not depend on the ratio: ``Prefill.sharing_construction``), stacked straight from their compressed states, and the
-question is fed to its query-agnostic rows in one forward, which the query-aware rows pass through
-with their new slots masked; then one greedy decode steps every row, a row that stopped being fed on
-with its logits unread, so that the batch keeps its shape (one compiled graph whatever the rows).
+(sharing, within a setting, what does not depend on the ratio: ``Prefill.sharing_construction``),
+stacked straight from their compressed states, and the question is fed to its query-agnostic rows
+in one forward, which the query-aware rows pass through with their new slots masked; then one
+greedy decode steps every row, a row that stopped being fed on with its logits unread, so that the
+batch keeps its shape (one compiled graph whatever the rows).
 A row's tokens equal its decode alone but at near ties: a batch pads its rows and sums their
 attention in another order. A batch of one, and a row without the shared softmax (which the stacked
 attention does not compute), decode alone as ``Prefill.generate`` does, bit for bit.
