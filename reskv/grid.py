@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from reskv.batching import DeviceMemory, ModelShape, decode_batches, predicted_slots, sample_batches
-from reskv.cache import ObservedLayer, ResKVCache, StackedRow
+from reskv.cache import ObservedLayer, ResKVCache, StackedLayer, StackedRow
 from reskv.compress import CompressedLayerState
-from reskv.decoding import compiled_next_logits, forward, greedy
+from reskv.decoding import RECOMPILE_LIMIT_HIT, bucketed, compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
 from reskv.method import Method
 from reskv.quality import FORCED_STEPS, TeacherForced
@@ -83,7 +83,9 @@ def decode_grid(
 ) -> Iterator[tuple[int, Generation]]:
     """``(index into requests, generation)`` of every request, batch by batch (module docstring).
     ``decode`` is the step of a batch (``"eager"`` or ``"compiled"``); a request without the shared
-    softmax decodes alone and eagerly whatever ``decode`` is (its run section says so). In a batch,
+    softmax decodes alone and eagerly whatever ``decode`` is (its run section says so). Compiled,
+    a batch of one is a stacked cache of one row too, so that the rows' rules reach the compiled
+    step as tensors: a grid compiles at most ``reskv.decoding.COMPILED_GRAPH_BOUND`` graphs. In a batch,
     ``decode_s`` is the batch's time shared equally by its rows (their sum is the time spent), likewise
     ``question_s`` among its query-agnostic rows and the teacher-forced part of ``quality_s``."""
     prefill.check_positions(max_new_tokens)
@@ -116,10 +118,9 @@ def decode_grid(
     )
     with prefill.sharing_construction():
         for batch in [[stacked[row] for row in rows] for rows in planned] + [[row] for row in alone]:
-            if len(batch) == 1:
+            if len(batch) == 1 and not (decode == "compiled" and batch[0].method.decode_rule.shared_softmax):
                 (row,) = batch
-                mode = decode if row.method.decode_rule.shared_softmax else "eager"
-                generation = prefill.generate(row.method, row.setting, decode=mode, **options)
+                generation = prefill.generate(row.method, row.setting, decode="eager", **options)
                 generation.run["decode_batch"] = 1
                 yield row.index, generation
                 continue
@@ -144,9 +145,17 @@ def decoded_or_split(
     """The generations of ``rows`` (compressed) as one batch (``decode_batch``); a batch the device
     cannot allocate is let go of, split in halves and each decoded again (its rows compressed again),
     down to rows alone, so that no sample is lost to the memory plan's misses. A row's ``run``
-    section counts the splits (``out_of_memory_splits``)."""
+    section counts the splits (``out_of_memory_splits``). A compiled batch past torch._dynamo's
+    recompile limit is decoded again eagerly, its ``run`` section saying so (``compile_fallback``)."""
     try:
         return list(decode_batch(prefill, rows, decode, feeds, **options))
+    except RECOMPILE_LIMIT_HIT as error:
+        for row in rows:
+            compress(prefill, row, quality, feeds)
+        decoded = list(decode_batch(prefill, rows, "eager", feeds, **options))
+        for _, generation in decoded:
+            generation.run["compile_fallback"] = type(error).__name__
+        return decoded
     except torch.OutOfMemoryError:
         if len(rows) == 1:
             raise
@@ -178,21 +187,32 @@ def compress(prefill: Prefill, row: GridRow, quality: bool, feeds: int) -> None:
         row.compressed, _ = row.method.assemble(row.layers, row.stats["compressed_tokens"])
 
 
-def stacked_prompt(prefill: Prefill, rows: list[GridRow], feeds: int) -> tuple[ResKVCache, torch.Tensor]:
+def stacked_prompt(
+    prefill: Prefill, rows: list[GridRow], feeds: int, decode: str = "eager"
+) -> tuple[ResKVCache, torch.Tensor]:
     """``rows`` (compressed) as one stacked cache after the whole prompt, with room for ``feeds`` more
-    tokens, and each row's next-token logits there ``[B, V]``: a query-aware row's are the prefill's,
-    the query-agnostic rows are fed the question in one forward (the query-aware rows pass through
-    it, their new slots masked), timed as their ``question_s``. The cache is marked there
-    (``ResKVCache.mark``), and the rows let go of their compressed layers."""
+    tokens (for the compiled step, every layer's capacity the same multiple of ``CAPACITY_BUCKET``:
+    ``reskv.decoding.bucketed``), and each row's next-token logits there ``[B, V]``: a query-aware
+    row's are the prefill's, the query-agnostic rows are fed the question in one forward (the
+    query-aware rows pass through it, their new slots masked), timed as their ``question_s``. The
+    cache is marked there (``ResKVCache.mark``), and the rows let go of their compressed layers."""
     backbone, device = prefill.backbone, prefill.backbone.device
     question = prefill.prompt_ids[prefill.context_length :]
     agnostic = [row.setting == "agnostic" for row in rows]
     fed = question if any(agnostic) else []
-    cache = ResKVCache.stacked(
-        [[StackedRow.of(layer, row.method.decode_rule) for layer in row.layers] for row in rows],
-        len(prefill.prompt_ids) - len(fed),
-        len(fed) + feeds,
-    )
+    stacked_rows = [[StackedRow.of(layer, row.method.decode_rule) for layer in row.layers] for row in rows]
+    seq_len, spare = len(prefill.prompt_ids) - len(fed), len(fed) + feeds
+    if decode == "compiled":
+        by_layer = list(zip(*stacked_rows, strict=True))
+        capacity = bucketed(max(row.slots for layer_rows in by_layer for row in layer_rows) + spare)
+        cache = ResKVCache(
+            [
+                StackedLayer(layer_rows, seq_len, capacity - max(row.slots for row in layer_rows))
+                for layer_rows in by_layer
+            ]
+        )
+    else:
+        cache = ResKVCache.stacked(stacked_rows, seq_len, spare)
     for row in rows:
         row.layers = None
     logits = torch.stack([prefill.prefilled("aware").last_logits] * len(rows))
@@ -223,7 +243,7 @@ def decode_batch(
 ) -> Iterator[tuple[int, Generation]]:
     """The generations of ``rows`` (compressed) decoded as one stacked cache (``stacked_prompt``)."""
     backbone, device = prefill.backbone, prefill.backbone.device
-    cache, logits = stacked_prompt(prefill, rows, feeds)
+    cache, logits = stacked_prompt(prefill, rows, feeds, decode)
 
     def step(token_ids: list[int]) -> torch.Tensor:
         if decode == "compiled":

@@ -10,12 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
+import reskv.engine
 import reskv.grid
 from baselines import build_method
 from reskv.batching import DeviceMemory, decode_batches, grid_decoding
 from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
-from reskv.decoding import compiled_next_logits, forward, greedy, release_compiled
+from reskv.decoding import (
+    COMPILED_GRAPH_BOUND,
+    RECOMPILE_LIMIT_HIT,
+    compiled_next_logits,
+    forward,
+    greedy,
+    release_compiled,
+)
 from reskv.engine import Prefill
 from reskv.grid import GridRow, compress, decode_grid, stacked_prompt
 from scripts.bench.dispatch_counts import count_dispatch
@@ -84,13 +92,15 @@ def alone_logits(prefill: Prefill, method, setting: str) -> torch.Tensor:
     return torch.stack([logits] + [prefill.next_logits([token], cache) for token in FORCED[:-1]])
 
 
-def prompted_batch(prefill: Prefill, methods, feeds: int) -> tuple[ResKVCache, torch.Tensor]:
+def prompted_batch(
+    prefill: Prefill, methods, feeds: int, decode: str = "eager"
+) -> tuple[ResKVCache, torch.Tensor]:
     """``methods`` compressed and stacked as ``decode_grid`` stacks a batch, after the whole prompt."""
     rows = [GridRow(index, method, setting, 0) for index, (method, setting) in enumerate(methods)]
     with prefill.sharing_construction():
         for row in rows:
             compress(prefill, row, quality=False, feeds=feeds)
-        return stacked_prompt(prefill, rows, feeds)
+        return stacked_prompt(prefill, rows, feeds, decode)
 
 
 def stacked_logits(prefill: Prefill, methods, step) -> torch.Tensor:
@@ -219,8 +229,8 @@ def test_a_batch_the_device_cannot_allocate_is_split_and_decoded_again(prefill, 
     methods = [request for request in requests(DEFAULT_RULES) if request[0].scorer is not None][:4]
     stacked_prompt = reskv.grid.stacked_prompt
 
-    def two_rows_at_most(prefill, rows, feeds):
-        stacked = stacked_prompt(prefill, rows, feeds)  # the rows have let go of their compressed layers
+    def two_rows_at_most(prefill, rows, *options):
+        stacked = stacked_prompt(prefill, rows, *options)  # the rows have let go of their compressed layers
         if len(rows) > 2:
             raise torch.OutOfMemoryError("faked: CUDA out of memory")
         return stacked
@@ -348,3 +358,52 @@ def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_re
             assert batched["quality"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert sorted(sample["run"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
     assert {sample["run"]["decode_batch"] for sample in records[1]} == {1}
+
+
+def past_the_recompile_limit(*args, **kwargs):
+    raise RECOMPILE_LIMIT_HIT("faked: recompile limit (8) hit with fullgraph=True")
+
+
+def test_a_compiled_batch_past_the_recompile_limit_decodes_eagerly_and_says_so(prefill, monkeypatch):
+    """Every compiled step fails at the recompile limit (faked): each batch and each row alone is
+    decoded eagerly instead, with the eager grid's tokens, and its run section names the fallback."""
+    methods = requests(DEFAULT_RULES)
+    eager = grid(prefill, methods, max_new_tokens=4, max_rows=4)
+    monkeypatch.setattr(reskv.grid, "compiled_next_logits", past_the_recompile_limit)
+    monkeypatch.setattr(reskv.engine, "compiled_next_logits", past_the_recompile_limit)
+    compiled = grid(prefill, methods, max_new_tokens=4, max_rows=4, decode="compiled")
+    assert [generation.token_ids for generation in compiled] == [generation.token_ids for generation in eager]
+    assert {generation.run["compile_fallback"] for generation in compiled} == {"FailOnRecompileLimitHit"}
+    assert {generation.run["decode"] for generation in compiled} == {"eager"}
+    assert [g.run["decode_batch"] for g in compiled] == [g.run["decode_batch"] for g in eager]
+
+
+@pytest.mark.slow
+def test_a_compiled_grid_compiles_at_most_the_graph_bound_whatever_its_rows_and_prompts():
+    """Two samples of other lengths, every kind of row and gate rule (a second ``tau`` and ``alpha``
+    among them), decoded in one batch, in batches of at most 3 and each alone: the compiled step
+    compiles at most ``COMPILED_GRAPH_BOUND`` graphs, below torch._dynamo's recompile limit, and no
+    row falls back to eager decoding."""
+    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
+    release_compiled()
+    for length, seed in ((300, 3), (410, 5)):
+        prefill = Prefill(backbone, random_prompt(TOKENS, length, seed=seed), length - 30)
+        for max_rows in (None, 3, 1):
+            generations = grid(prefill, requests(), max_new_tokens=3, max_rows=max_rows, decode="compiled")
+            assert not any("compile_fallback" in generation.run for generation in generations)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= COMPILED_GRAPH_BOUND
+    assert COMPILED_GRAPH_BOUND < torch._dynamo.config.recompile_limit
+
+
+def test_a_compiled_batch_gives_every_layer_one_capacity_a_multiple_of_the_bucket(prefill):
+    """Rows whose layers hold different slots (ragged AdaKV, residual entries in some layers): for the
+    compiled step every layer's buffers take one capacity, the smallest multiple of 64 that holds the
+    longest layer and the fed tokens; eagerly each layer holds its own longest row and the fed tokens."""
+    methods = [request for request in requests(DEFAULT_RULES) if request[0].scorer is not None]
+    eager, _ = prompted_batch(prefill, methods, len(FORCED))
+    filled = [layer.filled for layer in eager.layers]
+    assert len(set(filled)) > 1
+    assert [layer.capacity for layer in eager.layers] == [slots + len(FORCED) for slots in filled]
+    compiled, _ = prompted_batch(prefill, methods, len(FORCED), "compiled")
+    capacity = -(-(max(filled) + len(FORCED)) // 64) * 64
+    assert [layer.capacity for layer in compiled.layers] == [capacity] * len(filled)
