@@ -100,6 +100,7 @@ def usage() -> str:
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
             "threads=N (torch CPU threads)   results_dir=DIR   decode=auto|eager|compiled",
             "decode_batch=N|auto (configurations of a sample decoded together; 1: each alone)",
+            "jobs_per_gpu=N (a sweep's jobs sharing one GPU of a node; 1: a GPU each, held by a lock)",
             "dry_run=true|calibrate (print the grid, its result files and device hours; calibrate: "
             "measure this device first)   calibration=DEVICE-KIND|FILE.json",
             *(
@@ -232,21 +233,32 @@ def run(plan: Plan, threads: int | None, job_number: int | None = None) -> None:
     """Load the backbone and the items, run the grid with a progress bar, print the scores.
 
     Launcher job ``job_number`` (None outside a sweep) runs on a GPU of its own where several are
-    visible (``scripts.harness.devices``)."""
+    visible, held by a lock until it ends (``scripts.harness.devices``); it lets go of its model and
+    compiled graphs then, so that a worker the launcher reuses starts bare."""
     import torch
+
+    from scripts.harness.devices import job_device, release_job, use_device
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with job_device(plan.device, job_number is not None, plan.jobs_per_gpu) as device:
+        use_device(device)
+        try:
+            run_grid(plan, device)
+        finally:
+            release_job(device)
+
+
+def run_grid(plan: Plan, device: str) -> None:
+    """``run``'s work on ``device``."""
     from rich.console import Console
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from reskv.backbones import load_backbone
-    from scripts.harness.devices import job_device, use_device
     from scripts.harness.grid import GridRun, load_task_items
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
-    device = job_device(plan.device, job_number)
-    use_device(device)
     backbone = load_backbone(plan.backbone, plan.dtype, device)
     items = load_task_items(plan, backbone.tokenizer)
     grid = GridRun(plan, backbone, items)
@@ -287,13 +299,16 @@ def dry_run(
         import torch
 
         from scripts.harness.calibrate import calibrate
-        from scripts.harness.devices import job_device, use_device
+        from scripts.harness.devices import job_device, release_job, use_device
 
         if threads is not None:
             torch.set_num_threads(threads)
-        device = job_device(plan.device, job_number)
-        use_device(device)
-        calibrate(plan, device, path)
+        with job_device(plan.device, job_number is not None, plan.jobs_per_gpu) as device:
+            use_device(device)
+            try:
+                calibrate(plan, device, path)
+            finally:
+                release_job(device)
     rates, problem = None, ""
     if path.exists():
         try:

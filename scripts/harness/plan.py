@@ -166,6 +166,7 @@ class Plan:
     decode_batch: int | str = 1  # most configurations of a sample decoded together (reskv.grid), or "auto"
     grid: tuple[GridEntry, ...] = field(default=())
     quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)
+    jobs_per_gpu: int = 1  # a sweep's jobs that may share one GPU (scripts.harness.devices)
 
     @property
     def runs_dir(self) -> Path:
@@ -332,6 +333,9 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
             f"decode_batch {decode_batch} batches the configurations of one shared prefill; "
             "use decode_batch=1 with share_prefill=false"
         )
+    jobs_per_gpu = config.get("jobs_per_gpu", 1)
+    if isinstance(jobs_per_gpu, bool) or not isinstance(jobs_per_gpu, int) or jobs_per_gpu < 1:
+        raise PlanError(f"jobs_per_gpu {jobs_per_gpu!r} must be a positive integer (1: a GPU for each job)")
     quality = backbone.get("quality", False)
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
@@ -366,6 +370,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         decode_batch=decode_batch,
         grid=build_grid(methods, ratios, settings, residual, options),
         quality=quality,
+        jobs_per_gpu=jobs_per_gpu,
     )
 
 
