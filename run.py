@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 import benchmarks
 from baselines.registry import METHODS, OPTIONS, RESKV_OPTIONS
 from reskv.config import SETTINGS
-from scripts.harness.estimate import check_dry_run
+from scripts.harness.dry_run import check_dry_run
 from scripts.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 from scripts.harness.records import MethodLabel, option_text
 
@@ -288,18 +288,19 @@ def dry_run(
     plan: Plan, mode: bool | str, calibration: str | None, threads: int | None, job_number: int | None
 ) -> None:
     """Print the plan, what the result store holds of it and its device hours without loading the
-    model (``scripts.harness.estimate``); ``mode="calibrate"`` first measures this device's rates
-    (``scripts.harness.calibrate``) into the calibration file the estimate then reads."""
+    model (``scripts.harness.dry_run``); ``mode="calibrate"`` first measures this device's rates
+    (``scripts.harness.dry_run.calibrate``) into the calibration file the estimate then reads."""
     from rich.console import Console
 
-    from scripts.harness import estimate
+    from scripts.harness.dry_run.rates import CALIBRATION_DIR, EstimateError, calibration_path, read_rates
+    from scripts.harness.dry_run.report import report
 
-    path = estimate.calibration_path(calibration, plan.device)
+    path = calibration_path(calibration, plan.device)
     if mode == "calibrate":
         import torch
 
-        from scripts.harness.calibrate import calibrate
         from scripts.harness.devices import job_device, release_job, use_device
+        from scripts.harness.dry_run.calibrate import calibrate
 
         if threads is not None:
             torch.set_num_threads(threads)
@@ -312,17 +313,17 @@ def dry_run(
     rates, problem = None, ""
     if path.exists():
         try:
-            rates = estimate.read_rates(path, plan.backbone)
-        except estimate.EstimateError as error:
+            rates = read_rates(path, plan.backbone)
+        except EstimateError as error:
             problem = str(error)
     else:
-        committed = sorted(found.stem for found in estimate.CALIBRATION_DIR.glob("*.json"))
+        committed = sorted(found.stem for found in CALIBRATION_DIR.glob("*.json"))
         problem = (
             f"no calibration file {path}; measure this device with dry_run=calibrate, or name one with "
             f"calibration=KIND (committed: {', '.join(committed)})"
         )
     # Wide enough for its tables when piped (rich takes 80 columns then).
-    Console(width=None if sys.stdout.isatty() else 140).print(estimate.report(plan, rates, problem))
+    Console(width=None if sys.stdout.isatty() else 140).print(report(plan, rates, problem))
 
 
 def hydra_job_number() -> int | None:

@@ -32,12 +32,12 @@ PADDING = 2
 
 def grid_decoding(decode: str, decode_batch: int | str, device_type: str) -> tuple[str, int | None]:
     """The decode mode and the most rows a batch holds (``None``: as many as ``decode_batches``
-    allows) that ``decode`` (``DECODE_CHOICES``) and ``decode_batch`` (a positive integer or
-    ``"auto"``) ask for on a device of ``device_type`` ("cuda", "cpu", ...). ``"auto"``: on CUDA the
-    compiled step (CUDA graphs, no host cost per op) and every configuration of a sample in as few
-    batches as the padding and the memory allow (one forward a step, the weights read once for all);
-    elsewhere eager decoding, each configuration alone (bit for bit what the committed results
-    decoded)."""
+    allows) that ``decode`` (``DECODE_CHOICES``) and ``decode_batch`` (``check_decode_batch``'s: a
+    positive integer or ``"auto"``) ask for on a device of ``device_type`` ("cuda", "cpu", ...).
+    ``"auto"``: on CUDA the compiled step (CUDA graphs, no host cost per op) and every configuration
+    of a sample in as few batches as the padding and the memory allow (one forward a step, the
+    weights read once for all); elsewhere eager decoding, each configuration alone (bit for bit what
+    the committed results decoded)."""
     if decode not in DECODE_CHOICES:
         raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_CHOICES)}")
     cuda = device_type == "cuda"
@@ -45,9 +45,22 @@ def grid_decoding(decode: str, decode_batch: int | str, device_type: str) -> tup
         decode = "compiled" if cuda else "eager"
     if decode_batch == AUTO:
         return decode, None if cuda else 1
-    if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
-        raise ValueError(f"decode_batch {decode_batch!r} must be a positive integer or {AUTO!r}")
     return decode, decode_batch
+
+
+def check_decode_batch(decode_batch: object) -> int | str:
+    """``decode_batch`` if it is a positive integer or ``"auto"``; else a ``ValueError`` naming both
+    (the plan asks it of a run's configuration, a script of its argument; ``grid_decoding`` takes the
+    value as checked)."""
+    if decode_batch != AUTO and (
+        isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1
+    ):
+        raise ValueError(
+            f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone) or "
+            f"{AUTO!r} (on CUDA every configuration of a sample in as few batches as the memory allows, "
+            "elsewhere 1)"
+        )
+    return decode_batch
 
 
 @dataclass(frozen=True)
@@ -172,7 +185,7 @@ def decode_batches(
 
 def sample_batches(
     slots: Sequence[int],
-    shape: ModelShape,
+    shape: ModelShape | None,
     memory: DeviceMemory | None,
     prompt_tokens: int,
     settings: int,
@@ -182,6 +195,9 @@ def sample_batches(
 ) -> tuple[list[list[int]], int | None]:
     """A sample's rows of ``slots`` (``predicted_slots``) cut into batches (``decode_batches``) within
     the memory a device gives them (``sample_memory_limit``), and that limit: the grid decodes by them
-    (``reskv.grid.decode_grid``), the dry run counts them."""
+    (``reskv.grid.decode_grid``), the dry run counts them. Without a ``memory`` or a ``shape`` (a dry
+    run's calibration that gives neither), no limit."""
+    if memory is None or shape is None:
+        return decode_batches(slots, 0, None, max_rows, state_copies), None
     limit = sample_memory_limit(shape, memory, prompt_tokens, settings, observed_queries)
     return decode_batches(slots, shape.slot_bytes, limit, max_rows, state_copies), limit

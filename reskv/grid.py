@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reskv.backbones import Backbone
 from reskv.batching import DeviceMemory, ModelShape, decode_batches, predicted_slots, sample_batches
 from reskv.cache import ObservedLayer, ResKVCache, StackedLayer, StackedRow
 from reskv.compress import CompressedLayerState
@@ -50,14 +51,14 @@ class GridRow:
     compressed: ResKVCache | None = None  # for the quality measures: its cache before the question
 
 
-def model_shape(prefill: Prefill) -> ModelShape:
-    """The sizes of ``prefill``'s model that the memory rule counts."""
-    config, model = prefill.backbone.model.config, prefill.backbone.model
+def model_shape(backbone: Backbone) -> ModelShape:
+    """The sizes of ``backbone``'s model that the memory rule counts."""
+    config, model = backbone.model.config, backbone.model
     return ModelShape(
         layers=config.num_hidden_layers,
         kv_heads=config.num_key_value_heads,
         query_heads=config.num_attention_heads,
-        head_dim=prefill.backbone.head_dim,
+        head_dim=backbone.head_dim,
         dtype_bytes=model.dtype.itemsize,
     )
 
@@ -98,7 +99,7 @@ def decode_grid(
     ]
     alone = [row for row in rows if not row.method.decode_rule.shared_softmax]
     stacked = [row for row in rows if row.method.decode_rule.shared_softmax]
-    shape, copies = model_shape(prefill), 2 if quality else 1
+    shape, copies = model_shape(prefill.backbone), 2 if quality else 1
     settings = len({row.setting for row in stacked if row.method.scorer is not None})  # compressed
     planned, limit = sample_batches(
         [row.slots for row in stacked],
@@ -121,7 +122,7 @@ def decode_grid(
             if len(batch) == 1 and not (decode == "compiled" and batch[0].method.decode_rule.shared_softmax):
                 (row,) = batch
                 generation = prefill.generate(row.method, row.setting, decode="eager", **options)
-                generation.run["decode_batch"] = 1
+                generation.run["batch_rows"] = 1
                 yield row.index, generation
                 continue
             for row in batch:
@@ -269,5 +270,5 @@ def decode_batch(
                 row.setting, row.compressed, None, row_logits, answer_ids, forced
             )
             row.timings["quality_s"] = time.perf_counter() - start + quality_s
-        run = {"decode": decode, "decode_batch": len(rows)}
+        run = {"decode": decode, "batch_rows": len(rows)}
         yield row.index, Generation(answer, text, row.stats, row.timings, measures, run)

@@ -64,7 +64,9 @@ class Run(TypedDict, total=False):
     """``run``: how one sample's generation was run."""
 
     decode: Annotated[str, NAME]  # the decode step that ran: "eager" or "compiled" (``DECODE_MODES``)
-    decode_batch: Annotated[int, COUNT]  # rows decoded together (``reskv.grid.decode_grid``)
+    batch_rows: Annotated[int, COUNT]  # rows decoded together in its batch (``reskv.grid.decode_grid``)
+    out_of_memory_splits: Annotated[int, COUNT]  # its batch split for want of memory (``reskv.grid``)
+    compile_fallback: Annotated[str, NAME]  # why its compiled batch decoded eagerly instead
     prefill_shared_by: Annotated[int, COUNT]  # configurations that shared the sample's prefills
 
 

@@ -19,8 +19,9 @@ import reskv.backbones
 import run
 from reskv.decoding import compiled_step
 from scripts.harness import devices
-from scripts.harness.devices import cpu_model, job_device
+from scripts.harness.devices import job_device
 from scripts.harness.plan import PlanError, compose_plan
+from scripts.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

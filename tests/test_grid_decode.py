@@ -13,7 +13,7 @@ import torch
 import reskv.engine
 import reskv.grid
 from baselines import build_method
-from reskv.batching import DeviceMemory, decode_batches, grid_decoding
+from reskv.batching import DeviceMemory, check_decode_batch, decode_batches, grid_decoding
 from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
 from reskv.decoding import (
@@ -216,7 +216,7 @@ def test_a_grid_beyond_the_memory_limit_is_split_and_every_row_is_decoded(prefil
     faked = DeviceMemory(total, available - (reserved - allocated), reserved, allocated)
     monkeypatch.setattr(reskv.grid, "device_memory", lambda device: faked)
     together = grid(prefill, methods, max_new_tokens=4)
-    sizes = [generation.run["decode_batch"] for generation in together]
+    sizes = [generation.run["batch_rows"] for generation in together]
     assert max(sizes) < len(methods) and max(sizes) > 1
     alone = [prefill.generate(method, setting, max_new_tokens=4) for method, setting in methods]
     assert [generation.token_ids for generation in together] == [generation.token_ids for generation in alone]
@@ -241,7 +241,7 @@ def test_a_batch_the_device_cannot_allocate_is_split_and_decoded_again(prefill, 
     assert [generation.token_ids for generation in together] == [
         generation.token_ids for generation in expected
     ]
-    assert [generation.run["decode_batch"] for generation in together] == [2, 2, 2, 2]
+    assert [generation.run["batch_rows"] for generation in together] == [2, 2, 2, 2]
     assert [generation.run.get("out_of_memory_splits") for generation in together] == [1, 1, 1, 1]
 
 
@@ -268,7 +268,7 @@ def test_a_batch_of_one_is_generate_bit_for_bit_and_a_batch_its_quality_to_round
             assert {key: batched.quality[key] for key in exact} == exact
             for key in BATCHED_QUALITY:
                 assert batched.quality[key] == pytest.approx(one.quality[key], rel=1e-5, abs=1e-6), key
-        batches = [generation.run["decode_batch"] for generation in together]
+        batches = [generation.run["batch_rows"] for generation in together]
         if max_rows == 1:
             assert batches == [1] * len(methods)
         else:  # the full cache's rows apart (they would pad the others more than twice)
@@ -279,7 +279,7 @@ def test_a_row_without_the_shared_softmax_decodes_alone_and_eagerly(prefill):
     ablation = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(shared_softmax=False))
     methods = [(ablation, "aware"), *requests(REQUESTS[:3])]
     together = grid(prefill, methods, max_new_tokens=4, max_rows=8)
-    assert [generation.run["decode_batch"] for generation in together] == [1, 3, 3, 3]
+    assert [generation.run["batch_rows"] for generation in together] == [1, 3, 3, 3]
     assert together[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
     compiled = grid(prefill, methods, max_new_tokens=4, decode="compiled")
     assert [generation.run["decode"] for generation in compiled] == [
@@ -321,8 +321,10 @@ def test_auto_decodes_a_gpu_s_grid_compiled_in_one_batch_and_a_cpu_s_as_before(
 
 
 def test_a_bad_decode_choice_is_refused_naming_the_values():
-    with pytest.raises(ValueError, match=r"decode_batch 0 must be a positive integer or 'auto'"):
-        grid_decoding("eager", 0, "cpu")
+    with pytest.raises(
+        ValueError, match=r"decode_batch 0 must be a positive integer \(1: each configuration"
+    ):
+        check_decode_batch(0)
     with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; choose one of \['auto', 'eager'"):
         grid_decoding("fast", 1, "cpu")
 
@@ -356,8 +358,8 @@ def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_re
             assert batched[key] == alone[key], key
         for key, value in alone["quality"].items():  # the teacher-forced ones to fp32 rounding
             assert batched["quality"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    assert sorted(sample["run"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
-    assert {sample["run"]["decode_batch"] for sample in records[1]} == {1}
+    assert sorted(sample["run"]["batch_rows"] for sample in records[4]) == [1] + [4] * 12
+    assert {sample["run"]["batch_rows"] for sample in records[1]} == {1}
 
 
 def past_the_recompile_limit(*args, **kwargs):
@@ -375,7 +377,7 @@ def test_a_compiled_batch_past_the_recompile_limit_decodes_eagerly_and_says_so(p
     assert [generation.token_ids for generation in compiled] == [generation.token_ids for generation in eager]
     assert {generation.run["compile_fallback"] for generation in compiled} == {"FailOnRecompileLimitHit"}
     assert {generation.run["decode"] for generation in compiled} == {"eager"}
-    assert [g.run["decode_batch"] for g in compiled] == [g.run["decode_batch"] for g in eager]
+    assert [g.run["batch_rows"] for g in compiled] == [g.run["batch_rows"] for g in eager]
 
 
 @pytest.mark.slow

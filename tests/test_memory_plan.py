@@ -13,6 +13,7 @@ from reskv.batching import (
     sample_batches,
     sample_memory_limit,
 )
+from scripts.harness.dry_run import cost, rates, workload
 from scripts.harness.plan import compose_plan
 
 GIB = 1 << 30
@@ -67,34 +68,38 @@ def test_the_quality_copy_of_each_row_counts_against_the_limit():
     assert decode_batches([10, 10, 10], 1, 60, None, state_copies=2) == [[0, 1], [2]]
 
 
-# nvidia-smi's memory.total of an H100 80GB HBM3 (81,559 MiB); the weights of the 8B shape in bf16
-# (results/gpu/README.md, 14.96 GiB) and the prefilled caches of a 32K sample: the context's and the
-# whole prompt's (each 4 GiB there: the full cache's "KV cache GiB" at 32,768).
-H100_BYTES = 81559 << 20
-WEIGHTS = int(14.96 * GIB)
+def test_the_paper_grid_at_32k_on_an_h100_plans_the_same_batches_in_the_dry_run_and_the_grid(tmp_path):
+    """configs/grid/paper_ruler.yaml's 73 configurations at 32K, the 8B shape, the committed H100
+    calibration (81,559 MiB, 14.96 GiB of bf16 weights): the dry run's batches are the grid's rule on
+    the rows the grid predicts (``predicted_slots``, the answer's steps fed), an allocator holding the
+    weights and both prefilled caches; every batch's stacked cache and states, beside the held
+    tensors and the construction, stay under 90% of the card, in a few batches (not one per row)."""
+    plan = compose_plan(
+        [
+            "grid=paper_ruler",
+            "backbone=llama3.1-8b-instruct",
+            "benchmark.length=32768",
+            "decode_batch=auto",
+            f"results_dir={tmp_path}",
+        ]
+    )
+    assert len(plan.grid) == 73
+    h100 = rates.read_rates(rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json", plan.backbone)
+    load = workload.task_workload(plan, "niah_single_1")  # 128 answer tokens: 32,640 prompt tokens
+    planned = cost.decode_batches(plan, plan.grid, load, h100)
+    assert sorted(plan.grid.index(entry) for batch in planned for entry in batch) == list(range(73))
 
-
-def paper_grid(tmp_path) -> list:
-    """The configurations of configs/grid/paper_ruler.yaml, as the runner plans them."""
-    overrides = ["grid=paper_ruler", "backbone=llama3.1-8b-instruct", "benchmark.length=32768"]
-    return compose_plan([*overrides, f"results_dir={tmp_path}"]).grid
-
-
-def test_the_paper_grid_at_32k_on_an_h100_plans_batches_whose_peak_stays_under_90_percent(tmp_path):
-    """The grid's and the dry run's rule (``sample_batches``) at the 8B shape, a 32K RULER prompt (64
-    question tokens, 128 fed), a faked H100 allocator holding the weights and both prefilled caches:
-    every batch's stacked cache and states, beside the held tensors and the construction, stay under
-    90% of the card, and the grid takes a few batches (not one per row)."""
-    prompt, question, feeds = 32768 - 128, 64, 128
-    grid = paper_grid(tmp_path)
-    assert len(grid) == 73
-    slots = [predicted_slots(prompt, prompt - question, e.ratio, e.setting or "aware", feeds) for e in grid]
-    held = WEIGHTS + 2 * 4 * GIB
-    reserved = held + 3 * GIB  # what the prefills' activations left in the allocator's cache
-    memory = DeviceMemory(total=H100_BYTES, free=H100_BYTES - reserved, reserved=reserved, allocated=held)
+    # The grid's side, by its own inputs: the rows' predicted slots, the faked allocator, the shape.
+    prompt, context, feeds = load.prompt_tokens, load.prompt_tokens - load.question_tokens, load.answer_tokens
+    slots = [predicted_slots(prompt, context, e.ratio, e.setting or "aware", feeds) for e in plan.grid]
+    held = h100.weights_bytes + (prompt + context) * 32 * 8 * 2 * 128 * 2  # weights, both caches
+    memory = DeviceMemory(
+        total=h100.memory_bytes, free=h100.memory_bytes - held, reserved=held, allocated=held
+    )
     batches, limit = sample_batches(slots, LLAMA_8B, memory, prompt, 2, 128, None)
-    construction = LLAMA_8B.construction_bytes(prompt, 2, 128, H100_BYTES // 32)
-    assert sorted(row for batch in batches for row in batch) == list(range(73))
+    assert [[plan.grid[row] for row in batch] for batch in batches] == planned
+
+    construction = LLAMA_8B.construction_bytes(prompt, 2, 128, h100.memory_bytes // 32)
     largest = max(
         (len(batch) * max(slots[row] for row in batch) + sum(slots[row] for row in batch))
         * LLAMA_8B.slot_bytes
@@ -102,5 +107,7 @@ def test_the_paper_grid_at_32k_on_an_h100_plans_batches_whose_peak_stays_under_9
     )
     assert largest <= limit
     peak = held + construction + largest
-    assert peak < 0.9 * H100_BYTES, f"planned peak {peak / GIB:.1f} GiB of {H100_BYTES / GIB:.1f}"
+    assert peak < 0.9 * h100.memory_bytes, (
+        f"planned peak {peak / GIB:.1f} GiB of {h100.memory_bytes / GIB:.1f}"
+    )
     assert 2 <= len(batches) <= 6, [len(batch) for batch in batches]

@@ -36,15 +36,15 @@ import torch
 
 from baselines import build_method
 from reskv.backbones import Backbone, random_backbone
-from reskv.batching import grid_decoding
+from reskv.batching import check_decode_batch, grid_decoding
 from reskv.config import AUTO, DECODE_CHOICES
 from reskv.engine import Prefill
 from reskv.grid import decode_grid
 from scripts.bench.grid_counts import QUESTION_TOKENS, paper_grid
+from scripts.machine import machine
 from scripts.measure import (
     CPU_SHRINK,
     counted_gflop,
-    machine,
     matmul_gflops,
     peak_memory,
     random_prompt,
@@ -102,7 +102,7 @@ def grid_sample(
         with peak_memory(backbone.device) as peak:
             grid()
     timings = [generation.timings for generation in generations]
-    rows_by_size = Counter(generation.run["decode_batch"] for generation in generations)
+    rows_by_size = Counter(generation.run["batch_rows"] for generation in generations)
     return {
         "decode": decode,
         "grid_s": seconds,
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--decode-batch",
         default=AUTO,
-        type=lambda text: text if text == AUTO else int(text),
+        type=lambda text: check_decode_batch(text if text == AUTO else int(text)),
         help="N or auto",
     )
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))

@@ -1,5 +1,5 @@
 """Which device a run loads its backbone on: in a sweep on a node with several GPUs, a GPU held for
-the job's life by a lock, at most ``jobs_per_gpu`` jobs on one; without torch.
+the job's life by a lock, at most ``jobs_per_gpu`` jobs on one; torch imported only to count GPUs.
 
 ``python run.py -m hydra/launcher=local hydra.launcher.n_jobs=8 ... shard.index=0,1,...,7`` starts
 8 jobs in one node's worker processes; each loads its own model, and without a device of its own
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import platform
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-CPU_INFO = Path("/proc/cpuinfo")
 SHARED_DEVICES = ("auto", "cuda")  # configured devices a job may be given a GPU of its own for
 # Node-local: a node's jobs lock its GPUs, not another node's.
 LOCK_DIR = Path(tempfile.gettempdir()) / "reskv-devices"
@@ -91,14 +89,3 @@ def release_job(device: str) -> None:
     gc.collect()
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def cpu_model(cpu_info: Path = CPU_INFO) -> str | None:
-    """The CPU's model name (Linux's ``/proc/cpuinfo``, else the platform's processor string; None if
-    neither names one). fp32 results can differ between CPU models at near ties, so records name it."""
-    with contextlib.suppress(OSError):
-        for line in cpu_info.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    return platform.processor() or None

@@ -33,6 +33,7 @@ from baselines.registry import (
     method_option_defaults,
 )
 from benchmarks.item import Item
+from reskv.batching import check_decode_batch
 from reskv.config import AUTO, COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_CHOICES, SETTINGS, ResidualConfig
 from scripts.harness.records import MethodLabel
 from scripts.harness.store import ResultKey
@@ -320,14 +321,10 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
             f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
         )
     _choose("decode mode", [config["decode"]], DECODE_CHOICES)
-    decode_batch = config["decode_batch"]
-    if decode_batch != AUTO and (
-        isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1
-    ):
-        raise PlanError(
-            f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone) or "
-            f"{AUTO!r} (on CUDA every configuration of a sample in one batch, elsewhere 1)"
-        )
+    try:
+        decode_batch = check_decode_batch(config["decode_batch"])
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     if decode_batch != AUTO and decode_batch > 1 and not config["share_prefill"]:
         raise PlanError(
             f"decode_batch {decode_batch} batches the configurations of one shared prefill; "
