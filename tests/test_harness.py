@@ -22,7 +22,7 @@ from reskv.engine import Prefill
 from reskv.stats import SECTIONS, fields
 from scripts.harness.grid import load_task_items, run_plan
 from scripts.harness.plan import PlanError, build_grid, compose_plan, method_label
-from scripts.harness.records import MethodLabel
+from scripts.harness.records import MethodLabel, SampleRecord
 from scripts.harness.store import (
     SCHEMA,
     ResultFile,
@@ -445,3 +445,24 @@ def test_a_different_configuration_is_never_resumed(tmp_path, ruler_cache):
     run_plan(plan_for(one_config, tmp_path, ruler_cache), backbone)
     with pytest.raises(ResultStoreError, match="another configuration"):
         run_plan(plan_for([*one_config, "max_new_tokens=4"], tmp_path, ruler_cache), backbone)
+
+
+def test_a_record_written_before_the_run_section_named_its_rows_batch_rows_reads_under_that_name():
+    """Files written before held a batch's rows as ``run.decode_batch`` (the option's name, which is
+    the cap); they load with the rows under ``batch_rows``, and a record is written back that way."""
+    written = {
+        "index": 0,
+        "prompt_digest": "d",
+        "prompt_tokens": 10,
+        "context_tokens": 8,
+        "max_new_tokens": 2,
+        "references": ["a"],
+        "metric": "m",
+        "metadata": {},
+        "score": 1.0,
+        "run": {"decode": "compiled", "decode_batch": 4, "prefill_shared_by": 13},
+    }
+    record = SampleRecord.from_json(written)
+    assert record.run == {"decode": "compiled", "batch_rows": 4, "prefill_shared_by": 13}
+    assert record.to_json()["run"] == {"decode": "compiled", "batch_rows": 4, "prefill_shared_by": 13}
+    assert "batch_rows" in fields("run") and "decode_batch" not in fields("run")
