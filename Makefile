@@ -12,7 +12,7 @@ EXTRAS      ?= dev,slurm,kernels
 # tests do not end the suite on one worker.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results reproduce-ruler4k
+.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check gpu-first smoke clean-results reproduce-ruler4k
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -79,6 +79,14 @@ bench-engine: assets
 # registry: `python -m scripts.bench.gpu_check --out results/gpu` (needs matplotlib besides them).
 gpu-check: install
 	$(PY) -m scripts.bench.gpu_check --out $(RESULTS)/gpu
+
+# The first GPU call of the grid, prepared to fit a short device window (scripts/bench/gpu_check/
+# first.py; results/gpu/README.md, top, says what to type on a GPU): the Triton kernels against their
+# torch paths, the paper grid at 4K and 32K against one request, compiled decode rates, efficiency;
+# each stage's JSON in $(RESULTS)/gpu/first as it ends. Without CUDA its CPU form, which prints the
+# GPU command.
+gpu-first: install
+	TORCH_LOGS=recompiles $(PY) -m scripts.bench.gpu_check.first --out $(RESULTS)/gpu/first
 
 # The RULER-4K reproduction (results/README.md): RULER at 4K on the embedded model, CPU, with the
 # quality measures. Hours of CPU; resumable: rerun the same command to continue where it stopped.
