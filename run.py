@@ -144,12 +144,12 @@ QUALITY_COLUMNS = (("LL gap", "answer_log_prob_gap", 2), ("KL", "kl", 3), ("attn
 
 def paired_text(plan: Plan, entry: GridEntry, results: dict, tasks: list[str]) -> str:
     """A +ResKV entry against its baseline (same setting and ratio) on the samples both scored: the
-    difference of the task-average score, its 95% paired bootstrap interval and the samples per task
-    (scripts.report.statistics); "" for other entries or without shared samples."""
+    difference of the task-average score, its 95% paired interval, the samples per task and the
+    direction it settles (scripts.report.statistics); "" for other entries or without shared samples."""
     import pandas as pd
 
     from scripts.harness.store import ResultKey, scored
-    from scripts.report.statistics import mean_of_means, score_differences
+    from scripts.report.statistics import NO_INFORMATION, direction, mean_of_means, score_differences
 
     label = MethodLabel.parse(entry.label)
     if not label.residual:
@@ -171,7 +171,11 @@ def paired_text(plan: Plan, entry: GridEntry, results: dict, tasks: list[str]) -
     if difference is None:
         return ""
     covered = "" if len(member) == len(tasks) else f", {len(member)} of {len(tasks)} tasks"
-    return f"{difference.value:+.2f} {difference.interval_text('+')} (n={difference.samples_text}{covered})"
+    read = NO_INFORMATION if difference.no_information else direction(1.0, difference.low, difference.high)
+    return (
+        f"{difference.value:+.2f} {difference.interval_text('+')} "
+        f"(n={difference.samples_text}{covered}) {read}"
+    )
 
 
 def result_table(plan: Plan, available_tasks: set[str]):
@@ -193,7 +197,9 @@ def result_table(plan: Plan, available_tasks: set[str]):
     if paired:
         title += (
             "\n+ResKV - base: task-average score difference to the baseline (points), 95% paired "
-            "bootstrap interval, n shared samples per task"
+            "interval, n shared samples per task; replicated: the interval lies above 0, reversed: "
+            "below, unresolved: it holds 0; no information: every sample tied (make tables: the verdict, "
+            "with the size against the paper's)"
         )
     table = Table(title=title)
     table.add_column("configuration")

@@ -278,3 +278,67 @@ def test_the_excerpt_is_verbatim_from_the_paper():
     assert len(chunks) == 9
     for chunk in chunks:
         assert chunk in paper.read_text()
+
+
+def test_contrasts_set_the_pairs_their_sentence_names_against_each_other():
+    cells, _ = parsed_tables()
+    claims = {claim.name: claim for claim in paper_numbers().claims}
+    pairs = paper_numbers().pairs()
+
+    def gains(scope) -> dict[tuple, float]:
+        return {
+            (
+                pair.reskv.backbone,
+                pair.reskv.length,
+                pair.reskv.setting,
+                pair.reskv.ratio,
+                pair.reskv.method,
+            ): (pair.gain)
+            for pair in pairs
+            if scope.admits(pair)
+        }
+
+    for name, table, side, other in (
+        ("RULER: q-Agnostic gain above q-Aware", "tab:ruler_paper", ("agnostic", None), ("aware", None)),
+        (
+            "LongBench: q-Agnostic gain above q-Aware",
+            "tab:longbench_paper",
+            ("agnostic", None),
+            ("aware", None),
+        ),
+        (
+            "LongBench: gain at 10-20% above 30-40%",
+            "tab:longbench_paper",
+            (None, (0.9, 0.8)),
+            (None, (0.7, 0.6)),
+        ),
+    ):
+        claim = claims[name]
+        assert claim.kind == "contrast"
+        for scope, (setting, ratios) in ((claim.scope, side), (claim.versus, other)):
+            expected = {
+                where
+                for where in table_gains(cells, table)
+                if setting in (None, where[2]) and (ratios is None or where[3] in ratios)
+            }
+            assert set(gains(scope)) == expected, name
+    # The RULER sentence states both means: 4.54 - 2.22.
+    assert claims["RULER: q-Agnostic gain above q-Aware"].stated == 2.32
+
+
+def test_the_share_of_the_loss_recovered_from_the_papers_own_rows():
+    cells, _ = parsed_tables()
+    numbers = paper_numbers()
+    # RULER's 64 pairs: sum of gains over the sum of (full cache - baseline), each against the full
+    # cache of its backbone and length, from the parsed table.
+    gains = losses = 0.0
+    for (label, backbone, benchmark, length, setting, method, ratio, task), value in cells.items():
+        if label == "tab:ruler_paper" and method in ("snapkv", "adakv"):
+            reskv = cells[(label, backbone, benchmark, length, setting, method + "+reskv", ratio, task)]
+            gains += reskv - value
+            losses += cells[(label, backbone, benchmark, length, None, "full", None, None)] - value
+    ruler = [pair for pair in numbers.pairs() if pair.reskv.table == "tab:ruler_paper"]
+    assert numbers.recovered_share(ruler) == pytest.approx(gains / losses, abs=1e-6)
+    # The task tables print no full cache: no share.
+    cam = [pair for pair in numbers.pairs() if pair.reskv.table == "tab:snapkv_cam_reskv_tasks"]
+    assert numbers.recovered_share(cam) is None

@@ -154,6 +154,17 @@ class ResultIndex:
                 )
         return found
 
+    def sample_values(
+        self, backbone, benchmark, length, setting, ratio, label: str, column: str
+    ) -> dict[str, pd.Series]:
+        """Per task, ``label``'s per-sample ``column`` (a samples frame column, such as
+        ``quality.answer_log_prob_gap``) by sample index; empty where the samples lack the column."""
+        rows = self.slices.get((backbone, benchmark, length, setting or "", _ratio_key(ratio)))
+        if rows is None or column not in rows.columns:
+            return {}
+        rows = rows[rows["label"] == label]
+        return {task: group.set_index("index")[column].astype(float) for task, group in rows.groupby("task")}
+
     def average(self, backbone, benchmark, length, task_cells: dict[str, Cell]) -> Cell:
         """Unweighted mean of the averaged tasks' cells, missing unless every one has a value."""
         cells = [task_cells[task] for task in self.averaged_tasks(backbone, benchmark, length)]

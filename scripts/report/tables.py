@@ -3,8 +3,8 @@
     python -m scripts.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
 
 Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
-and the frames themselves as ``results.csv`` (one row per configuration, with its score's 95% bootstrap
-interval ``score_low``, ``score_high``: scripts.report.statistics), ``samples.csv`` and, where
+and the frames themselves as ``results.csv`` (one row per configuration, with its score's 95% interval
+``score_low``, ``score_high``: scripts.report.statistics), ``samples.csv`` and, where
 the quality measures ran, ``layers.csv`` (per layer; the quality tables are scripts.report.quality_tables):
 
 - ``ruler_averages``, ``longbench_averages`` (tab:ruler_paper, tab:longbench_paper): average score
