@@ -64,9 +64,9 @@ STAGES = ("kernels", "grid", "decode", "efficiency")
 # Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
 # are estimated): each starts only with this much of the budget left; the first two always run.
 STAGE_SECONDS = {"kernels": 0, "grid": 0, "decode": 40, "efficiency": 45}
-LENGTHS = {"cuda": (4096, 32768), "cpu": (256, 512)}
+LENGTHS = {"cuda": (4096, 32768), "cpu": (192, 320)}
 NEW_TOKENS = {"cuda": 32, "cpu": 4}
-KERNEL_LENGTH = {"cuda": 4096, "cpu": 256}
+KERNEL_LENGTH = {"cuda": 4096, "cpu": 192}
 # How the grid decodes: as a run would on CUDA (compiled, as few batches as the memory allows); on a
 # CPU the same compiled batched path, which a CPU run would not take (``grid_decoding``'s auto).
 GRID_DECODING = {"cuda": ("auto", "auto"), "cpu": ("compiled", 64)}
