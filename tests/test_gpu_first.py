@@ -61,3 +61,9 @@ def test_the_cpu_form_runs_every_stage_but_what_needs_cuda_and_prints_the_gpu_co
         assert decode[name]["tokens_per_s"] > 0
     assert json.loads((tmp_path / "machine.json").read_text())["cpu_count"] >= 1
     assert first.GPU_COMMAND in capsys.readouterr().out
+
+
+def test_the_gpu_command_the_cpu_form_prints_is_the_one_results_gpu_readme_says_to_type():
+    readme = (first.H100_CALIBRATION.parents[1] / "gpu" / "README.md").read_text()
+    top = readme[: readme.index("\n## ", readme.index("## The first GPU call"))]
+    assert first.GPU_COMMAND in top and "make gpu-first" in top

@@ -76,10 +76,11 @@ FORCED = [17, 905, 3, 2211]  # fed one at a time to compare the decode paths' lo
 DECODE_TOLERANCE = 2e-2
 DECODE_REPEATS = 3
 H100_CALIBRATION = rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json"
+# The device call's command (results/gpu/README.md, top: the wheels it installs, what to carry).
 GPU_COMMAND = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && "
-    "export PYTHONPATH=/tmp/site:. && TORCH_LOGS=recompiles python3 -m scripts.bench.gpu_check.first "
-    "--out $OUT 2>&1 | tee $OUT/log"
+    "export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; TORCH_LOGS=recompiles python3 -m "
+    "scripts.bench.gpu_check.first --out $OUT 2>&1 | tee $OUT/log"
 )
 
 
