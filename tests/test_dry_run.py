@@ -137,6 +137,7 @@ def test_the_dry_run_lists_what_the_store_holds_and_writes_nothing(tmp_path):
     output = dry_run.stdout
     assert dry_run.returncode == 0 and "torch imported: False" in output, dry_run.stderr[-2000:]
     assert "1 done, 1 partial, 3 to do" in output and "device hours on toy" in output
+    assert "Not counted: compiling the decode step" in output and "No memory limit" in output
     assert f"{snapkv_aware.key(plan, 'vt').path(plan.runs_dir)}: 1 of 3" in output
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
 
