@@ -9,7 +9,11 @@ from unittest import mock
 
 import pytest
 
+from baselines import build_method
+from reskv.engine import Prefill
 from scripts.bench.gpu_check import first
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
 
 
 @pytest.fixture
@@ -67,3 +71,15 @@ def test_the_gpu_command_the_cpu_form_prints_is_the_one_results_gpu_readme_says_
     readme = (first.H100_CALIBRATION.parents[1] / "gpu" / "README.md").read_text()
     top = readme[: readme.index("\n## ", readme.index("## The first GPU call"))]
     assert first.GPU_COMMAND in top and "make gpu-first" in top
+
+
+def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_one(kernel_flags):
+    """On a CPU both sides of each check take the torch path (the switches only act on CUDA): the
+    comparisons themselves run, and find the same slots and the same logits."""
+    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
+    method = build_method("snapkv+reskv", 0.9)
+    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
+    nearest = first.nearest_check(prefill, method)
+    assert nearest["passed"] and nearest["heads"] == 2 * 2
+    decode = first.decode_check(prefill, method)
+    assert decode["passed"] and decode["max_relative_difference"] == 0.0 and decode["same_argmax"]
