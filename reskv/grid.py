@@ -118,12 +118,9 @@ def decode_grid(
         answer_ids=answer_ids,
     )
     with prefill.sharing_construction():
-        for batch in [[stacked[row] for row in rows] for rows in planned] + [[row] for row in alone]:
-            if len(batch) == 1 and not (decode == "compiled" and batch[0].method.decode_rule.shared_softmax):
-                (row,) = batch
-                generation = prefill.generate(row.method, row.setting, decode="eager", **options)
-                generation.run["batch_rows"] = 1
-                yield row.index, generation
+        for batch in [[stacked[row] for row in rows] for rows in planned]:
+            if len(batch) == 1 and decode != "compiled":  # compiled, a row alone is a stacked one
+                yield batch[0].index, alone_generation(prefill, batch[0], options)
                 continue
             for row in batch:
                 compress(prefill, row, quality, feeds)
@@ -133,6 +130,15 @@ def decode_grid(
                 yield from decoded_or_split(
                     prefill, [batch[row] for row in rows], decode, quality, feeds, options
                 )
+        for row in alone:
+            yield row.index, alone_generation(prefill, row, options)
+
+
+def alone_generation(prefill: Prefill, row: GridRow, options: dict) -> Generation:
+    """``row`` decoded alone and eagerly, as ``Prefill.generate`` decodes it, bit for bit."""
+    generation = prefill.generate(row.method, row.setting, decode="eager", **options)
+    generation.run["batch_rows"] = 1
+    return generation
 
 
 def ratio_of(method: Method) -> float | None:
