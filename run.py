@@ -87,7 +87,8 @@ def usage() -> str:
             "'snapkv+reskv~validate=false']\"",
             f"setting=     {', '.join(SETTINGS)}  (query-aware / query-agnostic compression)",
             "ratio=       fraction of the prompt's KV evicted, strictly in (0, 1); the paper uses "
-            + ", ".join(f"{ratio:g}" for ratio in PAPER_RATIOS),
+            + ", ".join(f"{ratio:g}" for ratio in PAPER_RATIOS)
+            + "\n             (a model with sliding-window layers: of its full-attention layers' KV)",
             f"backbone=    {', '.join(group_choices('backbone'))}",
             f"benchmark=   {', '.join(group_choices('benchmark'))}",
             "benchmark.tasks=  a list of tasks or a task set:",

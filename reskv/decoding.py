@@ -16,7 +16,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 from reskv.backbones import Backbone
-from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache
+from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache, StaticWindowedLayer, WindowedLayer
 
 
 @torch.inference_mode()
@@ -63,15 +63,19 @@ def greedy(
 
 def static_cache(cache: ResKVCache, spare_slots: int) -> ResKVCache:
     """``cache`` with every exact layer (the full method's) copied into a static-capacity
-    ``CompressedLayer`` without entries, with ``spare_slots``: one decode path for every method, no
-    copy of the cache per step (an exact layer's ``update`` concatenates), and the static shapes a
-    compiled step needs."""
-    return ResKVCache(
-        [
-            layer if isinstance(layer, CompressedLayer) else CompressedLayer.exact(layer, spare_slots)
-            for layer in cache.layers
-        ]
-    )
+    ``CompressedLayer`` without entries, and every sliding-window layer into a ``StaticWindowedLayer``
+    of one row, with ``spare_slots``: one decode path for every method, no copy of the cache per step
+    (an exact layer's ``update`` concatenates), and the static shapes a compiled step needs."""
+    return ResKVCache([static_layer(layer, spare_slots) for layer in cache.layers])
+
+
+def static_layer(layer, spare_slots: int):
+    """One layer of ``static_cache``."""
+    if isinstance(layer, CompressedLayer):
+        return layer
+    if isinstance(layer, WindowedLayer):
+        return StaticWindowedLayer([layer], layer.seq_len, spare_slots)
+    return CompressedLayer.exact(layer, spare_slots)
 
 
 # The slots of a stacked cache's layers under the compiled step: every layer's capacity rounded up to
@@ -142,3 +146,49 @@ def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: Re
         for batched in (tokens, positions):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
     return compiled_step(backbone.model, backbone.cache_argument)(tokens, positions, cache)
+
+
+# The full-cache check's decode steps, after its prefill (``check_full_cache``).
+CHECK_DECODE_STEPS = 4
+# The largest difference ``check_full_cache`` admits between the two forwards' logits, relative to
+# the largest reference logit: fp rounding of two summation orders, in the model's dtype.
+CHECK_TOLERANCE = {torch.float32: 1e-4}
+CHECK_TOLERANCE_HALF = 5e-2
+
+
+@torch.inference_mode()
+def check_full_cache(backbone: Backbone) -> None:
+    """Refuse a model whose full-cache logits through a ``ResKVCache`` differ from transformers' own
+    forward (``sdpa``, its own cache and masks) beyond fp rounding: a prompt of random tokens longer
+    than every sliding window, prefilled, then ``CHECK_DECODE_STEPS`` tokens decoded one at a time from
+    the static cache every generation decodes from (``static_cache``), compared at every position.
+    Cheap (one prompt of a window's length), and run once per backbone at load, so that a layer kind
+    run wrongly (a window ignored, attention sinks, soft-capping) cannot go unnoticed."""
+    model = backbone.model
+    windows = [window for window in backbone.windows if window is not None]
+    length = min(max(windows, default=0) + 2 * CHECK_DECODE_STEPS, model.config.max_position_embeddings)
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(model.config.vocab_size, (1, length), generator=generator).to(backbone.device)
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        reference = model(input_ids=token_ids, use_cache=False).logits[0].float()
+    finally:
+        model.set_attn_implementation(implementation)
+    prefilled = length - CHECK_DECODE_STEPS
+    cache = ResKVCache.for_prefill(backbone.windows, 0, False)
+    logits = [forward(backbone, token_ids[:, :prefilled], cache, every_position=True)[0]]
+    cache = static_cache(cache, CHECK_DECODE_STEPS)
+    for position in range(prefilled, length):
+        logits.append(forward(backbone, token_ids[:, position : position + 1], cache)[0])
+    difference = float((torch.cat(logits).float() - reference).abs().max() / reference.abs().max())
+    tolerance = CHECK_TOLERANCE.get(model.dtype, CHECK_TOLERANCE_HALF)
+    if not difference <= tolerance:
+        from reskv.backbones import BackboneError
+
+        raise BackboneError(
+            f"backbone {backbone.name!r}: its full-cache logits through the ResKV cache differ from "
+            f"transformers' own forward by {difference:.3g} (the largest difference over the largest "
+            f"logit; {tolerance} admitted) on a {length}-token check with layer windows "
+            f"{backbone.windows}: the engine does not run this model's attention as the model does"
+        )

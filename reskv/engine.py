@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from reskv.backbones import Backbone
-from reskv.cache import ObservedLayer, ResKVCache
+from reskv.cache import CompressingLayer, ObservedLayer, ResKVCache, WindowedLayer
 from reskv.compress import CompressedLayerState, SharedLayers
 from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, DEFAULT_OBSERVATION_WINDOW, SETTINGS
 from reskv.decoding import compiled_next_logits, forward, greedy, static_cache
-from reskv.method import Method, attended_slots, compression_stats, shared_batches
+from reskv.method import Method, attended_slots, compression_stats, retained_shares, shared_batches
 from reskv.prompting import tokenize_prompt
 from reskv.quality import QualityProbe
 from reskv.scoring import LayerObservation
@@ -108,7 +108,7 @@ class Prefill:
         self.check_positions(0)
         self.observation_window = max([DEFAULT_OBSERVATION_WINDOW] + [m.observation_window for m in methods])
         self.accumulate = any(m.needs_accumulated_attention for m in methods)
-        self.scaling = backbone.head_dim**-0.5
+        self.scaling = backbone.scaling
         self.timings: dict[str, float] = {}
         self._context: PrefilledState | None = None
         if retain == "full":
@@ -130,15 +130,16 @@ class Prefill:
         """An exact forward over ``token_ids`` from an empty cache, timed as ``timings[timing]``: the
         cache is kept (retain="full"), or each layer compressed for every method as it runs."""
         start = time.perf_counter()
-        num_layers = self.backbone.model.config.num_hidden_layers
+        windows = self.backbone.windows
         if self.retain == "full":
-            cache = ResKVCache.for_prefill(num_layers, self.observation_window, self.accumulate)
+            cache = ResKVCache.for_prefill(windows, self.observation_window, self.accumulate)
         else:
+            num_layers = windows.count(None)  # the compressed ones
             compressors = {
                 method: functools.partial(method.compress_batch, num_layers=num_layers)
                 for method in self.methods
             }
-            cache = ResKVCache.compressing(num_layers, self.observation_window, self.accumulate, compressors)
+            cache = ResKVCache.compressing(windows, self.observation_window, self.accumulate, compressors)
         state = PrefilledState(cache, self.next_logits(token_ids, cache))
         self.timings[timing] = time.perf_counter() - start
         return state
@@ -179,7 +180,12 @@ class Prefill:
             start = time.perf_counter()
             # Observed again: the question's queries are the last ones a query-aware method scores.
             cache = ResKVCache(
-                [layer.fork(self.observation_window, self.accumulate) for layer in self._context.cache.layers]
+                [
+                    layer.fork()
+                    if isinstance(layer, WindowedLayer)
+                    else layer.fork(self.observation_window, self.accumulate)
+                    for layer in self._context.cache.layers
+                ]
             )
             question = self.prompt_ids[self.context_length :]
             logits = self.next_logits(question, cache) if question else self._context.last_logits
@@ -189,14 +195,17 @@ class Prefill:
 
     def observations(self, setting: str = "agnostic") -> list[LayerObservation]:
         """Per-layer views of the prefilled cache a setting compresses (the context for query-agnostic,
-        the whole prompt for query-aware); read-only, for analyses such as the evicted-key figure."""
+        the whole prompt for query-aware), its compressed (full-attention) layers only, each indexed
+        among them; read-only, for analyses such as the evicted-key figure."""
         self._require_full_cache("observations()")
-        layers = self.prefilled(setting).cache.layers
+        layers = [
+            layer for layer in self.prefilled(setting).cache.layers if not isinstance(layer, WindowedLayer)
+        ]
         return [layer.observation(index, self.scaling) for index, layer in enumerate(layers)]
 
     def compressed_layers(
         self, method: Method, setting: str = "aware"
-    ) -> tuple[list[CompressedLayerState | ObservedLayer], dict]:
+    ) -> tuple[list[CompressedLayerState | ObservedLayer | WindowedLayer], dict]:
         """``method``'s compression of the cache ``setting`` compresses (the whole prompt query-aware, the
         context query-agnostic), as the layers a cache is made of (``Method.compressed_layers``), and
         its statistics; with retain="compressed", the states its forward stored for ``method``."""
@@ -218,12 +227,16 @@ class Prefill:
                     "forward compresses only for the methods listed then: pass that Method object in "
                     "Prefill(..., methods=[...])"
                 )
-            layers = [layer.compressed[method] for layer in self.prefilled(setting).cache.layers]
+            layers = [
+                layer.compressed[method] if isinstance(layer, CompressingLayer) else layer
+                for layer in self.prefilled(setting).cache.layers
+            ]
         stats = compression_stats(layers) | {
             "prompt_tokens": len(self.prompt_ids),
             "compressed_tokens": seq_len,
         }
-        stats["slots"] = attended_slots(layers, stats)
+        stats["slots"] = attended_slots(layers)
+        stats |= retained_shares(layers, stats["slots"], seq_len)
         return layers, stats
 
     def compressed(self, method: Method, setting: str = "aware") -> tuple[ResKVCache, dict]:

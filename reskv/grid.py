@@ -29,7 +29,7 @@ import torch
 
 from reskv.backbones import Backbone
 from reskv.batching import DeviceMemory, ModelShape, decode_batches, predicted_slots, sample_batches
-from reskv.cache import ObservedLayer, ResKVCache, StackedLayer, StackedRow
+from reskv.cache import ObservedLayer, ResKVCache, StackedLayer, StackedRow, WindowedLayer
 from reskv.compress import CompressedLayerState
 from reskv.decoding import RECOMPILE_LIMIT_HIT, bucketed, compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
@@ -187,11 +187,17 @@ def compress(prefill: Prefill, row: GridRow, quality: bool, feeds: int) -> None:
     row.layers, row.stats = prefill.compressed_layers(row.method, row.setting)
     row.timings["compress_s"] = time.perf_counter() - start
     question = len(prefill.prompt_ids) - prefill.context_length
-    row.slots = (
-        max(StackedRow.of(layer, row.method.decode_rule).slots for layer in row.layers) + question + feeds
-    )
+    row.slots = max(stacked_row(layer, row.method).slots for layer in row.layers) + question + feeds
     if quality:
         row.compressed, _ = row.method.assemble(row.layers, row.stats["compressed_tokens"])
+
+
+def stacked_row(
+    layer: CompressedLayerState | ObservedLayer | WindowedLayer, method: Method
+) -> StackedRow | WindowedLayer:
+    """A method's layer as a row of a stacked cache: a sliding-window layer as it is
+    (``ResKVCache.stacked`` stacks it in a ``StaticWindowedLayer``), any other as a ``StackedRow``."""
+    return layer if isinstance(layer, WindowedLayer) else StackedRow.of(layer, method.decode_rule)
 
 
 def stacked_prompt(
@@ -207,9 +213,10 @@ def stacked_prompt(
     question = prefill.prompt_ids[prefill.context_length :]
     agnostic = [row.setting == "agnostic" for row in rows]
     fed = question if any(agnostic) else []
-    stacked_rows = [[StackedRow.of(layer, row.method.decode_rule) for layer in row.layers] for row in rows]
+    stacked_rows = [[stacked_row(layer, row.method) for layer in row.layers] for row in rows]
     seq_len, spare = len(prefill.prompt_ids) - len(fed), len(fed) + feeds
-    if decode == "compiled":
+    windowed = any(isinstance(layer, WindowedLayer) for layer in stacked_rows[0])
+    if decode == "compiled" and not windowed:  # a sliding-window model's cache as ResKVCache.stacked makes it
         by_layer = list(zip(*stacked_rows, strict=True))
         capacity = bucketed(max(row.slots for layer_rows in by_layer for row in layer_rows) + spare)
         cache = ResKVCache(

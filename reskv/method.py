@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache
+from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache, WindowedLayer
 from reskv.compress import CompressedLayerState, SharedLayers, compress_layers
 from reskv.config import DEFAULT_OBSERVATION_WINDOW, NO_RESIDUAL_RULE, DecodeRule, ResidualConfig
 from reskv.scoring import LayerObservation, TokenScorer
@@ -58,18 +58,28 @@ class Method:
 
     def compressed_layers(
         self, cache: ResKVCache, scaling: float, shared: list[SharedLayers] | None = None
-    ) -> list[CompressedLayerState | ObservedLayer]:
+    ) -> list[CompressedLayerState | ObservedLayer | WindowedLayer]:
         """What this method's copy of a prefilled cache is made of, layer by layer: a compressed state,
         or the prefilled layer itself where the budget covers the prompt (every layer of the full
-        cache); ``cache`` is left unchanged. Layers are compressed in batches (``shared_batches``):
-        ResKV's own work runs once per batch. ``shared`` are ``cache``'s batches as other compressions
-        of it shared them."""
+        cache) and in a sliding-window layer, which is never compressed (reskv.md, "Hybrid
+        attention"); ``cache`` is left unchanged. The full-attention layers are compressed in batches
+        (``shared_batches``): ResKV's own work runs once per batch. ``shared`` are ``cache``'s batches
+        as other compressions of it shared them."""
         if self.scorer is None:
             return list(cache.layers)
-        states = []
-        for batch in shared or shared_batches(cache, scaling):
-            states += self.compress_batch(batch, len(cache.layers))
-        return [layer if state is None else state for layer, state in zip(cache.layers, states, strict=True)]
+        count = sum(not isinstance(layer, WindowedLayer) for layer in cache.layers)
+        states = iter(
+            [
+                state
+                for batch in shared or shared_batches(cache, scaling)
+                for state in self.compress_batch(batch, count)
+            ]
+        )
+        layers = []
+        for layer in cache.layers:
+            state = None if isinstance(layer, WindowedLayer) else next(states)
+            layers.append(layer if state is None else state)
+        return layers
 
     def compress(
         self, cache: ResKVCache, scaling: float, shared: list[SharedLayers] | None = None
@@ -80,31 +90,34 @@ class Method:
     def compress_batch(
         self, layers: list[LayerObservation] | SharedLayers, num_layers: int
     ) -> list[CompressedLayerState | None]:
-        """``compress_layers`` with this method's scorer, ratio and residual, in a ``num_layers`` model."""
+        """``compress_layers`` with this method's scorer, ratio and residual, in a model of ``num_layers``
+        compressed (full-attention) layers."""
         return compress_layers(layers, self.scorer, self.ratio, self.residual, num_layers)
 
     def assemble(
-        self, layers: Sequence[CompressedLayerState | ObservedLayer], seq_len: int
+        self, layers: Sequence[CompressedLayerState | ObservedLayer | WindowedLayer], seq_len: int
     ) -> tuple[ResKVCache, dict]:
         """A new cache over this method's compressed layers (an ``ObservedLayer`` where the budget
-        covers the ``seq_len``-token prompt) and its statistics (``compression_stats``); ``layers`` are
-        left unchanged: a ``CompressedLayer`` copies its state into new buffers, an ``ObservedLayer``
-        is forked."""
+        covers the ``seq_len``-token prompt, a ``WindowedLayer`` in a sliding-window layer) and its
+        statistics (``compression_stats``); ``layers`` are left unchanged: a ``CompressedLayer`` copies
+        its state into new buffers, an exact layer is forked."""
         rule = self.decode_rule
         cache = ResKVCache(
             [
-                layer.fork() if isinstance(layer, ObservedLayer) else CompressedLayer(layer, seq_len, rule)
+                CompressedLayer(layer, seq_len, rule)
+                if isinstance(layer, CompressedLayerState)
+                else layer.fork()
                 for layer in layers
             ]
         )
         return cache, compression_stats(layers)
 
 
-def compression_stats(layers: Sequence[CompressedLayerState | ObservedLayer]) -> dict:
+def compression_stats(layers: Sequence[CompressedLayerState | ObservedLayer | WindowedLayer]) -> dict:
     """What a compressed cache holds, from its layers' host-side statistics: whether it compressed
-    anything and, if so, the budget and, per layer and KV head, the main slots, the residual entries
-    kept and the residual size chosen (no device read)."""
-    per_layer = [layer.stats for layer in layers if not isinstance(layer, ObservedLayer)]
+    anything and, if so, the budget and, per compressed layer and KV head, the main slots, the residual
+    entries kept and the residual size chosen (no device read)."""
+    per_layer = [layer.stats for layer in layers if isinstance(layer, CompressedLayerState)]
     stats = {"compressed": bool(per_layer)}
     if per_layer:
         stats["budget"] = per_layer[0]["budget"]
@@ -112,20 +125,48 @@ def compression_stats(layers: Sequence[CompressedLayerState | ObservedLayer]) ->
     return stats
 
 
-def attended_slots(layers: Sequence[CompressedLayerState | ObservedLayer], stats: dict) -> list[list[int]]:
-    """Attended slots per layer and KV head of a method's ``compressed_layers`` with their ``stats``:
-    main tokens plus used entries, or every token of an exact layer."""
-    if "main_slots" not in stats:
-        return [[layer.keys.shape[-2]] * layer.keys.shape[1] for layer in layers]
+def attended_slots(layers: Sequence[CompressedLayerState | ObservedLayer | WindowedLayer]) -> list[list[int]]:
+    """Attended slots per layer and KV head of a method's ``compressed_layers``: main tokens plus used
+    entries, or every token an exact layer holds (a sliding-window layer's: its window)."""
     return [
-        [main + entries for main, entries in zip(*counts, strict=True)]
-        for counts in zip(stats["main_slots"], stats["residual_entries"], strict=True)
+        [
+            main + entries
+            for main, entries in zip(layer.stats["main_slots"], layer.stats["residual_entries"], strict=True)
+        ]
+        if isinstance(layer, CompressedLayerState)
+        else [layer.keys.shape[-2]] * layer.keys.shape[1]
+        for layer in layers
     ]
 
 
+def retained_shares(
+    layers: Sequence[CompressedLayerState | ObservedLayer | WindowedLayer],
+    slots: list[list[int]],
+    seq_len: int,
+) -> dict[str, float]:
+    """The retained share of the compressed layers (their attended ``slots`` over ``seq_len`` per KV
+    head, what the full cache holds there) and of the whole cache (every layer's slots over the full
+    cache's, where a sliding-window layer holds its window whatever the method): reskv.md, "Hybrid
+    attention"."""
+    windowed = [isinstance(layer, WindowedLayer) for layer in layers]
+    compressed = [sum(counts) for counts, window in zip(slots, windowed, strict=True) if not window]
+    held = sum(sum(counts) for counts in slots)
+    full = sum(
+        sum(counts) if window else len(counts) * seq_len
+        for counts, window in zip(slots, windowed, strict=True)
+    )
+    return {
+        "retained_compressed": sum(compressed) / (len(compressed) * len(slots[0]) * seq_len),
+        "retained_cache": held / full,
+    }
+
+
 def shared_batches(cache: ResKVCache, scaling: float) -> list[SharedLayers]:
-    """A prefilled cache's layers in ``layer_batches``, each ready to be shared by compressions."""
-    observations = [layer.observation(index, scaling) for index, layer in enumerate(cache.layers)]
+    """A prefilled cache's compressed (full-attention) layers in ``layer_batches``, each ready to be
+    shared by compressions. An observation's ``layer_idx`` is the layer's index among them: the layer
+    schedules (PyramidKV) and per-layer seeds (CaM) run over the compressed layers only."""
+    compressed = [layer for layer in cache.layers if not isinstance(layer, WindowedLayer)]
+    observations = [layer.observation(index, scaling) for index, layer in enumerate(compressed)]
     return [SharedLayers(batch) for batch in layer_batches(observations)]
 
 

@@ -11,7 +11,8 @@ Per prompt and method, against the full cache (the exact prefill of the same pro
 - **mechanism**, at those same steps: per layer, the relative attention-output error
   ``||o_method - o_full|| / ||o_full||`` (per query head and step, then averaged) with every layer
   of both caches fed the full model's hidden states, so errors do not compound across layers
-  (``ProbeLayer``), and the share of attention mass that went to residual entries.
+  (``ProbeLayer``), and the share of attention mass that went to residual entries; their means
+  are over the compressed layers (a model's sliding-window layers are never compressed).
 
 ``reskv.engine.Prefill.generate(..., answer_ids=...)`` runs them through a ``QualityProbe``; what
 the full cache computes is computed once per prompt. Both sides go through the same code, so the
@@ -72,6 +73,11 @@ class ProbeLayer(AttendingLayer):
         self.attention_error: Tensor | None = None
         self.residual_share: Tensor | None = None
         self._method_states: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def window(self) -> int | None:
+        """The layer's kind (``AttendingLayer.window``): its reference's."""
+        return self.reference.window
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         raise RuntimeError("a probe layer pairs two filled layers, never lazily")
@@ -221,9 +227,11 @@ class QualityProbe:
         prefill.next_logits(fed + forced_ids, probe)
         errors = torch.stack([layer.attention_error for layer in probe.layers])
         shares = torch.stack([layer.residual_share for layer in probe.layers])
+        # The means are over the compressed layers: a sliding-window layer is the full cache's own.
+        compressed = torch.tensor([layer.window is None for layer in probe.layers], device=errors.device)
         quality.update(
-            attention_error=float(errors.mean()),
-            residual_share=float(shares.mean()),
+            attention_error=float(errors[compressed].mean()),
+            residual_share=float(shares[compressed].mean()),
             attention_error_by_layer=significant(errors),
             residual_share_by_layer=significant(shares),
         )

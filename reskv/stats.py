@@ -44,6 +44,10 @@ class CacheStats(TypedDict, total=False):
     prompt_tokens: int
     compressed_tokens: int  # the tokens the setting compresses: the prompt, or the context
     slots: list[list[int]]  # attended: main slots plus entries, per layer (every layer) and KV head
+    # The retained share (reskv.md, Hybrid attention): the compressed layers' slots over s per KV head,
+    # and every layer's over the full cache's, whose sliding-window layers hold their window.
+    retained_compressed: float
+    retained_cache: float
 
 
 class Timings(TypedDict, total=False):

@@ -88,7 +88,7 @@ def test_help_lists_what_can_be_run():
 @pytest.mark.parametrize(
     ("argument", "expected"),
     [
-        ("backbone=nope", "unknown backbone 'nope'; choose from ['llama3.1-8b-instruct'"),
+        ("backbone=nope", "unknown backbone 'nope'; choose from ['gemma3-270m', 'llama3.1-8b-instruct'"),
         ("method=nope", "unknown method 'nope'; choose from ['full'"),
         ("decode=fast", "unknown decode mode 'fast'; choose from ['auto', 'eager', 'compiled']"),
         ("decode_batch=0", "decode_batch 0 must be a positive integer (1: each configuration alone) or"),

@@ -28,6 +28,10 @@ def _ratio_key(ratio: float | None) -> float:
     return 0.0 if ratio is None or pd.isna(ratio) else round(float(ratio), 6)
 
 
+# The retained shares of a configuration (reskv.stats.CacheStats), averaged over its samples.
+CACHE_SHARE, COMPRESSED_SHARE = "mean_cache_stats.retained_cache", "mean_cache_stats.retained_compressed"
+
+
 class ResultIndex:
     """The results frames (scripts.report.frames) as the tables look them up: blocks of compared
     methods scored on shared samples, averages, and which configurations exist."""
@@ -71,6 +75,19 @@ class ResultIndex:
         """Ratios present, the tightest budget (largest ratio) first as the paper orders them."""
         ratios = self.matching(backbone=backbone, benchmark=benchmark, length=length)["ratio"]
         return sorted(set(ratios) - {0.0}, reverse=True)
+
+    def cache_share(self, backbone: str, benchmark: str, length: int, ratio: float) -> float | None:
+        """The retained share of the whole cache at ``ratio`` (``cache_stats.retained_cache``, the mean
+        over its configurations), where it differs from the compressed layers' share: a model with
+        sliding-window layers (reskv.md, Hybrid attention). ``None`` elsewhere, and for records
+        written before the field existed."""
+        if CACHE_SHARE not in self.configs:
+            return None
+        found = self.matching(backbone=backbone, benchmark=benchmark, length=length, ratio=ratio)
+        cache, compressed = found[CACHE_SHARE].mean(), found[COMPRESSED_SHARE].mean()
+        if pd.isna(cache) or abs(cache - compressed) < 1e-9:
+            return None
+        return float(cache)
 
     def tasks(self, backbone: str, benchmark: str, length: int) -> list[str]:
         """Tasks with a result or an unavailable mark, in the benchmark's order."""

@@ -13,6 +13,7 @@ BACKBONE_NAMES = {
     "llama3.1-8b-instruct": "LLaMA-3.1-8B",
     "qwen2.5-7b-instruct": "Qwen-2.5-7B",
     "smollm2-135m": "SmolLM2-135M",
+    "gemma3-270m": "Gemma-3-270M",
     "tiny-llama": "tiny-llama",
     "tiny-qwen2": "tiny-qwen2",
 }
@@ -61,9 +62,12 @@ def averaged_task_set(benchmark: str) -> tuple[str, ...]:
     return tuple(ENGLISH_TASKS) if benchmark == "longbench" else benchmarks.tasks(benchmark)
 
 
-def retained(ratio: float) -> str:
-    """Column head of a compression ratio: the retained share of the KV cache (0.9 -> 10%)."""
-    return f"{round((1 - ratio) * 100, 1):g}%"
+def retained(ratio: float, cache_share: float | None = None) -> str:
+    """Column head of a compression ratio: the retained share of the KV cache (0.9 -> 10%); with the
+    whole cache's share where it differs (a model with sliding-window layers, reskv.md, Hybrid
+    attention), both: ``10% (45% of cache)``."""
+    head = f"{round((1 - ratio) * 100, 1):g}%"
+    return head if cache_share is None else f"{head} ({round(cache_share * 100):g}% of cache)"
 
 
 def backbone_name(backbone: str) -> str:

@@ -83,7 +83,13 @@ def averages_table(index: ResultIndex, benchmark: str, bases: Sequence[str] = TA
     heads = [backbone_heads]
     if show_length:
         heads.append([(length_name(benchmark, length), len(ratios)) for _, length, ratios in groups])
-    heads.append([(retained(ratio), 1) for _, _, ratios in groups for ratio in ratios])
+    heads.append(
+        [
+            (retained(ratio, index.cache_share(backbone, benchmark, length, ratio)), 1)
+            for backbone, length, ratios in groups
+            for ratio in ratios
+        ]
+    )
     table = Table(
         f"{benchmark}_averages",
         f"{BENCHMARK_NAMES[benchmark]} average scores under different retained KV budgets. Bold marks "
@@ -164,7 +170,8 @@ def task_table(
                 method_blocks(index, backbone, benchmark, length, setting, bases, ratio)
             ):
                 table.body.append(CMIDRULE if number else MIDRULE)
-                table.body += block_rows([retained(ratio), SETTING_NAMES[setting]], setting, ratio, block)
+                budget = retained(ratio, index.cache_share(backbone, benchmark, length, ratio))
+                table.body += block_rows([budget, SETTING_NAMES[setting]], setting, ratio, block)
     add_notes(table, index.coverage_notes(backbone, benchmark, length))
     return table
 
