@@ -3,7 +3,7 @@ PYTHON_BOOT ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 # The CPU build this project is developed and tested with; on a GPU machine pass e.g.
-# TORCH_SPEC="torch==2.6.0" (any version pyproject.toml admits).
+# TORCH_SPEC="torch==2.11.0" (any version pyproject.toml admits: 2.11 to 2.13).
 TORCH_SPEC  ?= torch==2.13.0
 # kernels: Triton, for the fused kernels' tests under its interpreter; on a GPU machine whose CUDA
 # torch pins an older Triton, pass EXTRAS=dev,slurm (the kernel runs on that Triton).
@@ -12,8 +12,8 @@ EXTRAS      ?= dev,slurm,kernels
 # tests do not end the suite on one worker.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 
-.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check smoke clean-results \
-	reproduce-ruler4k reproduce-gemma-ruler4k reproduce-gemma-ruler-long
+.PHONY: install assets run test test-fast lint tables figures bench bench-engine gpu-check gpu-first smoke \
+	clean-results reproduce-ruler4k reproduce-gemma-ruler4k reproduce-gemma-ruler-long
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
@@ -81,6 +81,14 @@ bench-engine: assets
 # registry: `python -m scripts.bench.gpu_check --out results/gpu` (needs matplotlib besides them).
 gpu-check: install
 	$(PY) -m scripts.bench.gpu_check --out $(RESULTS)/gpu
+
+# The first GPU call of the grid, prepared to fit a short device window (scripts/bench/gpu_check/
+# first.py; results/gpu/README.md, top, says what to type on a GPU): the Triton kernels against their
+# torch paths, the paper grid at 4K and 32K against one request, compiled decode rates, efficiency;
+# each stage's JSON in $(RESULTS)/gpu/first as it ends. Without CUDA its CPU form, which prints the
+# GPU command.
+gpu-first: install
+	TORCH_LOGS=recompiles $(PY) -m scripts.bench.gpu_check.first --out $(RESULTS)/gpu/first
 
 # The RULER-4K reproduction (results/README.md): RULER at 4K on the embedded model, CPU, with the
 # quality measures. Hours of CPU; resumable: rerun the same command to continue where it stopped.

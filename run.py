@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 import benchmarks
 from baselines.registry import METHODS, OPTIONS, RESKV_OPTIONS
 from reskv.config import SETTINGS
-from scripts.harness.estimate import check_dry_run
+from scripts.harness.dry_run import check_dry_run
 from scripts.harness.plan import CONFIG_DIR, GridEntry, Plan, PlanError, make_plan
 from scripts.harness.records import MethodLabel, option_text
 
@@ -101,6 +101,7 @@ def usage() -> str:
             "shard.index=I shard.count=K (split samples over jobs)   share_prefill=true|false",
             "threads=N (torch CPU threads)   results_dir=DIR   decode=auto|eager|compiled",
             "decode_batch=N|auto (configurations of a sample decoded together; 1: each alone)",
+            "jobs_per_gpu=N (a sweep's jobs sharing one GPU of a node; 1: a GPU each, held by a lock)",
             "dry_run=true|calibrate (print the grid, its result files and device hours; calibrate: "
             "measure this device first)   calibration=DEVICE-KIND|FILE.json",
             *(
@@ -239,21 +240,32 @@ def run(plan: Plan, threads: int | None, job_number: int | None = None) -> None:
     """Load the backbone and the items, run the grid with a progress bar, print the scores.
 
     Launcher job ``job_number`` (None outside a sweep) runs on a GPU of its own where several are
-    visible (``scripts.harness.devices``)."""
+    visible, held by a lock until it ends (``scripts.harness.devices``); it lets go of its model and
+    compiled graphs then, so that a worker the launcher reuses starts bare."""
     import torch
+
+    from scripts.harness.devices import job_device, release_job, use_device
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with job_device(plan.device, job_number is not None, plan.jobs_per_gpu) as device:
+        use_device(device)
+        try:
+            run_grid(plan, device)
+        finally:
+            release_job(device)
+
+
+def run_grid(plan: Plan, device: str) -> None:
+    """``run``'s work on ``device``."""
     from rich.console import Console
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from reskv.backbones import load_backbone
-    from scripts.harness.devices import job_device, use_device
     from scripts.harness.grid import GridRun, load_task_items
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
-    device = job_device(plan.device, job_number)
-    use_device(device)
     backbone = load_backbone(plan.backbone, plan.dtype, device)
     items = load_task_items(plan, backbone.tokenizer)
     grid = GridRun(plan, backbone, items)
@@ -283,38 +295,42 @@ def dry_run(
     plan: Plan, mode: bool | str, calibration: str | None, threads: int | None, job_number: int | None
 ) -> None:
     """Print the plan, what the result store holds of it and its device hours without loading the
-    model (``scripts.harness.estimate``); ``mode="calibrate"`` first measures this device's rates
-    (``scripts.harness.calibrate``) into the calibration file the estimate then reads."""
+    model (``scripts.harness.dry_run``); ``mode="calibrate"`` first measures this device's rates
+    (``scripts.harness.dry_run.calibrate``) into the calibration file the estimate then reads."""
     from rich.console import Console
 
-    from scripts.harness import estimate
+    from scripts.harness.dry_run.rates import CALIBRATION_DIR, EstimateError, calibration_path, read_rates
+    from scripts.harness.dry_run.report import report
 
-    path = estimate.calibration_path(calibration, plan.device)
+    path = calibration_path(calibration, plan.device)
     if mode == "calibrate":
         import torch
 
-        from scripts.harness.calibrate import calibrate
-        from scripts.harness.devices import job_device, use_device
+        from scripts.harness.devices import job_device, release_job, use_device
+        from scripts.harness.dry_run.calibrate import calibrate
 
         if threads is not None:
             torch.set_num_threads(threads)
-        device = job_device(plan.device, job_number)
-        use_device(device)
-        calibrate(plan, device, path)
+        with job_device(plan.device, job_number is not None, plan.jobs_per_gpu) as device:
+            use_device(device)
+            try:
+                calibrate(plan, device, path)
+            finally:
+                release_job(device)
     rates, problem = None, ""
     if path.exists():
         try:
-            rates = estimate.read_rates(path, plan.backbone)
-        except estimate.EstimateError as error:
+            rates = read_rates(path, plan.backbone)
+        except EstimateError as error:
             problem = str(error)
     else:
-        committed = sorted(found.stem for found in estimate.CALIBRATION_DIR.glob("*.json"))
+        committed = sorted(found.stem for found in CALIBRATION_DIR.glob("*.json"))
         problem = (
             f"no calibration file {path}; measure this device with dry_run=calibrate, or name one with "
             f"calibration=KIND (committed: {', '.join(committed)})"
         )
     # Wide enough for its tables when piped (rich takes 80 columns then).
-    Console(width=None if sys.stdout.isatty() else 140).print(estimate.report(plan, rates, problem))
+    Console(width=None if sys.stdout.isatty() else 140).print(report(plan, rates, problem))
 
 
 def hydra_job_number() -> int | None:

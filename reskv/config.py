@@ -20,6 +20,17 @@ DECODE_MODES = ("eager", "compiled")
 # one batch; elsewhere eager, one at a time.
 AUTO = "auto"
 DECODE_CHOICES = (AUTO, *DECODE_MODES)
+# Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
+# the validation proxy (96 fit + 32 validation).
+DEFAULT_OBSERVATION_WINDOW = 128
+# The k-means distance block on CUDA is this fraction (1 / it) of the device's memory
+# (``reskv.residual.distance_block_bytes``): a block is one GEMM launch and one argmin, whose host time
+# does not depend on their size (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per
+# layer at 131K tokens; a 32nd (2.5 GiB on an 80 GB GPU) is far fewer launches per Lloyd step and layer
+# batch (``scripts.bench.construction_counts`` prints the count). A larger share (an eighth) lets one
+# layer's distances outgrow the forward's own activations inside a compressing prefill, which raises
+# +ResKV's peak above its base's. The memory rule sets a block aside (``reskv.batching``).
+DEVICE_MEMORY_SHARE = 32
 # The compiled step is one graph only through the shared softmax's masked form (reskv.md, the compiled
 # step); the ablation without it slices its entries by a host count, a graph per pattern of layers,
 # which passes torch._dynamo's recompile limit part-way through a grid.

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache, StaticWindowedLayer, WindowedLayer
@@ -77,6 +78,29 @@ def static_layer(layer, spare_slots: int):
     return CompressedLayer.exact(layer, spare_slots)
 
 
+# The slots of a stacked cache's layers under the compiled step: every layer's capacity rounded up to
+# one multiple of this, the same for all of a cache's layers. The slot dimension is dynamic, but
+# torch._dynamo gives equal sizes one symbol (a guard that they stay equal) and sizes 0 and 1 their
+# own graph, and a kernel may guard a size's alignment (SDPA's mask on CUDA): layers whose capacities
+# differ by the rows' budgets would then compile a graph per pattern of equal and aligned layers.
+CAPACITY_BUCKET = 64
+# The most graphs a grid's compiled step compiles in a process (``reskv.grid.decode_grid``, where
+# every row reaches the step in a stacked cache, its rule's values as tensors): the stacked form with
+# and without a gate (a batch of base and full caches only has none), each for one row (which
+# torch._dynamo specialises) and for any number of rows; within torch._dynamo's recompile limit (8).
+# A single request's compiled step (``Prefill.generate``) compiles a graph per kind of rule besides
+# (its gate, ``g_min`` zero or not, ``tau`` and ``alpha`` symbolic once they differ). A batch past the
+# limit all the same decodes eagerly (``reskv.grid.decoded_or_split``).
+COMPILED_GRAPH_BOUND = 4
+# What ``torch.compile(fullgraph=True)`` raises at the recompile limit, instead of a graph break.
+RECOMPILE_LIMIT_HIT = torch._dynamo.exc.FailOnRecompileLimitHit
+
+
+def bucketed(slots: int) -> int:
+    """``slots`` rounded up to a multiple of ``CAPACITY_BUCKET``."""
+    return -(-slots // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
 @functools.cache
 def compiled_step(model: torch.nn.Module, cache_argument: str):
     """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
@@ -97,6 +121,16 @@ def compiled_step(model: torch.nn.Module, cache_argument: str):
 
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     return torch.compile(step, fullgraph=True, mode=mode)
+
+
+def release_compiled() -> None:
+    """Forget every compiled step: ``compiled_step``'s cache (which holds its model alive),
+    torch._dynamo's graphs and guards, and its counters (``counters["stats"]["unique_graphs"]``, the
+    graphs compiled since), which ``torch._dynamo.reset`` keeps. A job calls it when it ends, so that a
+    reused worker holds no previous model; whatever counts compiled graphs calls it first."""
+    compiled_step.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
 
 
 def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: ResKVCache) -> Tensor:

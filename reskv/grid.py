@@ -5,12 +5,14 @@
         ...
 
 Rows are ordered by the slots their caches will hold and cut into batches that pad little and whose
-stacked cache fits the device's memory (``reskv.batching.decode_batches``; at most ``max_rows``
-rows). Each batch's rows are compressed (sharing, within a setting, what does not depend on the
-ratio: ``Prefill.sharing_construction``), stacked straight from their compressed states, and the
-question is fed to its query-agnostic rows in one forward, which the query-aware rows pass through
-with their new slots masked; then one greedy decode steps every row, a row that stopped being fed on
-with its logits unread, so that the batch keeps its shape (one compiled graph whatever the rows).
+stacked cache fits the device's memory beside what the sample's construction holds
+(``reskv.batching.sample_batches``; at most ``max_rows`` rows); a batch that fails to allocate all
+the same is split and decoded again (``decoded_or_split``). Each batch's rows are compressed
+(sharing, within a setting, what does not depend on the ratio: ``Prefill.sharing_construction``),
+stacked straight from their compressed states, and the question is fed to its query-agnostic rows
+in one forward, which the query-aware rows pass through with their new slots masked; then one
+greedy decode steps every row, a row that stopped being fed on with its logits unread, so that the
+batch keeps its shape (one compiled graph whatever the rows).
 A row's tokens equal its decode alone but at near ties: a batch pads its rows and sums their
 attention in another order. A batch of one, and a row without the shared softmax (which the stacked
 attention does not compute), decode alone as ``Prefill.generate`` does, bit for bit.
@@ -18,25 +20,21 @@ attention does not compute), decode alone as ``Prefill.generate`` does, bit for 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from reskv.batching import decode_batches
-from reskv.cache import ObservedLayer, ResKVCache, StackedRow, WindowedLayer
+from reskv.backbones import Backbone
+from reskv.batching import DeviceMemory, ModelShape, decode_batches, predicted_slots, sample_batches
+from reskv.cache import ObservedLayer, ResKVCache, StackedLayer, StackedRow, WindowedLayer
 from reskv.compress import CompressedLayerState
-from reskv.config import budget_for
-from reskv.decoding import compiled_next_logits, forward, greedy
+from reskv.decoding import RECOMPILE_LIMIT_HIT, bucketed, compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
 from reskv.method import Method
 from reskv.quality import FORCED_STEPS, TeacherForced
-
-# The share of a CUDA device's free memory a batch's compressed states and stacked cache may take
-# together; the rest is left to one step's activations (their attention logits, the logits over the
-# vocabulary) and to the allocator's slack.
-CUDA_MEMORY_SHARE = 0.8
 
 
 @dataclass
@@ -53,30 +51,25 @@ class GridRow:
     compressed: ResKVCache | None = None  # for the quality measures: its cache before the question
 
 
-def slot_bytes(prefill: Prefill) -> int:
-    """Bytes one slot of one row takes over every layer of a stacked cache: its keys and values in the
-    model's dtype, its fp32 bias and its entry mark."""
-    config, model = prefill.backbone.model.config, prefill.backbone.model
-    heads = config.num_key_value_heads
-    return config.num_hidden_layers * heads * (2 * prefill.backbone.head_dim * model.dtype.itemsize + 4 + 1)
+def model_shape(backbone: Backbone) -> ModelShape:
+    """The sizes of ``backbone``'s model that the memory rule counts."""
+    config, model = backbone.model.config, backbone.model
+    return ModelShape(
+        layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads,
+        query_heads=config.num_attention_heads,
+        head_dim=backbone.head_dim,
+        dtype_bytes=model.dtype.itemsize,
+    )
 
 
-def memory_limit(device: torch.device) -> int | None:
-    """Bytes a batch's compressed states and stacked cache may take (``CUDA_MEMORY_SHARE`` of what is
-    free on a CUDA device); ``None`` (no limit) elsewhere, where ``max_rows`` bounds a batch."""
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """What a CUDA device's driver and caching allocator say of its memory now; ``None`` elsewhere
+    (no limit: ``max_rows`` bounds a batch)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * CUDA_MEMORY_SHARE)
-
-
-def predicted_slots(prefill: Prefill, method: Method, setting: str, spare: int) -> int:
-    """The slots a request's row will take before it is compressed: its prompt's budget (``b`` per head:
-    a ragged method's longest head may hold more, counted once compressed), the question when it is
-    fed after compression, and ``spare`` fed tokens."""
-    compressed = len(prefill.prompt_ids) if setting == "aware" else prefill.context_length
-    kept = compressed if method.scorer is None else min(compressed, budget_for(compressed, method.ratio))
-    return kept + len(prefill.prompt_ids) - prefill.context_length + spare
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
 
 
 def decode_grid(
@@ -91,21 +84,33 @@ def decode_grid(
 ) -> Iterator[tuple[int, Generation]]:
     """``(index into requests, generation)`` of every request, batch by batch (module docstring).
     ``decode`` is the step of a batch (``"eager"`` or ``"compiled"``); a request without the shared
-    softmax decodes alone and eagerly whatever ``decode`` is (its run section says so). In a batch,
+    softmax decodes alone and eagerly whatever ``decode`` is (its run section says so). Compiled,
+    a batch of one is a stacked cache of one row too, so that the rows' rules reach the compiled
+    step as tensors: a grid compiles at most ``reskv.decoding.COMPILED_GRAPH_BOUND`` graphs. In a batch,
     ``decode_s`` is the batch's time shared equally by its rows (their sum is the time spent), likewise
     ``question_s`` among its query-agnostic rows and the teacher-forced part of ``quality_s``."""
     prefill.check_positions(max_new_tokens)
     quality = answer_ids is not None
     feeds = max(max_new_tokens, FORCED_STEPS, len(answer_ids or ())) if quality else max_new_tokens
+    prompt, context = len(prefill.prompt_ids), prefill.context_length
     rows = [
-        GridRow(index, method, setting, predicted_slots(prefill, method, setting, feeds))
+        GridRow(index, method, setting, predicted_slots(prompt, context, ratio_of(method), setting, feeds))
         for index, (method, setting) in enumerate(requests)
     ]
     alone = [row for row in rows if not row.method.decode_rule.batches]
     stacked = [row for row in rows if row.method.decode_rule.batches]
-    bytes_per_slot = slot_bytes(prefill)
-    limit = memory_limit(prefill.backbone.device)
-    planned = decode_batches([row.slots for row in stacked], bytes_per_slot, limit, max_rows)
+    shape, copies = model_shape(prefill.backbone), 2 if quality else 1
+    settings = len({row.setting for row in stacked if row.method.scorer is not None})  # compressed
+    planned, limit = sample_batches(
+        [row.slots for row in stacked],
+        shape,
+        device_memory(prefill.backbone.device),
+        prompt,
+        settings,
+        prefill.observation_window,
+        max_rows,
+        copies,
+    )
     options = dict(
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
@@ -113,20 +118,66 @@ def decode_grid(
         answer_ids=answer_ids,
     )
     with prefill.sharing_construction():
-        for batch in [[stacked[row] for row in rows] for rows in planned] + [[row] for row in alone]:
-            if len(batch) == 1:
-                (row,) = batch
-                mode = row.method.decode_rule.decode_mode(decode)
-                generation = prefill.generate(row.method, row.setting, decode=mode, **options)
-                generation.run["decode_batch"] = 1
-                yield row.index, generation
+        for batch in [[stacked[row] for row in rows] for rows in planned]:
+            if len(batch) == 1 and decode != "compiled":  # compiled, a row alone is a stacked one
+                yield batch[0].index, alone_generation(prefill, batch[0], options)
                 continue
             for row in batch:
                 compress(prefill, row, quality, feeds)
             # Split again by the slots the rows took (a ragged method's longest head is known now).
-            actual = decode_batches([row.slots for row in batch], bytes_per_slot, limit, max_rows)
+            actual = decode_batches([row.slots for row in batch], shape.slot_bytes, limit, max_rows, copies)
             for rows in actual:
-                yield from decode_batch(prefill, [batch[row] for row in rows], decode, feeds, **options)
+                yield from decoded_or_split(
+                    prefill, [batch[row] for row in rows], decode, quality, feeds, options
+                )
+        for row in alone:
+            yield row.index, alone_generation(prefill, row, options)
+
+
+def alone_generation(prefill: Prefill, row: GridRow, options: dict) -> Generation:
+    """``row`` decoded alone and eagerly, as ``Prefill.generate`` decodes it, bit for bit."""
+    generation = prefill.generate(row.method, row.setting, decode="eager", **options)
+    generation.run["batch_rows"] = 1
+    return generation
+
+
+def ratio_of(method: Method) -> float | None:
+    """The ratio a request's row is compressed at; ``None`` for the full cache (no scorer)."""
+    return None if method.scorer is None else method.ratio
+
+
+def decoded_or_split(
+    prefill: Prefill, rows: list[GridRow], decode: str, quality: bool, feeds: int, options: dict
+) -> list[tuple[int, Generation]]:
+    """The generations of ``rows`` (compressed) as one batch (``decode_batch``); a batch the device
+    cannot allocate is let go of, split in halves and each decoded again (its rows compressed again),
+    down to rows alone, so that no sample is lost to the memory plan's misses. A row's ``run``
+    section counts the splits (``out_of_memory_splits``). A compiled batch past torch._dynamo's
+    recompile limit is decoded again eagerly, its ``run`` section saying so (``compile_fallback``)."""
+    try:
+        return list(decode_batch(prefill, rows, decode, feeds, **options))
+    except RECOMPILE_LIMIT_HIT as error:
+        for row in rows:
+            compress(prefill, row, quality, feeds)
+        decoded = list(decode_batch(prefill, rows, "eager", feeds, **options))
+        for _, generation in decoded:
+            generation.run["compile_fallback"] = type(error).__name__
+        return decoded
+    except torch.OutOfMemoryError:
+        if len(rows) == 1:
+            raise
+    gc.collect()
+    if prefill.backbone.device.type == "cuda":
+        torch.cuda.empty_cache()
+    decoded = []
+    half = len(rows) // 2
+    for part in (rows[:half], rows[half:]):
+        for row in part:
+            compress(prefill, row, quality, feeds)
+        decoded += decoded_or_split(prefill, part, decode, quality, feeds, options)
+    for _, generation in decoded:
+        generation.run["out_of_memory_splits"] = generation.run.get("out_of_memory_splits", 0) + 1
+    return decoded
 
 
 def compress(prefill: Prefill, row: GridRow, quality: bool, feeds: int) -> None:
@@ -149,21 +200,33 @@ def stacked_row(
     return layer if isinstance(layer, WindowedLayer) else StackedRow.of(layer, method.decode_rule)
 
 
-def stacked_prompt(prefill: Prefill, rows: list[GridRow], feeds: int) -> tuple[ResKVCache, torch.Tensor]:
+def stacked_prompt(
+    prefill: Prefill, rows: list[GridRow], feeds: int, decode: str = "eager"
+) -> tuple[ResKVCache, torch.Tensor]:
     """``rows`` (compressed) as one stacked cache after the whole prompt, with room for ``feeds`` more
-    tokens, and each row's next-token logits there ``[B, V]``: a query-aware row's are the prefill's,
-    the query-agnostic rows are fed the question in one forward (the query-aware rows pass through
-    it, their new slots masked), timed as their ``question_s``. The cache is marked there
-    (``ResKVCache.mark``), and the rows let go of their compressed layers."""
+    tokens (for the compiled step, every layer's capacity the same multiple of ``CAPACITY_BUCKET``:
+    ``reskv.decoding.bucketed``), and each row's next-token logits there ``[B, V]``: a query-aware
+    row's are the prefill's, the query-agnostic rows are fed the question in one forward (the
+    query-aware rows pass through it, their new slots masked), timed as their ``question_s``. The
+    cache is marked there (``ResKVCache.mark``), and the rows let go of their compressed layers."""
     backbone, device = prefill.backbone, prefill.backbone.device
     question = prefill.prompt_ids[prefill.context_length :]
     agnostic = [row.setting == "agnostic" for row in rows]
     fed = question if any(agnostic) else []
-    cache = ResKVCache.stacked(
-        [[stacked_row(layer, row.method) for layer in row.layers] for row in rows],
-        len(prefill.prompt_ids) - len(fed),
-        len(fed) + feeds,
-    )
+    stacked_rows = [[stacked_row(layer, row.method) for layer in row.layers] for row in rows]
+    seq_len, spare = len(prefill.prompt_ids) - len(fed), len(fed) + feeds
+    windowed = any(isinstance(layer, WindowedLayer) for layer in stacked_rows[0])
+    if decode == "compiled" and not windowed:  # a sliding-window model's cache as ResKVCache.stacked makes it
+        by_layer = list(zip(*stacked_rows, strict=True))
+        capacity = bucketed(max(row.slots for layer_rows in by_layer for row in layer_rows) + spare)
+        cache = ResKVCache(
+            [
+                StackedLayer(layer_rows, seq_len, capacity - max(row.slots for row in layer_rows))
+                for layer_rows in by_layer
+            ]
+        )
+    else:
+        cache = ResKVCache.stacked(stacked_rows, seq_len, spare)
     for row in rows:
         row.layers = None
     logits = torch.stack([prefill.prefilled("aware").last_logits] * len(rows))
@@ -194,7 +257,7 @@ def decode_batch(
 ) -> Iterator[tuple[int, Generation]]:
     """The generations of ``rows`` (compressed) decoded as one stacked cache (``stacked_prompt``)."""
     backbone, device = prefill.backbone, prefill.backbone.device
-    cache, logits = stacked_prompt(prefill, rows, feeds)
+    cache, logits = stacked_prompt(prefill, rows, feeds, decode)
 
     def step(token_ids: list[int]) -> torch.Tensor:
         if decode == "compiled":
@@ -220,5 +283,5 @@ def decode_batch(
                 row.setting, row.compressed, None, row_logits, answer_ids, forced
             )
             row.timings["quality_s"] = time.perf_counter() - start + quality_s
-        run = {"decode": decode, "decode_batch": len(rows)}
+        run = {"decode": decode, "batch_rows": len(rows)}
         yield row.index, Generation(answer, text, row.stats, row.timings, measures, run)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from reskv.cache import CompressedLayer, ObservedLayer, ResKVCache, WindowedLayer
 from reskv.compress import CompressedLayerState, SharedLayers, compress_layers
-from reskv.config import ResidualConfig
+from reskv.config import DEFAULT_OBSERVATION_WINDOW, ResidualConfig
 from reskv.decode_rule import NO_RESIDUAL_RULE, DecodeRule
 from reskv.scoring import LayerObservation, TokenScorer
 
@@ -24,9 +24,6 @@ LAYER_BATCH_BYTES = 4 << 30
 # of the caches; 8 MiB holds one layer of the embedded model at 4K (results/README.md has the timings).
 # The bits are the same either way (tests/test_in_prefill.py).
 CPU_LAYER_BATCH_BYTES = 8 << 20
-# Queries recorded per layer during prefill: enough for SnapKV/AdaKV/CaM (64), TOVA (1) and
-# the validation proxy (96 fit + 32 validation).
-DEFAULT_OBSERVATION_WINDOW = 128
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from reskv.config import DEVICE_MEMORY_SHARE
 from reskv.selection import gather_rows, token_rows
 
 # Bound on the k-means distance block (fp32 bytes) on CPU, so transient memory does not grow with
@@ -24,13 +25,7 @@ from reskv.selection import gather_rows, token_rows
 DISTANCE_CHUNK_BYTES = 4 << 20
 # BLOCK_LAYOUT: a block is whole rows (a row: one head's [E, r] distances) while a row fits, so a
 # block's GEMMs are never thin (slices of several rows' points make them thin, and slower on CPU).
-# On CUDA a block is one GEMM launch and one argmin, whose host time does not depend on their size
-# (results/gpu/README.md), so 4 MiB blocks would be ~30K launches per layer at 131K tokens. There the
-# block is a 32nd of the device's memory (2.5 GiB on an 80 GB GPU), far fewer launches per Lloyd step
-# and layer batch (``scripts.bench.construction_counts`` prints the count). A larger share (an eighth)
-# lets one layer's distances outgrow the forward's own activations inside a compressing prefill,
-# which raises +ResKV's peak above its base's.
-DEVICE_MEMORY_SHARE = 32
+# On CUDA the block is ``reskv.config.DEVICE_MEMORY_SHARE`` of the device's memory.
 
 
 # Rows of different sizes clustered in one call are padded to the largest size and point count. On
@@ -71,7 +66,7 @@ def padding_tolerance(device: torch.device) -> float:
 
 def distance_block_bytes(device: torch.device) -> int:
     """The k-means distance block for ``device``: ``DISTANCE_CHUNK_BYTES`` on CPU, a
-    ``DEVICE_MEMORY_SHARE`` of the device's memory on CUDA."""
+    ``DEVICE_MEMORY_SHARE`` of the device's memory on CUDA (as ``reskv.batching`` sets aside)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // DEVICE_MEMORY_SHARE
     return DISTANCE_CHUNK_BYTES

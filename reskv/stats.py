@@ -24,6 +24,9 @@ TOKENS = "tokens"
 COUNT = "count"
 NAME = "name"  # a value that names something (a mode), not a quantity
 SUMMED = (SECONDS, TOKENS)  # the units a file's totals add up over its samples
+# A field written only when what it counts happens (a batch split for memory, a compiled batch decoded
+# eagerly): ``Annotated[int, COUNT, OCCASIONAL]``.
+OCCASIONAL = "occasional"
 
 
 class CacheStats(TypedDict, total=False):
@@ -68,7 +71,9 @@ class Run(TypedDict, total=False):
     """``run``: how one sample's generation was run."""
 
     decode: Annotated[str, NAME]  # the decode step that ran: "eager" or "compiled" (``DECODE_MODES``)
-    decode_batch: Annotated[int, COUNT]  # rows decoded together (``reskv.grid.decode_grid``)
+    batch_rows: Annotated[int, COUNT]  # rows decoded together in its batch (``reskv.grid.decode_grid``)
+    out_of_memory_splits: Annotated[int, COUNT, OCCASIONAL]  # its batch split for want of memory (reskv.grid)
+    compile_fallback: Annotated[str, NAME, OCCASIONAL]  # why its compiled batch decoded eagerly instead
     prefill_shared_by: Annotated[int, COUNT]  # configurations that shared the sample's prefills
 
 
@@ -98,6 +103,12 @@ def units(section: str) -> dict[str, str]:
     """The unit of each field of ``timings`` or ``run`` (``SECONDS``, ``TOKENS``, ``COUNT``)."""
     hints = get_type_hints(SECTIONS[section], include_extras=True)
     return {name: hint.__metadata__[0] for name, hint in hints.items()}
+
+
+def occasional(section: str) -> tuple[str, ...]:
+    """The fields of ``section`` written only when what they count happens (``OCCASIONAL``)."""
+    hints = get_type_hints(SECTIONS[section], include_extras=True)
+    return tuple(name for name, hint in hints.items() if OCCASIONAL in getattr(hint, "__metadata__", ()))
 
 
 def summed(section: str) -> tuple[str, ...]:

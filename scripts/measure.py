@@ -24,10 +24,7 @@ import contextlib
 import gc
 import itertools
 import math
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,45 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch.autograd.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from scripts.harness.devices import cpu_model
+from scripts.machine import machine
 
 PROC_STATUS = Path("/proc/self/status")
 # A shrunken copy of each shape for the CPU run: same architecture and GQA group, tiny widths.
 CPU_SHRINK = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
-
-
-def load_average() -> list[float]:
-    """The 1, 5 and 15 minute load averages, to two decimals."""
-    return [round(load, 2) for load in os.getloadavg()]
-
-
-def machine() -> dict[str, Any]:
-    """What ran a measurement: the CPU's model, cores, torch threads, load average, versions and,
-    with CUDA, the GPU, its driver and CUDA version."""
-    info = {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average": load_average(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda_available": torch.cuda.is_available(),
-    }
-    if info["cuda_available"]:
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        info |= {"gpu": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda}
-    return info
 
 
 def synchronize(device: torch.device) -> None:

@@ -16,7 +16,7 @@ from baselines import build_method
 from reskv.backbones import tiny_backbone
 from reskv.cache import CompressedLayer, ResKVCache
 from reskv.decode_rule import DecodeRule, plain_rule
-from reskv.decoding import static_cache
+from reskv.decoding import release_compiled, static_cache
 from reskv.engine import Prefill
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
@@ -63,7 +63,7 @@ def test_a_decode_step_reads_nothing_back_from_the_device(prefill, name):
 def test_the_compiled_step_gives_the_eager_logits(prefill, name):
     """``torch.compile(fullgraph=True)`` of the decode step (no graph break, no data-dependent shape)
     gives the eager step's logits along the same tokens, to fp32 rounding, and the same greedy tokens."""
-    torch._dynamo.reset()
+    release_compiled()
     eager = forced_logits(prefill, decode_cache(prefill, name), prefill.next_logits)
     compiled = forced_logits(prefill, decode_cache(prefill, name), prefill.compiled_next_logits)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
@@ -99,8 +99,7 @@ def test_one_compiled_graph_serves_every_pattern_of_layers_with_and_without_entr
         cache.reserve(1)
         return static_cache(cache, 1)
 
-    torch._dynamo.reset()
-    counters.clear()
+    release_compiled()
     for pattern in itertools.product((False, True), repeat=len(reskv.layers)):
         eager = prefill.next_logits([FORCED[0]], cache_of(pattern))
         compiled = prefill.compiled_next_logits([FORCED[0]], cache_of(pattern))
@@ -118,8 +117,7 @@ def test_a_runs_methods_compile_one_graph_per_kind_of_cache():
     names = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova+reskv")
     methods = [build_method(name, ratio) for ratio in (0.6, 0.9) for name in names]
     prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, methods)
-    torch._dynamo.reset()
-    counters.clear()
+    release_compiled()
     for method in methods:
         for setting in ("aware", "agnostic"):
             prefill.generate(method, setting, max_new_tokens=3, decode="compiled")
@@ -136,7 +134,7 @@ def test_the_compiled_step_follows_a_rule_whose_gate_parameters_change():
     prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
     cache, _ = prefill.compressed(method, "aware")
     assert all(layer.residual_slots > 0 for layer in cache.layers)
-    torch._dynamo.reset()
+    release_compiled()
     for tau, alpha in ((0.25, 12.0), (0.3, 8.0), (0.2, 16.0)):
         rule = plain_rule(dataclasses.replace(DecodeRule(), tau=tau, alpha=alpha))
         logits = {}

@@ -83,7 +83,7 @@ def test_a_decode_time_option_is_honoured_alone_and_beside_the_default_eager_and
             assert first.token_ids == tokens, (decode, max_rows)
             assert first.run == {
                 "decode": rule.decode_mode(decode),
-                "decode_batch": 2 if max_rows == 2 and rule.batches else 1,
+                "batch_rows": 2 if max_rows == 2 and rule.batches else 1,
             }
             assert beside.token_ids == prefill.generate(*default, max_new_tokens=NEW_TOKENS).token_ids
     if not rule.batches:

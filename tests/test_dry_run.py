@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.harness import calibrate, estimate
+from reskv.batching import ModelShape
+from scripts.harness.dry_run import calibrate, cost, rates, workload
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import ResultFile
 
@@ -18,7 +19,7 @@ from scripts.harness.store import ResultFile
 # construction 0.1 ms a compressed token and a +ResKV one 0.2 ms, a decode step of B rows of L
 # slots 10 ms + 1 us per row slot.
 TOY_RATES = {
-    "schema": estimate.SCHEMA,
+    "schema": rates.SCHEMA,
     "device": "toy",
     "device_type": "cpu",
     "backbones": {
@@ -48,40 +49,40 @@ TINY = ["backbone=tiny-llama", "num_samples=3", "ratio=0.75", "setting=[aware,ag
 TOY_GRID = [*TINY, "benchmark.length=1024", "method=[full,snapkv,snapkv+reskv]"]
 
 
-def toy_rates(tmp_path: Path) -> estimate.Rates:
+def toy_rates(tmp_path: Path) -> rates.Rates:
     path = tmp_path / "toy.json"
     path.write_text(json.dumps(TOY_RATES))
-    return estimate.read_rates(path, "tiny-llama")
+    return rates.read_rates(path, "tiny-llama")
 
 
 def test_the_estimate_counts_what_the_grid_runner_runs(tmp_path):
     """By hand, per sample: one context prefill (s - 64 question tokens), one question forward for
     the query-aware side (full + 2 aware) and one per agnostic configuration (2), 4 constructions
     (aware compress s tokens, agnostic s - 64), and 3 decode batches of answer-length steps: the 4
-    compressed rows in ascending slots, 2 a batch (the two aware, the two agnostic), and the full
+    compressed rows in ascending slots, 2 a batch (the two agnostic, the two aware), and the full
     cache alone (it would pad either pair more than twice). A row holds floor(tokens * 0.25), the
-    question when agnostic, and the answer."""
+    question's 64 slots (fed to the agnostic rows, masked in the aware ones), and the answer."""
     plan = compose_plan([*TOY_GRID, "benchmark.tasks=[vt,niah_single_1]", f"results_dir={tmp_path}"])
     # vt: 30 answer tokens, prompt 1024 - 30 = 994, context 930.
     vt_prefill = 930e-3 + 0.5 + 2 * 0.5
     vt_construction = 1e-4 * 994 + 1e-4 * 930 + 2e-4 * 994 + 2e-4 * 930
-    aware, agnostic, full = 994 // 4 + 30, 930 // 4 + 64 + 30, 994 + 30  # 278, 326, 1024 slots
-    assert agnostic > aware
+    aware, agnostic, full = 994 // 4 + 64 + 30, 930 // 4 + 64 + 30, 994 + 64 + 30  # 342, 326, 1088 slots
+    assert agnostic < aware
     vt_decode = 30 * ((0.01 + 1e-6 * 2 * aware) + (0.01 + 1e-6 * 2 * agnostic) + (0.01 + 1e-6 * full))
     # niah_single_1: 128 answer tokens, prompt 896, context 832.
     niah_prefill = 832e-3 + 0.5 + 2 * 0.5
     niah_construction = 1e-4 * 896 + 1e-4 * 832 + 2e-4 * 896 + 2e-4 * 832
-    aware, agnostic, full = 896 // 4 + 128, 832 // 4 + 64 + 128, 896 + 128  # 352, 400, 1024 slots
+    aware, agnostic, full = 896 // 4 + 64 + 128, 832 // 4 + 64 + 128, 896 + 64 + 128  # 416, 400, 1088
     niah_decode = 128 * ((0.01 + 1e-6 * 2 * aware) + (0.01 + 1e-6 * 2 * agnostic) + (0.01 + 1e-6 * full))
     expected = {
         "prefill": 3 * (vt_prefill + niah_prefill),  # 14.286 s
         "construction": 3 * (vt_construction + niah_construction),  # 3.2868 s
-        "decode": 3 * (vt_decode + niah_decode),  # 15.391632 s
+        "decode": 3 * (vt_decode + niah_decode),  # 15.48264 s
     }
-    assert expected["prefill"] + expected["construction"] + expected["decode"] == pytest.approx(32.964432)
-    tasks = estimate.task_plans(plan)
+    assert expected["prefill"] + expected["construction"] + expected["decode"] == pytest.approx(33.05544)
+    tasks = workload.task_plans(plan)
     assert [(task.task, task.range_size) for task in tasks] == [("vt", 3), ("niah_single_1", 3)]
-    estimates = estimate.estimate(plan, tasks, toy_rates(tmp_path))
+    estimates = cost.estimate(plan, tasks, toy_rates(tmp_path))
     for stage, seconds in expected.items():
         whole = sum(getattr(task_whole, stage) for _, task_whole in estimates.values())
         to_do = sum(getattr(task_to_do, stage) for task_to_do, _ in estimates.values())
@@ -109,18 +110,18 @@ def test_the_dry_run_lists_what_the_store_holds_and_writes_nothing(tmp_path):
     assert (full.method, snapkv_aware.label, snapkv_aware.setting) == ("full", "snapkv", "aware")
     write_result(plan, "vt", full, [0, 1, 2], 3)
     write_result(plan, "vt", snapkv_aware, [0], 3)
-    (task,) = estimate.task_plans(plan)
+    (task,) = workload.task_plans(plan)
     assert [task.status(entry) for entry in plan.grid] == ["done", "partial", "to do", "to do", "to do"]
     assert task.pending(plan.grid) == {tuple(plan.grid[2:]): 1, tuple(plan.grid[1:]): 2}
 
-    rates = toy_rates(tmp_path)
-    ((to_do, whole),) = estimate.estimate(plan, [task], rates).values()
-    fresh = estimate.estimate(plan, [estimate.TaskPlan("vt", task.workload, (0, 3))], rates)
+    toy = toy_rates(tmp_path)
+    ((to_do, whole),) = cost.estimate(plan, [task], toy).values()
+    fresh = cost.estimate(plan, [workload.TaskPlan("vt", task.workload, (0, 3))], toy)
     assert whole.total == fresh["vt"][0].total
-    # Decode by hand: sample 0 decodes 3 rows (an aware and an agnostic one, then an agnostic one),
-    # samples 1 and 2 four (the two aware, then the two agnostic).
-    aware, agnostic = 994 // 4 + 30, 930 // 4 + 64 + 30
-    pair, single = 0.01 + 1e-6 * 2 * agnostic, 0.01 + 1e-6 * agnostic
+    # Decode by hand: sample 0 decodes 3 rows (the two agnostic ones, then an aware one), samples 1
+    # and 2 four (the two agnostic, then the two aware).
+    aware, agnostic = 994 // 4 + 64 + 30, 930 // 4 + 64 + 30
+    pair, single = 0.01 + 1e-6 * 2 * agnostic, 0.01 + 1e-6 * aware
     aware_pair = 0.01 + 1e-6 * 2 * aware
     assert to_do.decode == pytest.approx(30 * ((pair + single) + 2 * (aware_pair + pair)))
 
@@ -136,18 +137,19 @@ def test_the_dry_run_lists_what_the_store_holds_and_writes_nothing(tmp_path):
     output = dry_run.stdout
     assert dry_run.returncode == 0 and "torch imported: False" in output, dry_run.stderr[-2000:]
     assert "1 done, 1 partial, 3 to do" in output and "device hours on toy" in output
+    assert "Not counted: compiling the decode step" in output and "No memory limit" in output
     assert f"{snapkv_aware.key(plan, 'vt').path(plan.runs_dir)}: 1 of 3" in output
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")} == before
 
 
 def test_committed_calibrations_read(tmp_path):
     """Every committed calibration file holds valid rates for each backbone it names."""
-    paths = sorted(estimate.CALIBRATION_DIR.glob("*.json"))
+    paths = sorted(rates.CALIBRATION_DIR.glob("*.json"))
     assert paths
     for path in paths:
         for backbone in json.loads(path.read_text())["backbones"]:
-            rates = estimate.read_rates(path, backbone)
-            assert rates.prefill.seconds(s=4096) > 0 and rates.decode
+            read = rates.read_rates(path, backbone)
+            assert read.prefill.seconds(s=4096) > 0 and read.decode
 
 
 def test_calibrate_measures_every_stage_at_three_lengths(tmp_path, monkeypatch):
@@ -174,5 +176,6 @@ def test_calibrate_measures_every_stage_at_three_lengths(tmp_path, monkeypatch):
     assert list(entry["prefill_with"]) == ["h2o"]
     # Eager decode: the full row, one compressed row and a batch of them, at each length.
     assert [point[0] for point in entry["decode"]["eager"]["points"]] == [1, 1, 2] * 3
-    rates = estimate.read_rates(path, "tiny-llama")
-    assert estimate.estimate(plan, estimate.task_plans(plan), rates)["vt"][1].total > 0
+    read = rates.read_rates(path, "tiny-llama")
+    assert cost.estimate(plan, workload.task_plans(plan), read)["vt"][1].total > 0
+    assert read.shape == ModelShape(2, 2, 4, 16, 4) and read.weights_bytes > 0 and read.memory_bytes is None

@@ -10,12 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
+import reskv.engine
 import reskv.grid
 from baselines import build_method
-from reskv.batching import decode_batches, grid_decoding
+from reskv.batching import DeviceMemory, check_decode_batch, decode_batches, grid_decoding
 from reskv.cache import ResKVCache, StackedLayer
 from reskv.config import ResidualConfig
-from reskv.decoding import compiled_next_logits, forward, greedy
+from reskv.decoding import (
+    COMPILED_GRAPH_BOUND,
+    RECOMPILE_LIMIT_HIT,
+    compiled_next_logits,
+    forward,
+    greedy,
+    release_compiled,
+)
 from reskv.engine import Prefill
 from reskv.grid import GridRow, compress, decode_grid, stacked_prompt
 from scripts.bench.dispatch_counts import count_dispatch
@@ -85,13 +93,15 @@ def alone_logits(prefill: Prefill, method, setting: str, step=None) -> torch.Ten
     return torch.stack([logits] + [step([token], cache) for token in FORCED[:-1]])
 
 
-def prompted_batch(prefill: Prefill, methods, feeds: int) -> tuple[ResKVCache, torch.Tensor]:
+def prompted_batch(
+    prefill: Prefill, methods, feeds: int, decode: str = "eager"
+) -> tuple[ResKVCache, torch.Tensor]:
     """``methods`` compressed and stacked as ``decode_grid`` stacks a batch, after the whole prompt."""
     rows = [GridRow(index, method, setting, 0) for index, (method, setting) in enumerate(methods)]
     with prefill.sharing_construction():
         for row in rows:
             compress(prefill, row, quality=False, feeds=feeds)
-        return stacked_prompt(prefill, rows, feeds)
+        return stacked_prompt(prefill, rows, feeds, decode)
 
 
 def stacked_logits(prefill: Prefill, methods, step) -> torch.Tensor:
@@ -129,8 +139,7 @@ def test_the_compiled_batch_step_gives_the_eager_batch_logits(prefill):
     """The batch's decode step compiled as one graph (``torch.compile(fullgraph=True)``: no graph break,
     static shapes) gives the eager batch's logits to fp32 rounding, and one graph serves grids whose
     rows hold entries in other layers, other rules and another number of rows."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # graphs compiled by earlier tests in this process
+    release_compiled()
     methods = requests(DEFAULT_RULES)
     eager = stacked_logits(prefill, methods, eager_step(prefill))
 
@@ -191,16 +200,50 @@ def test_batches_take_rows_in_ascending_slots_within_the_padding_the_memory_and_
 
 
 def test_a_grid_beyond_the_memory_limit_is_split_and_every_row_is_decoded(prefill, monkeypatch):
-    """A faked device memory that holds a stacked cache of about three rows: the grid is decoded in
-    batches within it, each row's tokens as alone."""
+    """A faked allocator whose free and reserved-but-unused bytes, less what the construction holds
+    (both settings' stacked fp32 keys, values and observed queries, one fp32 copy of the points, a
+    32nd of the device for the distances), leave 0.8 x that a stacked cache of about three rows: the
+    grid is decoded in batches within it, each row's tokens as alone."""
     methods = requests(DEFAULT_RULES)
-    slot_bytes = reskv.grid.slot_bytes(prefill)
-    monkeypatch.setattr(reskv.grid, "memory_limit", lambda device: 3 * 2 * 320 * slot_bytes)
+    config = prefill.backbone.model.config
+    layers, kv, heads = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads
+    head_dim, prompt = prefill.backbone.head_dim, len(prefill.prompt_ids)
+    slot_bytes = layers * kv * (2 * head_dim * 4 + 4 + 1)  # fp32 keys and values, fp32 bias, entry mark
+    total = 1 << 30
+    stacked = layers * (2 * kv * prompt + heads * prefill.observation_window) * head_dim * 4
+    construction = 2 * stacked + layers * kv * prompt * head_dim * 4 + total // 32
+    available = construction + int(3 * 2 * 320 * slot_bytes / 0.8)
+    reserved, allocated = 5 << 20, 3 << 20
+    faked = DeviceMemory(total, available - (reserved - allocated), reserved, allocated)
+    monkeypatch.setattr(reskv.grid, "device_memory", lambda device: faked)
     together = grid(prefill, methods, max_new_tokens=4)
-    sizes = [generation.run["decode_batch"] for generation in together]
+    sizes = [generation.run["batch_rows"] for generation in together]
     assert max(sizes) < len(methods) and max(sizes) > 1
     alone = [prefill.generate(method, setting, max_new_tokens=4) for method, setting in methods]
     assert [generation.token_ids for generation in together] == [generation.token_ids for generation in alone]
+
+
+def test_a_batch_the_device_cannot_allocate_is_split_and_decoded_again(prefill, monkeypatch):
+    """A device that cannot stack more than two rows (a faked out-of-memory error): every row is still
+    decoded, in halves, each with the tokens of the same rows batched by ``max_rows=2``, and its run
+    section counts the splits."""
+    methods = [request for request in requests(DEFAULT_RULES) if request[0].scorer is not None][:4]
+    stacked_prompt = reskv.grid.stacked_prompt
+
+    def two_rows_at_most(prefill, rows, *options):
+        stacked = stacked_prompt(prefill, rows, *options)  # the rows have let go of their compressed layers
+        if len(rows) > 2:
+            raise torch.OutOfMemoryError("faked: CUDA out of memory")
+        return stacked
+
+    expected = grid(prefill, methods, max_new_tokens=4, max_rows=2)
+    monkeypatch.setattr(reskv.grid, "stacked_prompt", two_rows_at_most)
+    together = grid(prefill, methods, max_new_tokens=4)
+    assert [generation.token_ids for generation in together] == [
+        generation.token_ids for generation in expected
+    ]
+    assert [generation.run["batch_rows"] for generation in together] == [2, 2, 2, 2]
+    assert [generation.run.get("out_of_memory_splits") for generation in together] == [1, 1, 1, 1]
 
 
 BATCHED_QUALITY = ("answer_log_prob", "answer_log_prob_gap", "kl")  # teacher-forced as one batch
@@ -226,7 +269,7 @@ def test_a_batch_of_one_is_generate_bit_for_bit_and_a_batch_its_quality_to_round
             assert {key: batched.quality[key] for key in exact} == exact
             for key in BATCHED_QUALITY:
                 assert batched.quality[key] == pytest.approx(one.quality[key], rel=1e-5, abs=1e-6), key
-        batches = [generation.run["decode_batch"] for generation in together]
+        batches = [generation.run["batch_rows"] for generation in together]
         if max_rows == 1:
             assert batches == [1] * len(methods)
         else:  # the full cache's rows apart (they would pad the others more than twice)
@@ -237,7 +280,7 @@ def test_a_row_without_the_shared_softmax_decodes_alone_and_eagerly(prefill):
     ablation = build_method("snapkv+reskv", 0.9, residual=ResidualConfig(shared_softmax=False))
     methods = [(ablation, "aware"), *requests(REQUESTS[:3])]
     together = grid(prefill, methods, max_new_tokens=4, max_rows=8)
-    assert [generation.run["decode_batch"] for generation in together] == [1, 3, 3, 3]
+    assert [generation.run["batch_rows"] for generation in together] == [1, 3, 3, 3]
     assert together[0].token_ids == prefill.generate(ablation, "aware", max_new_tokens=4).token_ids
     compiled = grid(prefill, methods, max_new_tokens=4, decode="compiled")
     assert [generation.run["decode"] for generation in compiled] == [
@@ -279,8 +322,10 @@ def test_auto_decodes_a_gpu_s_grid_compiled_in_one_batch_and_a_cpu_s_as_before(
 
 
 def test_a_bad_decode_choice_is_refused_naming_the_values():
-    with pytest.raises(ValueError, match=r"decode_batch 0 must be a positive integer or 'auto'"):
-        grid_decoding("eager", 0, "cpu")
+    with pytest.raises(
+        ValueError, match=r"decode_batch 0 must be a positive integer \(1: each configuration"
+    ):
+        check_decode_batch(0)
     with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; choose one of \['auto', 'eager'"):
         grid_decoding("fast", 1, "cpu")
 
@@ -314,5 +359,54 @@ def test_the_runner_decodes_a_sample_s_configurations_together_when_asked_and_re
             assert batched[key] == alone[key], key
         for key, value in alone["quality"].items():  # the teacher-forced ones to fp32 rounding
             assert batched["quality"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    assert sorted(sample["run"]["decode_batch"] for sample in records[4]) == [1] + [4] * 12
-    assert {sample["run"]["decode_batch"] for sample in records[1]} == {1}
+    assert sorted(sample["run"]["batch_rows"] for sample in records[4]) == [1] + [4] * 12
+    assert {sample["run"]["batch_rows"] for sample in records[1]} == {1}
+
+
+def past_the_recompile_limit(*args, **kwargs):
+    raise RECOMPILE_LIMIT_HIT("faked: recompile limit (8) hit with fullgraph=True")
+
+
+def test_a_compiled_batch_past_the_recompile_limit_decodes_eagerly_and_says_so(prefill, monkeypatch):
+    """Every compiled step fails at the recompile limit (faked): each batch and each row alone is
+    decoded eagerly instead, with the eager grid's tokens, and its run section names the fallback."""
+    methods = requests(DEFAULT_RULES)
+    eager = grid(prefill, methods, max_new_tokens=4, max_rows=4)
+    monkeypatch.setattr(reskv.grid, "compiled_next_logits", past_the_recompile_limit)
+    monkeypatch.setattr(reskv.engine, "compiled_next_logits", past_the_recompile_limit)
+    compiled = grid(prefill, methods, max_new_tokens=4, max_rows=4, decode="compiled")
+    assert [generation.token_ids for generation in compiled] == [generation.token_ids for generation in eager]
+    assert {generation.run["compile_fallback"] for generation in compiled} == {"FailOnRecompileLimitHit"}
+    assert {generation.run["decode"] for generation in compiled} == {"eager"}
+    assert [g.run["batch_rows"] for g in compiled] == [g.run["batch_rows"] for g in eager]
+
+
+@pytest.mark.slow
+def test_a_compiled_grid_compiles_at_most_the_graph_bound_whatever_its_rows_and_prompts():
+    """Two samples of other lengths, every kind of row and gate rule (a second ``tau`` and ``alpha``
+    among them), decoded in one batch, in batches of at most 3 and each alone: the compiled step
+    compiles at most ``COMPILED_GRAPH_BOUND`` graphs, below torch._dynamo's recompile limit, and no
+    row falls back to eager decoding."""
+    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
+    release_compiled()
+    for length, seed in ((300, 3), (410, 5)):
+        prefill = Prefill(backbone, random_prompt(TOKENS, length, seed=seed), length - 30)
+        for max_rows in (None, 3, 1):
+            generations = grid(prefill, requests(), max_new_tokens=3, max_rows=max_rows, decode="compiled")
+            assert not any("compile_fallback" in generation.run for generation in generations)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= COMPILED_GRAPH_BOUND
+    assert COMPILED_GRAPH_BOUND < torch._dynamo.config.recompile_limit
+
+
+def test_a_compiled_batch_gives_every_layer_one_capacity_a_multiple_of_the_bucket(prefill):
+    """Rows whose layers hold different slots (ragged AdaKV, residual entries in some layers): for the
+    compiled step every layer's buffers take one capacity, the smallest multiple of 64 that holds the
+    longest layer and the fed tokens; eagerly each layer holds its own longest row and the fed tokens."""
+    methods = [request for request in requests(DEFAULT_RULES) if request[0].scorer is not None]
+    eager, _ = prompted_batch(prefill, methods, len(FORCED))
+    filled = [layer.filled for layer in eager.layers]
+    assert len(set(filled)) > 1
+    assert [layer.capacity for layer in eager.layers] == [slots + len(FORCED) for slots in filled]
+    compiled, _ = prompted_batch(prefill, methods, len(FORCED), "compiled")
+    capacity = -(-(max(filled) + len(FORCED)) // 64) * 64
+    assert [layer.capacity for layer in compiled.layers] == [capacity] * len(filled)

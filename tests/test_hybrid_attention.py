@@ -91,7 +91,7 @@ def test_compiled_step_and_grid_decode_equal_the_eager_single_decode(prefill):
     assert compiled == eager
     for decode in ("eager", "compiled"):
         generations = dict(decode_grid(prefill, requests, max_new_tokens=NEW_TOKENS, decode=decode))
-        assert max(generation.run["decode_batch"] for generation in generations.values()) == len(requests)
+        assert max(generation.run["batch_rows"] for generation in generations.values()) == len(requests)
         assert [generations[row].token_ids for row in range(len(requests))] == eager
 
 

@@ -10,7 +10,7 @@ import torch
 from reskv.backbones import random_backbone
 from scripts import measure
 from scripts.bench.dispatch_counts import count_dispatch
-from scripts.harness.devices import cpu_model
+from scripts.machine import cpu_model
 from scripts.measure import (
     machine,
     median_interval,

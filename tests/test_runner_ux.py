@@ -26,10 +26,10 @@ import reskv.grid
 import run
 from baselines.registry import METHODS
 from reskv.backbones import load_backbone
-from scripts.harness.devices import cpu_model
 from scripts.harness.grid import GridRun, load_task_items, run_plan
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results, summarize
+from scripts.machine import cpu_model
 from tests.conftest import journaled_samples, start_interruptible
 from tests.test_aggregate_tables import write_result
 
@@ -288,7 +288,7 @@ def test_result_files_name_units_timings_and_machine(tmp_path, ruler_cache, back
             assert timings[name] == pytest.approx(
                 sum(sample["timings"][name] for sample in samples), abs=1e-5
             )
-        run = {"decode": "eager", "decode_batch": 1, "prefill_shared_by": 2}
+        run = {"decode": "eager", "batch_rows": 1, "prefill_shared_by": 2}
         assert all(sample["run"] == run for sample in samples)
         own_share = sum(
             (sample["timings"]["prefill_s"] + sample["timings"]["question_prefill_s"]) / 2

@@ -83,7 +83,7 @@ def count_grid(backbone, length: int, new_tokens: int, max_rows: int | None) -> 
         prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
         prefill.prefilled("aware")
         grid = reskv.grid.decode_grid(prefill, requests, new_tokens, max_rows=max_rows)
-        rows = [generation.run["decode_batch"] for _, generation in grid]
+        rows = [generation.run["batch_rows"] for _, generation in grid]
     return counts, sum(1 / size for size in rows)
 
 

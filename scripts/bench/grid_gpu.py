@@ -8,13 +8,15 @@ script runs everywhere), per prompt length:
 - the unit: one full-cache request of the sample (its prefill, then ``generate``), eager, then with
   the compiled step (timed on its second run, the first compiling or recording its CUDA graphs);
 - the grid as the runner serves it on this device (``--decode``, ``--decode-batch``: auto): one
-  prefill and the question's, the 33 configurations of ``scripts.bench.grid_counts.paper_grid``
-  constructed sharing what they can, then decoded in the batches ``reskv.batching`` cuts
-  (``reskv.grid.decode_grid``), every answer ``--new-tokens`` long (no stop token, so the time does
-  not depend on the random weights). Its wall time is taken with the device synchronised at both
-  ends; the split into stages is each stage's host-side time as the records hold it (on a GPU the
-  device may still run one stage's work while the host issues the next's); on CUDA a second run
-  takes its peak memory (allocated bytes, weights included);
+  prefill and the question's, the 73 configurations of ``configs/grid/paper_ruler.yaml``
+  (``paper_ruler_requests``) constructed sharing what they can, then decoded in the batches
+  ``reskv.batching`` cuts (``reskv.grid.decode_grid``), every answer ``--new-tokens`` long (no stop
+  token, so the time does not depend on the random weights). Its wall time is taken with the device
+  synchronised at both ends; the split into stages is each stage's host-side time as the records
+  hold it (on a GPU the device may still run one stage's work while the host issues the next's); on
+  CUDA the same run's peak memory (allocated bytes, weights included); the graphs the compiled step
+  compiled and the CUDA graphs recorded meanwhile (torch's counters), the batches' rows and any
+  fallback;
 - the floor beside it: the prefills, the constructions' fp32 matmul FLOPs at this device's fp32
   matmul rate, and the grid's batched decode.
 
@@ -27,24 +29,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from baselines import build_method
+from baselines.registry import RESIDUAL_SUFFIX
 from reskv.backbones import Backbone, random_backbone
-from reskv.batching import grid_decoding
+from reskv.batching import check_decode_batch, grid_decoding
 from reskv.config import AUTO, DECODE_CHOICES
 from reskv.engine import Prefill
 from reskv.grid import decode_grid
-from scripts.bench.grid_counts import QUESTION_TOKENS, paper_grid
+from reskv.method import Method
+from scripts.bench.grid_counts import QUESTION_TOKENS
+from scripts.harness.plan import compose_plan
+from scripts.machine import machine
 from scripts.measure import (
     CPU_SHRINK,
     counted_gflop,
-    machine,
     matmul_gflops,
     peak_memory,
     random_prompt,
@@ -81,13 +88,46 @@ def full_request(backbone: Backbone, prompt: list[int], new_tokens: int, decode:
     return timed(backbone.device, request)[1]
 
 
+@functools.cache
+def paper_ruler_requests() -> list[tuple[Method, str]]:
+    """The 73 configurations of configs/grid/paper_ruler.yaml as the runner builds them."""
+    plan = compose_plan(["grid=paper_ruler", f"backbone={SHAPE}", "results_dir=/nonexistent"])
+    return [
+        (
+            build_method(
+                entry.method,
+                entry.ratio,
+                residual=entry.residual if entry.method.endswith(RESIDUAL_SUFFIX) else None,
+                seed=plan.seed,
+                options=dict(entry.options),
+            ),
+            entry.setting or "aware",
+        )
+        for entry in plan.grid
+    ]
+
+
+def compiler_counts() -> dict[str, int]:
+    """torch's counters of what the compiled step cost so far in this process: graphs compiled, and
+    the inductor's CUDA-graph counts (recordings, skips)."""
+    inductor = {name: count for name, count in counters["inductor"].items() if "cudagraph" in name}
+    return {"graphs_compiled": counters["stats"]["unique_graphs"], **inductor}
+
+
 def grid_sample(
-    backbone: Backbone, prompt: list[int], new_tokens: int, decode: str = AUTO, decode_batch: int | str = AUTO
+    backbone: Backbone,
+    prompt: list[int],
+    new_tokens: int,
+    decode: str = AUTO,
+    decode_batch: int | str = AUTO,
+    count_flops: bool = True,
 ) -> dict:
     """One sample's grid as the runner serves it with ``decode`` and ``decode_batch`` on this device:
-    wall seconds, stage seconds, batches."""
-    requests = paper_grid()
+    wall seconds, stage seconds, batches, what the compiler did meanwhile; with ``count_flops`` the
+    constructions' matmul GFLOP (one more pass of them)."""
+    requests = paper_ruler_requests()
     decode, max_rows = grid_decoding(decode, decode_batch, backbone.device.type)
+    before = compiler_counts()
 
     def grid():
         prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, [method for method, _ in requests])
@@ -97,12 +137,15 @@ def grid_sample(
         )
         return prefill, [generation for _, generation in generations]
 
-    (prefill, generations), seconds = timed(backbone.device, grid)
     if backbone.device.type == "cuda":  # the allocator's statistics; a CPU's profiler would slow the run
         with peak_memory(backbone.device) as peak:
-            grid()
+            (prefill, generations), seconds = timed(backbone.device, grid)
+    else:
+        (prefill, generations), seconds = timed(backbone.device, grid)
+    after = compiler_counts()
     timings = [generation.timings for generation in generations]
-    rows_by_size = Counter(generation.run["decode_batch"] for generation in generations)
+    rows_by_size = Counter(generation.run["batch_rows"] for generation in generations)
+    runs = [generation.run for generation in generations]
     return {
         "decode": decode,
         "grid_s": seconds,
@@ -114,7 +157,11 @@ def grid_sample(
             size for size, rows in sorted(rows_by_size.items(), reverse=True) for _ in range(rows // size)
         ],
         "peak_bytes": peak.bytes if backbone.device.type == "cuda" else None,
-        "construct_gflop": construction_gflop(prefill, requests),
+        "compiler": {name: after[name] - before.get(name, 0) for name in after},
+        "compile_fallbacks": sum("compile_fallback" in run for run in runs),
+        "out_of_memory_splits": sum(run.get("out_of_memory_splits", 0) for run in runs),
+        "decode_tokens": sum(timing["decode_tokens"] for timing in timings),
+        "construct_gflop": construction_gflop(prefill, requests) if count_flops else None,
     }
 
 
@@ -147,7 +194,12 @@ def grid_rows(
     for length in lengths:
         release_memory(device)
         prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
-        row = {"shape": backbone.name, "length": length, "new_tokens": new_tokens, "rows": len(paper_grid())}
+        row = {
+            "shape": backbone.name,
+            "length": length,
+            "new_tokens": new_tokens,
+            "rows": len(paper_ruler_requests()),
+        }
         row["full_eager_s"] = full_request(backbone, prompt, new_tokens, "eager")
         row["full_compiled_s"] = full_request(backbone, prompt, new_tokens, "compiled")
         row |= grid_sample(backbone, prompt, new_tokens, decode, decode_batch)
@@ -186,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--decode-batch",
         default=AUTO,
-        type=lambda text: text if text == AUTO else int(text),
+        type=lambda text: check_decode_batch(text if text == AUTO else int(text)),
         help="N or auto",
     )
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))

@@ -42,7 +42,8 @@ from scripts.bench.grid_saving import batched_differences, timed_run
 from scripts.harness.grid import GridRun, load_task_items
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results
-from scripts.measure import load_average, machine, machine_header
+from scripts.machine import load_average, machine
+from scripts.measure import machine_header
 
 SAMPLE = 0
 # The three invocations of one round of the Makefile's reproduce-ruler4k (tasks and model added).
@@ -206,7 +207,7 @@ def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path)
 def decoded_as(record: dict) -> str:
     """How a rerun record was decoded: its step and the rows of its batch."""
     run = record["run"]
-    return f"{run['decode']}, batch of {run['decode_batch']}"
+    return f"{run['decode']}, batch of {run['batch_rows']}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -36,7 +36,8 @@ from reskv.engine import Prefill
 from scripts.harness.grid import GridRun, load_task_items
 from scripts.harness.plan import compose_plan
 from scripts.harness.store import load_results, prefill_shared_by
-from scripts.measure import load_average, machine, machine_header, top2_gap_at
+from scripts.machine import load_average, machine
+from scripts.measure import machine_header, top2_gap_at
 
 WARM_UP_CONTEXT = 300  # tokens: longer than every observation window, so every method compresses
 DEFAULT_OVERRIDES = (

@@ -166,10 +166,10 @@ class GridRun:
     @property
     def environment(self) -> dict[str, Any]:
         """Where this run's timings were taken (stored in each new result file's provenance): the
-        machine's CPU model, cores, load average and torch threads (``scripts.measure.machine``), the
+        machine's CPU model, cores, load average and torch threads (``scripts.machine.machine``), the
         GPU's name on CUDA, the model's device and dtype, the decode mode and the most rows a decode
         batch holds ("auto": as many as the device's memory allows), "auto" resolved."""
-        from scripts.measure import machine
+        from scripts.machine import machine
 
         facts, model = machine(), self.backbone.model
         return {

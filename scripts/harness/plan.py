@@ -33,6 +33,7 @@ from baselines.registry import (
     method_option_defaults,
 )
 from benchmarks.item import Item
+from reskv.batching import check_decode_batch
 from reskv.config import AUTO, COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_CHOICES, SETTINGS, ResidualConfig
 from scripts.harness.records import MethodLabel
 from scripts.harness.store import ResultKey
@@ -166,6 +167,7 @@ class Plan:
     decode_batch: int | str = 1  # most configurations of a sample decoded together (reskv.grid), or "auto"
     grid: tuple[GridEntry, ...] = field(default=())
     quality: bool = False  # record reskv.quality's measures with every sample (backbone.quality)
+    jobs_per_gpu: int = 1  # a sweep's jobs that may share one GPU (scripts.harness.devices)
 
     @property
     def runs_dir(self) -> Path:
@@ -319,19 +321,18 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
             f"max_new_tokens {max_new_tokens!r} must be a positive integer or null (the benchmark's own)"
         )
     _choose("decode mode", [config["decode"]], DECODE_CHOICES)
-    decode_batch = config["decode_batch"]
-    if decode_batch != AUTO and (
-        isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1
-    ):
-        raise PlanError(
-            f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone) or "
-            f"{AUTO!r} (on CUDA every configuration of a sample in one batch, elsewhere 1)"
-        )
+    try:
+        decode_batch = check_decode_batch(config["decode_batch"])
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     if decode_batch != AUTO and decode_batch > 1 and not config["share_prefill"]:
         raise PlanError(
             f"decode_batch {decode_batch} batches the configurations of one shared prefill; "
             "use decode_batch=1 with share_prefill=false"
         )
+    jobs_per_gpu = config.get("jobs_per_gpu", 1)
+    if isinstance(jobs_per_gpu, bool) or not isinstance(jobs_per_gpu, int) or jobs_per_gpu < 1:
+        raise PlanError(f"jobs_per_gpu {jobs_per_gpu!r} must be a positive integer (1: a GPU for each job)")
     quality = backbone.get("quality", False)
     if not isinstance(quality, bool):
         raise PlanError(f"backbone.quality {quality!r} must be true or false (record the quality measures)")
@@ -366,6 +367,7 @@ def make_plan(config: Mapping[str, Any]) -> Plan:
         decode_batch=decode_batch,
         grid=build_grid(methods, ratios, settings, residual, options),
         quality=quality,
+        jobs_per_gpu=jobs_per_gpu,
     )
 
 

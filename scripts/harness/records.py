@@ -24,6 +24,9 @@ from baselines.registry import RESIDUAL_SUFFIX, SPECS, base_of, option_default
 from reskv.stats import CacheStats, Quality, Run, Timings, fields
 
 OPTIONS_SEPARATOR = "~"
+# ``run`` fields under the names files written before held them: a batch's rows were ``decode_batch``,
+# the option's name, which is the cap, not the rows.
+RUN_RENAMED = {"decode_batch": "batch_rows"}
 RESKV_DISPLAY = "+ResKV"  # a +reskv method's display name: its base's plus this
 
 
@@ -235,7 +238,7 @@ class SampleRecord:
             prediction_token_ids=data.get("prediction_token_ids", []),
             cache_stats=data.get("cache_stats", {}),
             timings=data.get("timings", {}),
-            run=data.get("run", {}),
+            run={RUN_RENAMED.get(name, name): value for name, value in data.get("run", {}).items()},
             quality=data.get("quality"),
             skipped=data.get("skipped"),
         )

@@ -14,13 +14,14 @@ import reskv.decode_kernel
 import reskv.nearest_kernel
 import reskv.residual
 from scripts.bench.gpu_check import efficiency
-from scripts.measure import machine, matmul_gflops, peak_memory_kind
+from scripts.machine import machine
+from scripts.measure import matmul_gflops, peak_memory_kind
 
 FLOOR_MATMUL_SIZE = {"cuda": 8192, "cpu": 1024}
 
 
 def check_machine(device: str) -> dict:
-    """What ran the check (``scripts.measure.machine``), the date, the peak memory's kind, the
+    """What ran the check (``scripts.machine.machine``), the date, the peak memory's kind, the
     attention path of exact layers and how the k-means finds nearest centres."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

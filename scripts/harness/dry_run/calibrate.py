@@ -11,7 +11,7 @@ point the fastest of ``REPEATS`` calls:
 - ``DECODE_STEPS`` decode steps in the plan's decode mode: one full-cache row, one compressed row and
   a batch of ``BATCH_ROWS`` compressed rows (where the mode decodes batches).
 
-The points go to ``results/calibration/<device kind>.json`` (``scripts.harness.estimate`` fits and
+The points go to ``results/calibration/<device kind>.json`` (``scripts.harness.dry_run.rates`` fits and
 reads them), under the plan's backbone, replacing what that backbone held there except the rates of
 the other decode mode. Times include the device's queued work (``scripts.measure.timed``).
 """
@@ -35,13 +35,16 @@ from baselines.registry import FULL_METHOD, RESIDUAL_SUFFIX
 from reskv.backbones import PAPER_SHAPES, Backbone, load_backbone, random_backbone
 from reskv.batching import grid_decoding
 from reskv.engine import Prefill
-from reskv.grid import decode_grid
+from reskv.grid import decode_grid, model_shape
 from reskv.method import Method
-from scripts.harness import estimate
+from scripts.harness.dry_run.cost import row_slots
+from scripts.harness.dry_run.rates import SCHEMA
+from scripts.harness.dry_run.workload import QUESTION_TOKENS, Workload
 from scripts.harness.grid import GridRun
 from scripts.harness.plan import GridEntry, Plan
 from scripts.harness.store import provenance
-from scripts.measure import load_average, random_prompt, synchronize, timed
+from scripts.machine import cpu_name, load_average
+from scripts.measure import random_prompt, synchronize, timed
 
 log = logging.getLogger(__name__)
 DECODE_STEPS = 16
@@ -64,7 +67,7 @@ def calibration_backbone(plan: Plan, device: str) -> Backbone:
 
 def calibration_lengths(plan: Plan, max_positions: int) -> list[int]:
     longest = min(plan.length, max_positions - DECODE_STEPS)
-    shortest = 2 * estimate.QUESTION_TOKENS  # a context as long as the question at least
+    shortest = 2 * QUESTION_TOKENS  # a context as long as the question at least
     return sorted({max(shortest, longest // 4), max(shortest, longest // 2), max(shortest, longest)})
 
 
@@ -88,7 +91,7 @@ def fastest(device: torch.device, fn, *args) -> tuple[Any, float]:
 
 
 def decode_point(
-    prefill: Prefill, rows: list[tuple[Method, GridEntry]], mode: str, workload: estimate.Workload
+    prefill: Prefill, rows: list[tuple[Method, GridEntry]], mode: str, workload: Workload
 ) -> list[float] | None:
     """``[rows, slots, seconds a step]`` of one batch of ``rows`` decoded ``DECODE_STEPS`` steps;
     None where the mode does not decode such a batch."""
@@ -102,7 +105,7 @@ def decode_point(
             return None
         timings = generations[0][1].timings  # decode_s: the batch's time shared by its rows
         seconds = min(seconds, timings["decode_s"] * len(rows) / timings["decode_tokens"])
-    return [len(rows), estimate.row_slots(rows[0][1], workload), round(seconds, 6)]
+    return [len(rows), row_slots(rows[0][1], workload), round(seconds, 6)]
 
 
 def measure(plan: Plan, backbone: Backbone) -> dict[str, Any]:
@@ -127,13 +130,13 @@ def measure(plan: Plan, backbone: Backbone) -> dict[str, Any]:
     for number, length in enumerate([lengths[0], *lengths]):
         kept = number > 0  # the first pass warms up: kernels chosen, allocator grown, steps compiled
         prompt = random_prompt(TOKENS, length, seed=length)
-        context = length - estimate.QUESTION_TOKENS
-        workload = estimate.Workload(1, length, estimate.QUESTION_TOKENS, DECODE_STEPS, "random")
+        context = length - QUESTION_TOKENS
+        workload = Workload(1, length, QUESTION_TOKENS, DECODE_STEPS, "random")
         prefill, seconds = fastest(device, Prefill, backbone, prompt, context)
         _, question = timed(device, prefill.observations, "aware")  # computed once per Prefill
         if kept:
             points["prefill"].append([context, round(seconds, 6)])
-            points["question"].append([estimate.QUESTION_TOKENS, round(question, 6)])
+            points["question"].append([QUESTION_TOKENS, round(question, 6)])
         if accumulating:  # the grid's prefill then accumulates attention for all of them
             del prefill
             prefill, accumulated = fastest(device, Prefill, backbone, prompt, context, list(methods.values()))
@@ -157,7 +160,7 @@ def measure(plan: Plan, backbone: Backbone) -> dict[str, Any]:
 def rates_entry(
     plan: Plan, backbone: Backbone, mode: str, lengths: list[int], ratio: float, points: dict
 ) -> dict:
-    """The measured points as a calibration file's rates (``scripts.harness.estimate``)."""
+    """The measured points as a calibration file's rates (``scripts.harness.dry_run.rates``)."""
     where = f"measured by dry_run=calibrate at {', '.join(map(str, lengths))} tokens"
     construction = {
         label: {"terms": ["1", "s", "s2"], "points": found, "source": f"{where}, ratio {ratio:g}, aware"}
@@ -211,20 +214,22 @@ def rates_entry(
 
 
 def write_calibration(
-    path: Path, device: str, device_type: str, backbone: str, entry: dict[str, Any]
+    path: Path, device: str, device_type: str, backbone: str, entry: dict[str, Any], memory: int | None = None
 ) -> None:
     """Put ``entry`` under ``backbone`` in the calibration file ``path``, keeping its other
-    backbones and this backbone's rates of other decode modes."""
+    backbones and this backbone's rates of other decode modes; ``memory``: the device's bytes."""
     notes = [
         "Measured by dry_run=calibrate: each backbone's 'measured' block says when, on which commit, "
         "with how many torch threads and at what load average."
     ]
-    document = {"schema": estimate.SCHEMA, "device": device, "device_type": device_type, "notes": notes}
+    document = {"schema": SCHEMA, "device": device, "device_type": device_type, "notes": notes}
     document["backbones"] = {}
     if path.exists():
         existing = json.loads(path.read_text())
-        if existing.get("schema") == estimate.SCHEMA:
+        if existing.get("schema") == SCHEMA:
             document = existing
+    if memory is not None:
+        document["memory_bytes"] = memory
     previous = document["backbones"].get(backbone, {})
     entry["decode"] = {**previous.get("decode", {}), **entry["decode"]}
     document["backbones"][backbone] = entry
@@ -242,8 +247,12 @@ def calibrate(plan: Plan, device: str, path: Path) -> Path:
     """Measure this device's rates for ``plan``'s backbone and file them in ``path``."""
     backbone = calibration_backbone(plan, device)
     log.info("calibrating %s on %s into %s", plan.backbone, backbone.device, path)
-    name = (
-        torch.cuda.get_device_name(backbone.device) if backbone.device.type == "cuda" else estimate.cpu_name()
-    )
-    write_calibration(path, name, backbone.device.type, plan.backbone, measure(plan, backbone))
+    cuda = backbone.device.type == "cuda"
+    name = torch.cuda.get_device_name(backbone.device) if cuda else cpu_name()
+    entry = measure(plan, backbone)
+    # What the dry run's memory rule needs (``scripts.harness.dry_run.cost.device_memory``).
+    entry["weights_bytes"] = sum(p.numel() * p.element_size() for p in backbone.model.parameters())
+    entry["shape"] = dataclasses.asdict(model_shape(backbone))
+    memory = torch.cuda.mem_get_info(backbone.device)[1] if cuda else None
+    write_calibration(path, name, backbone.device.type, plan.backbone, entry, memory)
     return path

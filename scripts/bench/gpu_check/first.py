@@ -1,0 +1,344 @@
+"""The first GPU call of the grid, prepared to fit a short device window: ``make gpu-first`` or
+
+    python -m scripts.bench.gpu_check.first --out DIR [--stages kernels grid decode efficiency]
+        [--budget-s 420]
+
+Its stages run in the order of what has never been measured on a GPU, each writing ``DIR/<stage>.json``
+as it ends (a call cut short keeps what was done), and a stage is skipped, saying so, when the
+budget left is below what it needs (``STAGE_SECONDS``):
+
+1. ``kernels``: each Triton kernel against its torch path at the 8B shape (4K tokens, SnapKV+ResKV at
+   0.9): the fused nearest-centre kernel must give the torch path's residual sizes in every head, the
+   fused decode kernel the torch form's logits along forced tokens; a mismatch or an error switches
+   the kernel off for the rest of the call (``KERNEL_SWITCHES``) and the report says so;
+2. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
+   at 4K and at 32K against one full-cache request, warm against warm (a short grid first compiles
+   the step's graphs, the request is timed on its second run), then a second 32K sample in the same
+   process (the allocator as a run leaves it): wall seconds, stages, batches, graphs compiled, CUDA
+   graphs recorded, fallbacks, peak memory, and the dry run's batches and seconds for that sample
+   from the committed H100 calibration beside them;
+3. ``decode``: the compiled decode rate of one row and of a batch of the grid's compressed rows, as
+   the grid decodes them, each the median of 3 runs with every run's rate;
+4. ``efficiency``: the efficiency rows at one length, eager, with ``--compare-paths``' variants
+   (``scripts.bench.gpu_check.efficiency``).
+
+Without CUDA the same stages run on a shrunken copy of the 8B shape at short lengths, skipping only
+what needs CUDA (the kernels' compilation, peak memory), and the GPU command is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from baselines import build_method
+from reskv.backbones import Backbone
+from reskv.decoding import static_cache
+from reskv.engine import Prefill
+from reskv.grid import decode_grid
+from scripts.bench.gpu_check.efficiency import TORCH_DECODE, TORCH_NEAREST, efficiency_rows
+from scripts.bench.gpu_check.report import check_machine
+from scripts.bench.grid_counts import QUESTION_TOKENS
+from scripts.bench.grid_gpu import (
+    WARM_UP_LENGTH,
+    bench_backbone,
+    full_request,
+    grid_sample,
+    paper_ruler_requests,
+)
+from scripts.harness.dry_run import cost, rates
+from scripts.harness.dry_run.workload import Workload
+from scripts.harness.plan import compose_plan
+from scripts.measure import random_prompt, release_memory, timed
+
+STAGES = ("kernels", "grid", "decode", "efficiency")
+# Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
+# are estimated): each starts only with this much of the budget left; the first two always run.
+STAGE_SECONDS = {"kernels": 0, "grid": 0, "decode": 40, "efficiency": 45}
+LENGTHS = {"cuda": (4096, 32768), "cpu": (192, 320)}
+NEW_TOKENS = {"cuda": 32, "cpu": 4}
+KERNEL_LENGTH = {"cuda": 4096, "cpu": 192}
+# How the grid decodes: as a run would on CUDA (compiled, as few batches as the memory allows); on a
+# CPU the same compiled batched path, which a CPU run would not take (``grid_decoding``'s auto).
+GRID_DECODING = {"cuda": ("auto", "auto"), "cpu": ("compiled", 64)}
+FORCED = [17, 905, 3, 2211]  # fed one at a time to compare the decode paths' logits
+# The largest relative logit difference two decode paths may show in bf16 (the torch form and the
+# kernel sum in different orders; the CPU check of the kernel holds them to fp32 rounding).
+DECODE_TOLERANCE = 2e-2
+DECODE_REPEATS = 3
+H100_CALIBRATION = rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json"
+# The device call's command (results/gpu/README.md, top: the wheels it installs, what to carry).
+GPU_COMMAND = (
+    "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && "
+    "export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; TORCH_LOGS=recompiles python3 -m "
+    "scripts.bench.gpu_check.first --out $OUT 2>&1 | tee $OUT/log"
+)
+
+
+def prompt_of(backbone: Backbone, length: int, seed: int) -> list[int]:
+    return random_prompt(range(1, backbone.model.config.vocab_size), length, seed=seed)
+
+
+def kernels(backbone: Backbone, device: str, save: Callable[[dict], None]) -> dict:
+    """Each Triton kernel against its torch path (module docstring, stage 1)."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA: the Triton kernels compile for a GPU"}
+    method = build_method("snapkv+reskv", 0.9)
+    prompt = prompt_of(backbone, KERNEL_LENGTH[device], seed=7)
+    prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, [method])
+    checks = {
+        "nearest_centers": (nearest_check, TORCH_NEAREST),
+        "gated_decode_attention": (decode_check, TORCH_DECODE),
+    }
+    return checked(checks, prefill, method)
+
+
+def checked(checks: dict, *arguments) -> dict:
+    """Each check ``(check, switch)`` of ``checks`` run on ``arguments``: its report, and where it did
+    not pass (a mismatch, or an error such as the kernel's compilation failing) its kernel switched
+    off for the rest of the process (``switch``: module, flag, the torch path's value)."""
+    report = {}
+    for name, (check, switch) in checks.items():
+        try:
+            report[name] = check(*arguments)
+        except Exception as error:  # a compile error of the kernel: the torch path from here on
+            report[name] = {
+                "passed": False,
+                "error": repr(error),
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        if not report[name]["passed"]:
+            mock.patch.object(*switch).start()  # off for the rest of the call
+            report[name]["switched_off"] = True
+    return report
+
+
+def nearest_check(prefill: Prefill, method) -> dict:
+    """The residual sizes and attended slots of every head with the kernel, and with the torch path."""
+    kernel_cache, _ = prefill.compressed(method, "aware")
+    with mock.patch.object(*TORCH_NEAREST):
+        torch_cache, _ = prefill.compressed(method, "aware")
+    same = kernel_cache.slots() == torch_cache.slots()
+    return {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
+
+
+def decode_check(prefill: Prefill, method) -> dict:
+    """The eager decode's logits along ``FORCED`` with the kernel and with the torch form."""
+
+    def forced_logits() -> torch.Tensor:
+        cache = static_cache(prefill.compressed(method, "aware")[0], len(FORCED))
+        return torch.stack([prefill.next_logits([token], cache) for token in FORCED]).float()
+
+    kernel = forced_logits()
+    with mock.patch.object(*TORCH_DECODE):
+        reference = forced_logits()
+    relative = ((kernel - reference).abs().max() / reference.abs().max()).item()
+    same_tokens = torch.equal(kernel.argmax(-1), reference.argmax(-1))
+    return {
+        "passed": relative <= DECODE_TOLERANCE,
+        "max_relative_difference": relative,
+        "same_argmax": same_tokens,
+    }
+
+
+def grid(backbone: Backbone, device: str, save: Callable[[dict], None]) -> dict:
+    """The paper grid against one full-cache request per length, a second sample at the longest;
+    ``save``d after each sample."""
+    new_tokens, lengths = NEW_TOKENS[device], LENGTHS[device]
+    started = time.perf_counter()
+    sample = functools.partial(grid_sample, backbone, new_tokens=new_tokens, count_flops=False)
+    decoding = dict(zip(("decode", "decode_batch"), GRID_DECODING[device], strict=True))
+    warm_up = sample(prompt_of(backbone, WARM_UP_LENGTH[device], 1), **decoding)
+    report = {"warm_up": {"length": WARM_UP_LENGTH[device], "s": time.perf_counter() - started, **warm_up}}
+    report["samples"] = []
+    for length, seed in [(length, 42) for length in lengths] + [(lengths[-1], 43)]:
+        release_memory(backbone.device)
+        prompt = prompt_of(backbone, length, seed)
+        row = {"length": length, "seed": seed, "rows": len(paper_ruler_requests())}
+        if seed == 42:
+            row["full_eager_s"] = full_request(backbone, prompt, new_tokens, "eager")
+            row["full_compiled_s"] = full_request_as_the_grid(backbone, prompt, new_tokens)
+        row |= sample(prompt, **decoding)
+        row["decode_tokens_per_s_of_a_row"] = row["decode_tokens"] / row["decode_s"]
+        if seed == 42:
+            row["grid_over_full_eager"] = row["grid_s"] / row["full_eager_s"]
+            row["grid_over_full_compiled"] = row["grid_s"] / row["full_compiled_s"]
+        row["dry_run"] = dry_run_estimate(length, new_tokens)
+        report["samples"].append(row)
+        save(report)
+    return report
+
+
+def full_request_as_the_grid(backbone: Backbone, prompt: list[int], new_tokens: int) -> float:
+    """Seconds of one full-cache request decoded compiled as the grid decodes a row alone (a stacked
+    cache of one row: the graph the grid's full-cache row compiled), on its second run."""
+    full = build_method("full")
+
+    def request():
+        prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, [full])
+        generations = decode_grid(
+            prefill, [(full, "aware")], new_tokens, min_new_tokens=new_tokens, decode="compiled"
+        )
+        return list(generations)
+
+    request()  # untimed: records this cache's CUDA graphs
+    return timed(backbone.device, request)[1]
+
+
+def dry_run_estimate(length: int, new_tokens: int) -> dict:
+    """The dry run's batches and seconds of one paper-grid sample of ``length`` tokens on the
+    committed H100 calibration (``scripts.harness.dry_run``), every answer ``new_tokens`` long."""
+    plan = compose_plan(
+        [
+            "grid=paper_ruler",
+            "backbone=llama3.1-8b-instruct",
+            f"benchmark.length={length}",
+            "decode_batch=auto",
+        ]
+        + ["results_dir=/nonexistent"]
+    )
+    h100 = rates.read_rates(H100_CALIBRATION, plan.backbone)
+    load = Workload(1, length, QUESTION_TOKENS, new_tokens, "bench")
+    stages = cost.sample_seconds(plan, load, plan.grid, h100)
+    batches = cost.decode_batches(plan, plan.grid, load, h100)
+    return {
+        "device": h100.device,
+        "batches": sorted((len(batch) for batch in batches), reverse=True),
+        "prefill_s": stages.prefill,
+        "construction_s": stages.construction,
+        "decode_s": stages.decode,
+        "total_s": stages.total,
+    }
+
+
+def decode(backbone: Backbone, device: str, save: Callable[[dict], None]) -> dict:
+    """The compiled decode rate of one row and of a batch of the grid's rows, as the grid decodes."""
+    new_tokens = 4 * NEW_TOKENS[device]
+    prompt = prompt_of(backbone, LENGTHS[device][0], seed=42)
+    compressed = [
+        (method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None
+    ]
+    report = {}
+    for name, requests in (("one_row", compressed[:1]), ("batch", compressed[:8])):
+        prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, [method for method, _ in requests])
+        rates_per_run = []
+        for _ in range(DECODE_REPEATS + 1):  # the first run records this cache's CUDA graphs
+            generations = [
+                g
+                for _, g in decode_grid(
+                    prefill, requests, new_tokens, min_new_tokens=new_tokens, decode="compiled"
+                )
+            ]
+            seconds = sum(g.timings["decode_s"] for g in generations)
+            rates_per_run.append(sum(g.timings["decode_tokens"] for g in generations) / seconds)
+        timed = rates_per_run[1:]
+        report[name] = {
+            "rows": len(requests),
+            "batches": sorted({g.run["batch_rows"] for g in generations}),
+            "tokens_per_s": statistics.median(timed),
+            "tokens_per_s_runs": timed,
+            "first_run_tokens_per_s": rates_per_run[0],
+            "length": LENGTHS[device][0],
+        }
+    return report
+
+
+def efficiency(backbone: Backbone, device: str, save: Callable[[dict], None]) -> dict:
+    """The efficiency rows at one length, eager, with the alternative paths (``--compare-paths``)."""
+    rows = efficiency_rows(
+        backbone,
+        [LENGTHS[device][0]],
+        [0.9],
+        NEW_TOKENS[device],
+        method_names=("snapkv", "snapkv+reskv"),
+        compare_paths=device == "cuda",
+    )
+    return {"rows": rows}
+
+
+# Each stage's run: (backbone, device, save a partial report) -> its report.
+STAGE_RUNS: dict[str, Callable[[Backbone, str, Callable[[dict], None]], dict]] = {
+    "kernels": kernels,
+    "grid": grid,
+    "decode": decode,
+    "efficiency": efficiency,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results/gpu/first"))
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="seconds of this call; a stage starts only with its need left",
+    )
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "machine.json").write_text(json.dumps(check_machine(device), indent=1) + "\n")
+    backbone = bench_backbone(device)
+    print(f"{device}: backbone ready in {time.perf_counter() - started:.1f}s", flush=True)
+    for stage in args.stages:
+        left = args.budget_s - (time.perf_counter() - started)
+        if device == "cuda" and left < STAGE_SECONDS[stage]:
+            result = {"skipped": f"budget: {left:.0f}s left, the stage needs about {STAGE_SECONDS[stage]}s"}
+        else:
+            stage_started = time.perf_counter()
+            try:
+                result = STAGE_RUNS[stage](
+                    backbone, device, functools.partial(write, args.out / f"{stage}.json")
+                )
+            except Exception as error:  # the next stages still run; the report keeps the error
+                result = {"error": repr(error), "traceback": traceback.format_exc()[-4000:]}
+            result["seconds"] = time.perf_counter() - stage_started
+        write(args.out / f"{stage}.json", result)
+        print(f"{stage}: {summary(stage, result)}", flush=True)
+    print(f"done in {time.perf_counter() - started:.1f}s; reports in {args.out}")
+    if device != "cuda":
+        print(f"On a GPU (results/gpu/README.md, top): {GPU_COMMAND}")
+    return 0
+
+
+def write(path: Path, report: dict) -> None:
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def summary(stage: str, result: dict) -> str:
+    """One line of a stage's outcome."""
+    if "skipped" in result or "error" in result:
+        return result.get("skipped") or result["error"]
+    seconds = f"{result['seconds']:.1f}s"
+    if stage == "kernels":
+        return f"{seconds}; " + ", ".join(
+            f"{name} {'passed' if check['passed'] else 'OFF'}"
+            for name, check in result.items()
+            if isinstance(check, dict)
+        )
+    if stage == "grid":
+        return f"{seconds}; " + "; ".join(
+            f"{row['length']} (seed {row['seed']}): grid {row['grid_s']:.1f}s, batches {row['batches']}, "
+            f"graphs {row['compiler']['graphs_compiled']}, dry run {row['dry_run']['total_s']:.1f}s"
+            for row in result["samples"]
+        )
+    if stage == "decode":
+        return f"{seconds}; " + ", ".join(
+            f"{name} {row['tokens_per_s']:.1f} tok/s" for name, row in result.items() if isinstance(row, dict)
+        )
+    return f"{seconds}; {len(result['rows'])} rows"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

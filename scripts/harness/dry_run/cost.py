@@ -1,0 +1,145 @@
+"""A sample's device seconds per stage, counted as ``scripts.harness.grid`` runs it: its prefills, its
+constructions and its decode batches, the batches cut by the grid's own rule (``reskv.batching``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from baselines.registry import FULL_METHOD, RESIDUAL_SUFFIX
+from reskv import batching
+from reskv.config import DEFAULT_OBSERVATION_WINDOW
+from scripts.harness.dry_run.rates import Rates
+from scripts.harness.dry_run.workload import TaskPlan, Workload
+from scripts.harness.plan import GridEntry, Plan
+
+STAGES = ("prefill", "construction", "decode")
+
+
+@dataclass
+class Stages:
+    """Seconds per stage (``STAGES``)."""
+
+    prefill: float = 0.0
+    construction: float = 0.0
+    decode: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.construction + self.decode
+
+    def add(self, other: Stages, times: float = 1.0) -> None:
+        for stage in STAGES:
+            setattr(self, stage, getattr(self, stage) + times * getattr(other, stage))
+
+
+def stacks(entry: GridEntry) -> bool:
+    """Whether a configuration decodes in a batch: all but those without the shared softmax."""
+    return not entry.method.endswith(RESIDUAL_SUFFIX) or entry.residual.batches
+
+
+def compressed_tokens(entry: GridEntry, workload: Workload) -> int:
+    """What a configuration compresses: the whole prompt (aware), the context (agnostic)."""
+    if entry.setting == "agnostic":
+        return workload.prompt_tokens - workload.question_tokens
+    return workload.prompt_tokens
+
+
+def row_slots(entry: GridEntry, workload: Workload) -> int:
+    """A configuration's decode row as the grid predicts it (``reskv.batching.predicted_slots``): its
+    budget (the prompt for the full cache), the question's slots, and room for the answer."""
+    context = workload.prompt_tokens - workload.question_tokens
+    setting = entry.setting or "aware"
+    return batching.predicted_slots(
+        workload.prompt_tokens, context, entry.ratio, setting, workload.answer_tokens
+    )
+
+
+def device_memory(plan: Plan, workload: Workload, rates: Rates) -> batching.DeviceMemory | None:
+    """The calibration device's memory when a sample's grid is cut into batches: its weights and the
+    prefilled caches (the context's, and the whole prompt's when a configuration is query-aware)
+    held; None where the calibration file does not give the device's memory, the weights or the
+    model's shape (no limit)."""
+    if rates.memory_bytes is None or rates.weights_bytes is None or rates.shape is None:
+        return None
+    shape, context = rates.shape, workload.prompt_tokens - workload.question_tokens
+    prefilled = context + (workload.prompt_tokens if any(e.setting != "agnostic" for e in plan.grid) else 0)
+    cache = prefilled * shape.layers * shape.kv_heads * 2 * shape.head_dim * shape.dtype_bytes
+    return batching.DeviceMemory.holding(rates.memory_bytes, rates.weights_bytes + cache)
+
+
+def observed_queries(entries: Sequence[GridEntry]) -> int:
+    """Queries a layer keeps for the scorers and the validation proxy (``reskv.engine.Prefill``)."""
+    windows = [e.residual.observation_window for e in entries if e.method.endswith(RESIDUAL_SUFFIX)]
+    return max([DEFAULT_OBSERVATION_WINDOW, *windows])
+
+
+def decode_batches(
+    plan: Plan, entries: Sequence[GridEntry], workload: Workload, rates: Rates
+) -> list[list[GridEntry]]:
+    """A sample's configurations cut into decode batches by the grid's own rule
+    (``reskv.batching.sample_batches``: the padding, the row cap and the memory the calibration's
+    device gives them), a configuration that does not stack alone."""
+    _, max_rows = rates.decoding(plan)
+    stacked = [entry for entry in entries if stacks(entry)]
+    settings = len({entry.setting for entry in stacked if entry.ratio is not None})
+    batches, _ = batching.sample_batches(
+        [row_slots(entry, workload) for entry in stacked],
+        rates.shape,
+        device_memory(plan, workload, rates),
+        workload.prompt_tokens,
+        settings,
+        observed_queries(stacked),
+        max_rows,
+        2 if plan.quality else 1,
+    )
+    return [[stacked[row] for row in batch] for batch in batches] + [[e] for e in entries if not stacks(e)]
+
+
+# What the estimate leaves out, printed under it.
+NOT_COUNTED = (
+    "Every answer counted at its task's whole generation length (an upper bound).",
+    "Not counted: compiling the decode step and recording its CUDA graphs (once a process, "
+    "a minute or two on a GPU), a batch split again when it fails to allocate, and the quality "
+    "measures' own time (backbone.quality=true).",
+)
+
+
+def sample_seconds(plan: Plan, workload: Workload, entries: Sequence[GridEntry], rates: Rates) -> Stages:
+    """Seconds per stage of one sample for the configurations ``entries`` that still lack it."""
+    context = workload.prompt_tokens - workload.question_tokens
+    question = rates.question.seconds(n=workload.question_tokens)
+    stages = Stages()
+    prefills = [list(entries)] if plan.share_prefill else [[entry] for entry in entries]
+    for served in prefills:
+        extras = [rates.prefill_with[entry.label] for entry in served if entry.label in rates.prefill_with]
+        stages.prefill += rates.prefill.seconds(s=context)
+        stages.prefill += max((extra.seconds(s=context) for extra in extras), default=0.0)
+        if any(entry.setting != "agnostic" for entry in served):
+            stages.prefill += question
+    for entry in entries:
+        if entry.setting == "agnostic":
+            stages.prefill += question
+        if entry.method != FULL_METHOD:
+            rate = rates.construction_rate(entry)[0]
+            stages.construction += rate.seconds(s=compressed_tokens(entry, workload))
+    mode, _ = rates.decoding(plan)
+    step = rates.decode_rate(mode)
+    batches = decode_batches(plan, entries, workload, rates) if plan.share_prefill else [[e] for e in entries]
+    for batch in batches:
+        slots = max(row_slots(entry, workload) for entry in batch)
+        stages.decode += workload.answer_tokens * step.seconds(B=len(batch), L=slots)
+    return stages
+
+
+def estimate(plan: Plan, tasks: Iterable[TaskPlan], rates: Rates) -> dict[str, tuple[Stages, Stages]]:
+    """Seconds per stage of each task: (what is still to run, the whole grid of this shard)."""
+    estimates = {}
+    for task in tasks:
+        to_do, whole = Stages(), Stages()
+        if task.workload.prompt_tokens > 0:
+            for entries, count in task.pending(plan.grid).items():
+                to_do.add(sample_seconds(plan, task.workload, entries, rates), count)
+            whole.add(sample_seconds(plan, task.workload, plan.grid, rates), task.range_size)
+        estimates[task.task] = (to_do, whole)
+    return estimates

@@ -1,0 +1,85 @@
+"""The prepared first GPU call (``scripts.bench.gpu_check.first``) in its CPU form: its stages, the
+kernels switched off where their check fails, and the dry run's figures beside the grid's."""
+
+from __future__ import annotations
+
+import json
+import types
+from unittest import mock
+
+import pytest
+
+from baselines import build_method
+from reskv.engine import Prefill
+from scripts.bench.gpu_check import first
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone
+
+
+@pytest.fixture
+def kernel_flags():
+    flags = types.SimpleNamespace(PASSING=True, MISMATCHING=True, FAILING=True)
+    yield flags
+    mock.patch.stopall()
+
+
+def test_a_kernel_whose_check_mismatches_or_raises_is_switched_off_for_the_rest_of_the_process(kernel_flags):
+    def raises(*arguments):
+        raise RuntimeError("faked: triton compilation failed")
+
+    checks = {
+        "passing": (lambda *arguments: {"passed": True}, (kernel_flags, "PASSING", False)),
+        "mismatching": (
+            lambda *arguments: {"passed": False, "same_slots_every_head": False},
+            (kernel_flags, "MISMATCHING", False),
+        ),
+        "failing": (raises, (kernel_flags, "FAILING", False)),
+    }
+    report = first.checked(checks, "prefill", "method")
+    assert report["passing"] == {"passed": True}
+    assert report["mismatching"]["switched_off"] and not report["mismatching"]["passed"]
+    assert report["failing"]["error"] == "RuntimeError('faked: triton compilation failed')"
+    assert report["failing"]["switched_off"]
+    assert (kernel_flags.PASSING, kernel_flags.MISMATCHING, kernel_flags.FAILING) == (True, False, False)
+
+
+def test_the_dry_runs_estimate_beside_a_32k_grid_sample_plans_the_73_rows_on_the_h100():
+    """The committed H100 calibration, 32K tokens, 32-token answers: the 73 rows in the batches of the
+    memory rule (the full cache alone), and the estimate's stages adding up."""
+    estimate = first.dry_run_estimate(32768, 32)
+    assert estimate["device"] == "NVIDIA H100 80GB HBM3"
+    assert sum(estimate["batches"]) == 73 and estimate["batches"][-1] == 1 and len(estimate["batches"]) > 2
+    stages = estimate["prefill_s"] + estimate["construction_s"] + estimate["decode_s"]
+    assert estimate["total_s"] == pytest.approx(stages) and estimate["decode_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_cpu_form_runs_every_stage_but_what_needs_cuda_and_prints_the_gpu_command(tmp_path, capsys):
+    assert first.main(["--out", str(tmp_path), "--stages", "kernels", "decode"]) == 0
+    kernels = json.loads((tmp_path / "kernels.json").read_text())
+    assert kernels["skipped"].startswith("needs CUDA")
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert decode["one_row"]["rows"] == 1 and decode["batch"]["rows"] == 8
+    for name in ("one_row", "batch"):
+        assert len(decode[name]["tokens_per_s_runs"]) == first.DECODE_REPEATS
+        assert decode[name]["tokens_per_s"] > 0
+    assert json.loads((tmp_path / "machine.json").read_text())["cpu_count"] >= 1
+    assert first.GPU_COMMAND in capsys.readouterr().out
+
+
+def test_the_gpu_command_the_cpu_form_prints_is_the_one_results_gpu_readme_says_to_type():
+    readme = (first.H100_CALIBRATION.parents[1] / "gpu" / "README.md").read_text()
+    top = readme[: readme.index("\n## ", readme.index("## The first GPU call"))]
+    assert first.GPU_COMMAND in top and "make gpu-first" in top
+
+
+def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_one(kernel_flags):
+    """On a CPU both sides of each check take the torch path (the switches only act on CUDA): the
+    comparisons themselves run, and find the same slots and the same logits."""
+    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
+    method = build_method("snapkv+reskv", 0.9)
+    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
+    nearest = first.nearest_check(prefill, method)
+    assert nearest["passed"] and nearest["heads"] == 2 * 2
+    decode = first.decode_check(prefill, method)
+    assert decode["passed"] and decode["max_relative_difference"] == 0.0 and decode["same_argmax"]
