@@ -179,3 +179,40 @@ def test_calibrate_measures_every_stage_at_three_lengths(tmp_path, monkeypatch):
     read = rates.read_rates(path, "tiny-llama")
     assert cost.estimate(plan, workload.task_plans(plan), read)["vt"][1].total > 0
     assert read.shape == ModelShape(2, 2, 4, 16, 4) and read.weights_bytes > 0 and read.memory_bytes is None
+
+
+def test_the_dry_run_prices_the_rounds_an_unresolved_claim_needs(tmp_path):
+    """A claim of this backbone with 3 samples per task that needs 7 (observed) or 5 (paper) asks 4
+    more rounds; a round is one sample of every task through the whole grid, 33.05544 s / 3 by hand
+    (the test above), so 4 rounds are 44.07392 s = 0.0122 device hours. Another backbone's claim is
+    not this plan's to price; none at all prints no section."""
+    from rich.console import Console
+
+    from scripts.harness.dry_run.report import report
+    from scripts.report.verdict import RoundsNeeded
+
+    plan = compose_plan([*TOY_GRID, "benchmark.tasks=[vt,niah_single_1]", f"results_dir={tmp_path}"])
+    claims = [
+        RoundsNeeded("tiny-llama", "RULER 10%: mean gain", "unresolved", 3, 7, 5),
+        RoundsNeeded("llama3.1-8b-instruct", "RULER 20%: mean gain", "unresolved", 3, 9, 9),
+    ]
+    assert claims[0].rounds == 4
+
+    def printed(unresolved) -> str:
+        console = Console(width=250, record=True, file=open("/dev/null", "w"))
+        console.print(report(plan, toy_rates(tmp_path), unresolved=unresolved))
+        return console.export_text()
+
+    text = printed(claims)
+    (row,) = [line for line in text.splitlines() if "RULER 10%" in line]
+    assert [cell.strip() for cell in row.strip("│ ").split("│")] == [
+        "RULER 10%: mean gain",
+        "unresolved",
+        "3",
+        "7",
+        "5",
+        "4",
+        f"{4 * 33.05544 / 3 / 3600:.4f}",
+    ]
+    assert "RULER 20%" not in text
+    assert "leave unresolved" not in printed([])

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from baselines.registry import FULL_METHOD
-from scripts.harness.dry_run.cost import NOT_COUNTED, STAGES, Stages, decode_batches, estimate
+from scripts.harness.dry_run.cost import NOT_COUNTED, STAGES, Stages, decode_batches, estimate, sample_seconds
 from scripts.harness.dry_run.rates import EstimateError, Rates
 from scripts.harness.dry_run.workload import TaskPlan, task_plans
 from scripts.harness.plan import Plan
@@ -66,10 +66,13 @@ class DryRun:
     rates: Rates | None
     estimates: dict[str, tuple[Stages, Stages]]
     problem: str = ""
+    unresolved: Sequence[Any] = ()  # scripts.report.verdict.RoundsNeeded of the results so far
 
 
-def report(plan: Plan, rates: Rates | None, problem: str = ""):
-    """The dry run's printout: its ``SECTIONS`` in order, each a list of rich renderables."""
+def report(plan: Plan, rates: Rates | None, problem: str = "", unresolved: Sequence[Any] = ()):
+    """The dry run's printout: its ``SECTIONS`` in order, each a list of rich renderables.
+    ``unresolved``: the verdict's claims whose direction the results so far leave open
+    (``scripts.report.verdict.rounds_needed``, which run.py reads: the reports sit above the harness)."""
     from rich.console import Group
 
     tasks = task_plans(plan)
@@ -77,7 +80,7 @@ def report(plan: Plan, rates: Rates | None, problem: str = ""):
         estimates = estimate(plan, tasks, rates) if rates is not None else {}
     except EstimateError as error:  # a rate the grid needs is missing: the listing still helps
         rates, estimates, problem = None, {}, str(error)
-    dry_run = DryRun(plan, tasks, rates, estimates, problem)
+    dry_run = DryRun(plan, tasks, rates, estimates, problem, unresolved)
     return Group(*(part for section in SECTIONS for part in section(dry_run)))
 
 
@@ -196,6 +199,36 @@ def stage_table(plan: Plan, rates: Rates, estimates: dict[str, tuple[Stages, Sta
     return [table, Text("\n".join(notes))]
 
 
+def more_rounds(dry_run: DryRun) -> list[Any]:
+    """The verdict's unresolved claims on this plan's backbone: the samples per task they have, the
+    samples per task a paired t test needs to resolve the observed gain and the paper's, the rounds
+    (one sample per task of the whole grid each) that asks for and, with rates, their device hours."""
+    from rich.table import Table
+
+    plan, rates = dry_run.plan, dry_run.rates
+    claims = [claim for claim in dry_run.unresolved if claim.backbone == plan.backbone]
+    if not claims:
+        return []
+    round_seconds = None
+    if rates is not None and all(task.workload.prompt_tokens > 0 for task in dry_run.tasks):
+        round_seconds = sum(
+            sample_seconds(plan, task.workload, plan.grid, rates).total for task in dry_run.tasks
+        )
+    table = Table(title=f"claims the results under {shown(plan.results_dir)} leave unresolved")
+    columns = ["claim", "direction", "samples/task", "needed: observed", "needed: paper", "more rounds"]
+    for column in columns + (["device h"] if round_seconds is not None else []):
+        table.add_column(column, justify="left" if column in ("claim", "direction") else "right")
+    for claim in claims:
+        row = [claim.claim, claim.direction, str(claim.samples)]
+        row += [
+            "--" if needed is None else str(needed) for needed in (claim.observed, claim.paper, claim.rounds)
+        ]
+        if round_seconds is not None:
+            row.append("--" if claim.rounds is None else hours(claim.rounds * round_seconds))
+        table.add_row(*row)
+    return [table]
+
+
 # The printout, section by section; a further section (a function of ``DryRun`` returning its parts)
 # is one more entry here.
-SECTIONS = (header, task_listing, partial_files, device_hours)
+SECTIONS = (header, task_listing, partial_files, device_hours, more_rounds)
