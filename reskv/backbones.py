@@ -3,7 +3,7 @@ random models.
 
 Every model is switched to the ``reskv`` attention function (see ``reskv.cache``), which runs
 PyTorch SDPA (or FlashAttention when installed) for uncompressed layers and the shared-softmax
-residual attention for compressed ones. A model's layers may differ in kind (``layer_windows``):
+residual attention for compressed ones. A model's layers may differ in kind (``reskv.model.layer_windows``):
 full attention, compressed, or a sliding window, run exactly as the model defines it; any other kind
 is refused at load, and so is a model whose full-cache logits differ from transformers' own forward
 (``reskv.decoding.check_full_cache``).
@@ -11,10 +11,7 @@ is refused at load, and so is a model whose full-cache logits differ from transf
 
 from __future__ import annotations
 
-import functools
-import inspect
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +39,8 @@ from reskv.assets import (
     local_path,
 )
 from reskv.cache import ATTENTION_NAME
+from reskv.decoding import check_full_cache
+from reskv.model import FULL_ATTENTION, SLIDING_ATTENTION, Backbone, BackboneError
 
 # The default backbone; its tokenizer also serves the tiny random models.
 EMBEDDED = "smollm2-135m"
@@ -60,9 +59,6 @@ TINY = {
 # The tiny Gemma 3's sliding window: its layers alternate windowed and full attention, and a window far
 # shorter than the test prompts makes the two kinds' results differ.
 TINY_WINDOW = 16
-# The layer kinds the engine runs (transformers' ``config.layer_types`` values): full attention, which
-# methods compress, and a sliding window, kept exact.
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 # The paper's backbones' shapes, from their config.json on the hub (meta-llama/Llama-3.1-8B-Instruct,
 # Qwen/Qwen2.5-7B-Instruct): randomly initialised copies measure memory and speed, which do not
 # depend on the weights, where the checkpoints cannot be downloaded.
@@ -109,71 +105,6 @@ PAPER_SHAPES = {
 }
 
 
-@dataclass
-class Backbone:
-    """A causal LM, its tokenizer and the token ids that end an answer."""
-
-    name: str
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    stop_token_ids: tuple[int, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
-
-    @property
-    def head_dim(self) -> int:
-        config = self.model.config
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-    @property
-    def scaling(self) -> float:
-        """The attention logits' scale: ``query_pre_attn_scalar ** -0.5`` where the model sets it (Gemma),
-        else ``head_dim ** -0.5``."""
-        return (getattr(self.model.config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @functools.cached_property
-    def windows(self) -> list[int | None]:
-        """Each layer's sliding window, ``None`` for full attention (``layer_windows``)."""
-        return layer_windows(self.model.config)
-
-    @functools.cached_property
-    def cache_argument(self) -> str:
-        """The name of the model's forward argument that takes the cache: transformers 5.24 renamed
-        ``past_key_values`` to ``cache`` (the old name warns until its removal in 5.40)."""
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-
-
-class BackboneError(ValueError):
-    """Unknown backbone name, a checkpoint that cannot be found, or a model the engine cannot run."""
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each layer's sliding window (``None``: full attention), read as transformers' models read it:
-    ``config.layer_types`` where the config has one (Gemma 2/3, gpt-oss, Qwen2), else one
-    ``config.sliding_window`` for every layer where it is set (Mistral v0.1), else full attention. Any
-    other layer kind (chunked, linear, ...) is refused, naming the layer."""
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return [window] * num_layers
-    windows = []
-    for index, kind in enumerate(layer_types[:num_layers]):
-        if kind not in (FULL_ATTENTION, SLIDING_ATTENTION) or (kind == SLIDING_ATTENTION and not window):
-            raise BackboneError(
-                f"layer {index} of the model is of kind {kind!r} (sliding_window={window}): the engine runs "
-                f"{FULL_ATTENTION!r} layers and {SLIDING_ATTENTION!r} layers with a sliding_window only"
-            )
-        windows.append(window if kind == SLIDING_ATTENTION else None)
-    return windows
-
-
 def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     ids = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = [ids] if isinstance(ids, int) else list(ids or [])
@@ -184,8 +115,7 @@ def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) 
 
 def _finish(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Backbone:
     """The loaded model as a ``Backbone`` on the ``reskv`` attention, once its layer kinds and its
-    full-cache logits are checked (``layer_windows``, ``reskv.decoding.check_full_cache``)."""
-    from reskv.decoding import check_full_cache  # the engine's modules import this one
+    full-cache logits are checked (``Backbone.windows``, ``reskv.decoding.check_full_cache``)."""
 
     model.eval().requires_grad_(False)
     backbone = Backbone(name, model, tokenizer, _stop_token_ids(model, tokenizer))

@@ -878,7 +878,7 @@ def reskv_attention(
         raise ValueError(
             f"layer {module.layer_idx} attends with sliding_window={window} but its cache layer "
             f"({type(layer).__name__}) has window={layer.window}: the cache was built for other layer "
-            "kinds than the model's (reskv.backbones.layer_windows)"
+            "kinds than the model's (reskv.model.layer_windows)"
         )
     return layer.attend(module, query, key, value, scaling), None
 

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from reskv.backbones import Backbone
 from reskv.cache import CACHE_KWARG, CompressedLayer, ResKVCache, StaticWindowedLayer, WindowedLayer
+from reskv.model import Backbone, BackboneError
 
 
 @torch.inference_mode()
@@ -184,8 +184,6 @@ def check_full_cache(backbone: Backbone) -> None:
     difference = float((torch.cat(logits).float() - reference).abs().max() / reference.abs().max())
     tolerance = CHECK_TOLERANCE.get(model.dtype, CHECK_TOLERANCE_HALF)
     if not difference <= tolerance:
-        from reskv.backbones import BackboneError
-
         raise BackboneError(
             f"backbone {backbone.name!r}: its full-cache logits through the ResKV cache differ from "
             f"transformers' own forward by {difference:.3g} (the largest difference over the largest "

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reskv.backbones import Backbone
 from reskv.cache import CompressingLayer, ObservedLayer, ResKVCache, WindowedLayer
 from reskv.compress import CompressedLayerState, SharedLayers
 from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, DEFAULT_OBSERVATION_WINDOW, SETTINGS
 from reskv.decoding import compiled_next_logits, forward, greedy, static_cache
 from reskv.method import Method, attended_slots, compression_stats, retained_shares, shared_batches
+from reskv.model import Backbone
 from reskv.prompting import tokenize_prompt
 from reskv.quality import QualityProbe
 from reskv.scoring import LayerObservation

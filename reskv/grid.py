@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reskv.backbones import Backbone
 from reskv.batching import DeviceMemory, ModelShape, decode_batches, predicted_slots, sample_batches
 from reskv.cache import ObservedLayer, ResKVCache, StackedLayer, StackedRow, WindowedLayer
 from reskv.compress import CompressedLayerState
 from reskv.decoding import RECOMPILE_LIMIT_HIT, bucketed, compiled_next_logits, forward, greedy
 from reskv.engine import Generation, Prefill
 from reskv.method import Method
+from reskv.model import Backbone
 from reskv.quality import FORCED_STEPS, TeacherForced
 
 

@@ -19,11 +19,12 @@ import reskv.assets
 import reskv.cache
 from baselines import build_method
 from reskv.assets import AssetError, ChunkedAsset, WheelAsset, assembled_path
-from reskv.backbones import TINY_WINDOW, BackboneError, layer_windows, tiny_backbone
+from reskv.backbones import TINY_WINDOW, tiny_backbone
 from reskv.cache import ResKVCache
 from reskv.decoding import forward
 from reskv.engine import Prefill
 from reskv.grid import decode_grid
+from reskv.model import BackboneError, layer_windows
 from scripts.harness.store import SCHEMA, ResultKey
 from scripts.measure import random_prompt
 from scripts.report.index import ResultIndex
