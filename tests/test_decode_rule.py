@@ -13,7 +13,7 @@ import torch
 from baselines import build_method
 from reskv.config import ResidualConfig
 from reskv.decode_rule import DecodeRule
-from reskv.decoding import compiled_next_logits
+from reskv.decoding import compiled_next_logits, release_compiled
 from reskv.engine import Prefill
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
@@ -37,6 +37,13 @@ def non_default(field: dataclasses.Field):
 
 
 NON_DEFAULT_VALUES = {field.name: non_default(field) for field in dataclasses.fields(DecodeRule)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    """Each option compiles graphs of its own rule: what earlier tests of this worker compiled must not
+    count against torch._dynamo's recompile limit (the suite runs in any order)."""
+    release_compiled()
 
 
 @pytest.fixture(scope="module")
