@@ -455,7 +455,67 @@ class StackedRow:
         return cls([(layer.keys[0], layer.values[0], None)], 0, NO_RESIDUAL_RULE)
 
 
-class StackedLayer(AttendingLayer):
+class StaticSlotsLayer(AttendingLayer):
+    """Rows of one batch in static-capacity buffers that a compiled step writes in place (as
+    ``CompressedLayer`` does for one): each row's slots first, ``-inf`` bias up to the longest row's,
+    then the spare slots that every row fills at the same slot, one per fed token, at a device-side
+    ``position``; the buffers never grow. ``feed_bias`` is the bias new slots get per row: 0, or ``-inf``
+    for a row that a forward only passes through (a query-aware row while the query-agnostic rows are
+    fed the question). ``rewind`` forgets the slots written since ``mark`` (teacher forcing from the
+    prompt). A subclass builds ``_keys``, ``_values``, ``_bias``, ``feed_bias``, ``position``,
+    ``filled``, ``seq_len`` and ``capacity``, and attends."""
+
+    is_compileable = True
+    kind = "static"  # what the layer is called in its errors
+
+    def claim(self, tokens: int) -> None:
+        """Count ``tokens`` more written slots on the host (``CompressedLayer.claim``)."""
+        if self.filled + tokens > self.capacity:
+            raise ValueError(
+                f"{tokens} tokens exceed the {self.kind} layer's {self.capacity - self.filled} spare slots"
+            )
+        self.filled += tokens
+        self.seq_len += tokens
+
+    def mark(self) -> None:
+        """Remember the slots written so far, for ``rewind``."""
+        self._marked = self.filled, self.seq_len
+
+    def rewind(self) -> None:
+        """Forget every slot written since ``mark``, and continue from there."""
+        self.filled, self.seq_len = self._marked
+        self._bias[..., self.filled :] = float("-inf")
+        self.position.fill_(self.filled)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise RuntimeError(f"a {self.kind} layer is built from other layers' states, never lazily")
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        tokens = key_states.shape[-2]
+        if not torch.compiler.is_compiling():
+            self.claim(tokens)
+        slots = self.position if tokens == 1 else self.position + torch.arange(tokens, device=self.device)
+        self._keys.index_copy_(2, slots, key_states)
+        self._values.index_copy_(2, slots, value_states)
+        self._bias.index_copy_(3, slots, self.feed_bias.expand(*self._bias.shape[:3], tokens))
+        self.written(slots, tokens)
+        self.position.add_(tokens)
+        return self._keys, self._values
+
+    def written(self, slots: Tensor, tokens: int) -> None:
+        """What a subclass records beside the keys and values of ``tokens`` written at ``slots``."""
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StackedLayer(StaticSlotsLayer):
     """One layer of several generations of one prompt decoded together as one batch, in static-capacity
     buffers that a compiled step writes in place (as ``CompressedLayer`` does for one).
 
@@ -466,13 +526,11 @@ class StackedLayer(AttendingLayer):
     them all; attention is ``reskv.attention.stacked_shared_softmax_attention`` over every slot (the
     unwritten ones weigh 0), with each row's rule, and several tokens fed together see each other
     causally. A row that has stopped stays (it is fed a token whose output nobody reads), so shapes
-    never change. ``feed_bias`` is the bias new slots get per row: 0, or ``-inf`` for a row that a
-    forward only passes through (a query-aware row while the query-agnostic rows are fed the
-    question). ``rewind`` forgets the slots written since ``mark`` (teacher forcing from the prompt).
+    never change (``StaticSlotsLayer``: its slots, ``feed_bias``, ``mark`` and ``rewind``).
     """
 
     is_sliding = False
-    is_compileable = True
+    kind = "stacked"
 
     def __init__(self, rows: Sequence[StackedRow], seq_len: int, spare_slots: int):
         super().__init__()
@@ -506,40 +564,6 @@ class StackedLayer(AttendingLayer):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
         self.is_initialized = True
 
-    def claim(self, tokens: int) -> None:
-        """Count ``tokens`` more written slots on the host (``CompressedLayer.claim``); the buffers never
-        grow: ``spare_slots`` were set for the whole generation."""
-        if self.filled + tokens > self.capacity:
-            raise ValueError(
-                f"{tokens} tokens exceed the stacked layer's {self.capacity - self.filled} spare slots"
-            )
-        self.filled += tokens
-        self.seq_len += tokens
-
-    def mark(self) -> None:
-        """Remember the slots written so far, for ``rewind``."""
-        self._marked = self.filled, self.seq_len
-
-    def rewind(self) -> None:
-        """Forget every slot written since ``mark``, and continue from there."""
-        self.filled, self.seq_len = self._marked
-        self._bias[..., self.filled :] = float("-inf")
-        self.position.fill_(self.filled)
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        raise RuntimeError("a stacked layer is built from compressed layers, never lazily")
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        tokens = key_states.shape[-2]
-        if not torch.compiler.is_compiling():
-            self.claim(tokens)
-        slots = self.position if tokens == 1 else self.position + torch.arange(tokens, device=self.device)
-        self._keys.index_copy_(2, slots, key_states)
-        self._values.index_copy_(2, slots, value_states)
-        self._bias.index_copy_(3, slots, self.feed_bias.expand(*self._bias.shape[:3], tokens))
-        self.position.add_(tokens)
-        return self._keys, self._values
-
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
         """Each row's shared-softmax attention over all its slots; ``q`` tokens fed together (the last
         ``q`` written, as in teacher forcing) see each other causally."""
@@ -559,15 +583,6 @@ class StackedLayer(AttendingLayer):
             scaling,
         )
         return output.reshape(batch, num_heads, query_len, head_dim).transpose(1, 2).to(query.dtype)
-
-    def get_seq_length(self) -> int:
-        return self.seq_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.capacity + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 def windowed_attention(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float) -> Tensor:
@@ -647,17 +662,17 @@ class WindowedLayer(DynamicLayer, AttendingLayer):
         return self.window
 
 
-class StaticWindowedLayer(AttendingLayer):
+class StaticWindowedLayer(StaticSlotsLayer):
     """Sliding-window layers of ``B`` rows (one generation, or a grid's: ``StackedLayer``'s rows) in
     static-capacity buffers that a compiled step writes in place: each row's held tokens
     (``WindowedLayer``), ``-inf`` bias up to the longest row's, then ``spare_slots`` that every row
     fills at the same slot, at a device-side ``position``. Each slot records the position of its token,
     so a query at ``p`` sees exactly the slots at ``p - window < j <= p`` whatever the row held: rows
     that held different prompts (the whole prompt, or the context to be fed the question) stay exact.
-    ``feed_bias``, ``claim``, ``mark`` and ``rewind`` are ``StackedLayer``'s."""
+    ``feed_bias``, ``claim``, ``mark`` and ``rewind`` are ``StaticSlotsLayer``'s."""
 
     is_sliding = True
-    is_compileable = True
+    kind = "static windowed"
 
     def __init__(self, rows: Sequence[WindowedLayer], seq_len: int, spare_slots: int):
         super().__init__()
@@ -687,40 +702,15 @@ class StaticWindowedLayer(AttendingLayer):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
         self.is_initialized = True
 
-    def claim(self, tokens: int) -> None:
-        if self.filled + tokens > self.capacity:
-            raise ValueError(
-                f"{tokens} tokens exceed the windowed layer's {self.capacity - self.filled} spare slots"
-            )
-        self.filled += tokens
-        self.seq_len += tokens
-
-    def mark(self) -> None:
-        self._marked = self.filled, self.seq_len
-
     def rewind(self) -> None:
-        self.filled, self.seq_len = self._marked
-        self._bias[..., self.filled :] = float("-inf")
-        self.position.fill_(self.filled)
+        super().rewind()
         self.next_position.fill_(self.seq_len)
 
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        raise RuntimeError("a static windowed layer is built from prefilled ones, never lazily")
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        tokens = key_states.shape[-2]
-        if not torch.compiler.is_compiling():
-            self.claim(tokens)
-        steps = torch.arange(tokens, device=self.device)
-        slots = self.position + steps
-        self._keys.index_copy_(2, slots, key_states)
-        self._values.index_copy_(2, slots, value_states)
-        self._bias.index_copy_(3, slots, self.feed_bias.expand(*self._bias.shape[:3], tokens))
-        positions = (self.next_position + steps).expand(*self._positions.shape[:3], tokens)
+    def written(self, slots: Tensor, tokens: int) -> None:
+        """Each written slot's token position, the next token's advanced past them."""
+        positions = (self.next_position + (slots - self.position)).expand(*self._positions.shape[:3], tokens)
         self._positions.index_copy_(3, slots, positions)
-        self.position.add_(tokens)
         self.next_position.add_(tokens)
-        return self._keys, self._values
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
         """SDPA over every slot, each query seeing the slots whose positions lie in its window."""
@@ -736,15 +726,6 @@ class StaticWindowedLayer(AttendingLayer):
                 query, self._keys, self._values, attn_mask=mask, scale=scaling, enable_gqa=True
             )
         return output.transpose(1, 2).contiguous()
-
-    def get_seq_length(self) -> int:
-        return self.seq_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.capacity + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class ResKVCache(Cache):
