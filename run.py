@@ -242,18 +242,10 @@ def run(plan: Plan, threads: int | None, job_number: int | None = None) -> None:
     Launcher job ``job_number`` (None outside a sweep) runs on a GPU of its own where several are
     visible, held by a lock until it ends (``scripts.harness.devices``); it lets go of its model and
     compiled graphs then, so that a worker the launcher reuses starts bare."""
-    import torch
+    from scripts.harness.devices import job_on_device
 
-    from scripts.harness.devices import job_device, release_job, use_device
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    with job_device(plan.device, job_number is not None, plan.jobs_per_gpu) as device:
-        use_device(device)
-        try:
-            run_grid(plan, device)
-        finally:
-            release_job(device)
+    with job_on_device(plan.device, job_number is not None, plan.jobs_per_gpu, threads) as device:
+        run_grid(plan, device)
 
 
 def run_grid(plan: Plan, device: str) -> None:
@@ -304,19 +296,11 @@ def dry_run(
 
     path = calibration_path(calibration, plan.device)
     if mode == "calibrate":
-        import torch
-
-        from scripts.harness.devices import job_device, release_job, use_device
+        from scripts.harness.devices import job_on_device
         from scripts.harness.dry_run.calibrate import calibrate
 
-        if threads is not None:
-            torch.set_num_threads(threads)
-        with job_device(plan.device, job_number is not None, plan.jobs_per_gpu) as device:
-            use_device(device)
-            try:
-                calibrate(plan, device, path)
-            finally:
-                release_job(device)
+        with job_on_device(plan.device, job_number is not None, plan.jobs_per_gpu, threads) as device:
+            calibrate(plan, device, path)
     rates, problem = None, ""
     if path.exists():
         try:

@@ -89,3 +89,20 @@ def release_job(device: str) -> None:
     gc.collect()
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def job_on_device(configured: str, sweep: bool, jobs_per_gpu: int, threads: int | None) -> Iterator[str]:
+    """A job's device for the block: held (``job_device``) and made current (``use_device``), with
+    ``threads`` torch CPU threads where given; what the job leaves behind let go of when it ends
+    (``release_job``), so that a worker the launcher reuses starts bare."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with job_device(configured, sweep, jobs_per_gpu) as device:
+        use_device(device)
+        try:
+            yield device
+        finally:
+            release_job(device)
