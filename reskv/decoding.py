@@ -86,12 +86,13 @@ def static_layer(layer, spare_slots: int):
 CAPACITY_BUCKET = 64
 # The most graphs a grid's compiled step compiles in a process (``reskv.grid.decode_grid``, where
 # every row reaches the step in a stacked cache, its rule's values as tensors): the stacked form with
-# and without a gate (a batch of base and full caches only has none), each for one row (which
-# torch._dynamo specialises) and for any number of rows; within torch._dynamo's recompile limit (8).
+# and without a gate (a batch of base and full caches only has none), for any number of rows from two
+# (torch._dynamo would give one row a graph of its own: ``reskv.grid.decode_batch`` decodes a row
+# alone beside a copy); within torch._dynamo's recompile limit (8).
 # A single request's compiled step (``Prefill.generate``) compiles a graph per kind of rule besides
 # (its gate, ``g_min`` zero or not, ``tau`` and ``alpha`` symbolic once they differ). A batch past the
 # limit all the same decodes eagerly (``reskv.grid.decoded_or_split``).
-COMPILED_GRAPH_BOUND = 4
+COMPILED_GRAPH_BOUND = 2
 # What ``torch.compile(fullgraph=True)`` raises at the recompile limit, instead of a graph break.
 RECOMPILE_LIMIT_HIT = torch._dynamo.exc.FailOnRecompileLimitHit
 

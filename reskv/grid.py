@@ -153,7 +153,8 @@ def decoded_or_split(
     cannot allocate is let go of, split in halves and each decoded again (its rows compressed again),
     down to rows alone, so that no sample is lost to the memory plan's misses. A row's ``run``
     section counts the splits (``out_of_memory_splits``). A compiled batch past torch._dynamo's
-    recompile limit is decoded again eagerly, its ``run`` section saying so (``compile_fallback``)."""
+    recompile limit, and a row alone that cannot be allocated beside its copy, are decoded again
+    eagerly, their ``run`` section saying why (``compile_fallback``)."""
     try:
         return list(decode_batch(prefill, rows, decode, feeds, **options))
     except RECOMPILE_LIMIT_HIT as error:
@@ -164,8 +165,13 @@ def decoded_or_split(
             generation.run["compile_fallback"] = type(error).__name__
         return decoded
     except torch.OutOfMemoryError:
-        if len(rows) == 1:
+        if len(rows) == 1 and decode == "eager":
             raise
+        if len(rows) == 1:  # compiled beside its copy (decode_batch): alone, eagerly
+            compress(prefill, rows[0], quality, feeds)
+            decoded = list(decode_batch(prefill, rows, "eager", feeds, **options))
+            decoded[0][1].run["compile_fallback"] = torch.OutOfMemoryError.__name__
+            return decoded
     gc.collect()
     if prefill.backbone.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -237,10 +243,10 @@ def stacked_prompt(
         fed_logits = forward(backbone, torch.tensor([fed] * len(rows), device=device), cache)[:, -1]
         cache.feeding(torch.ones_like(fed_rows))
         logits = torch.where(fed_rows[:, None], fed_logits, logits)
-        seconds = (time.perf_counter() - start) / sum(agnostic)
-        for row in rows:
-            if row.setting == "agnostic":
-                row.timings["question_s"] = seconds
+        fed_once = {id(row): row for row in rows if row.setting == "agnostic"}  # a copy fed once
+        seconds = (time.perf_counter() - start) / len(fed_once)
+        for row in fed_once.values():
+            row.timings["question_s"] = seconds
     cache.mark()
     return cache, logits
 
@@ -255,9 +261,13 @@ def decode_batch(
     min_new_tokens: int,
     answer_ids: Sequence[int] | None,
 ) -> Iterator[tuple[int, Generation]]:
-    """The generations of ``rows`` (compressed) decoded as one stacked cache (``stacked_prompt``)."""
+    """The generations of ``rows`` (compressed) decoded as one stacked cache (``stacked_prompt``).
+    Compiled, a row alone decodes beside a copy of itself whose answer is dropped: torch._dynamo would
+    give a batch of one row a graph of its own, whose compilation costs far more than the copy's steps
+    (results/gpu/README.md), so a grid compiles ``reskv.decoding.COMPILED_GRAPH_BOUND`` graphs."""
     backbone, device = prefill.backbone, prefill.backbone.device
-    cache, logits = stacked_prompt(prefill, rows, feeds, decode)
+    copied = rows * 2 if decode == "compiled" and len(rows) == 1 else rows
+    cache, logits = stacked_prompt(prefill, copied, feeds, decode)
 
     def step(token_ids: list[int]) -> torch.Tensor:
         if decode == "compiled":
@@ -273,7 +283,8 @@ def decode_batch(
         start = time.perf_counter()
         teacher_forced = prefill.quality_probe.teacher_forced_stacked(cache, logits, answer_ids)
         quality_s = (time.perf_counter() - start) / len(rows)
-    for row, answer, row_logits, forced in zip(rows, answers, logits, teacher_forced, strict=True):
+    kept = zip(rows, answers, logits, teacher_forced, strict=False)  # a copy's last, dropped
+    for row, answer, row_logits, forced in kept:
         row.timings |= {"decode_s": seconds, "decode_tokens": len(answer)}
         text = backbone.tokenizer.decode(answer, skip_special_tokens=True)
         measures = None

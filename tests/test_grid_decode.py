@@ -381,12 +381,55 @@ def test_a_compiled_batch_past_the_recompile_limit_decodes_eagerly_and_says_so(p
     assert [g.run["batch_rows"] for g in compiled] == [g.run["batch_rows"] for g in eager]
 
 
+def test_a_compiled_row_alone_decodes_beside_a_copy_and_alone_eagerly_if_the_copy_does_not_fit(
+    prefill, monkeypatch
+):
+    """Compiled, a row alone reaches the step as two rows (itself and a copy, so that torch._dynamo
+    never compiles a graph for one row), gives the tokens and quality measures ``generate`` gives it
+    alone, and records a batch of one; where the two rows cannot be allocated (faked), it decodes
+    alone and eagerly, its run section saying why. The compiled step is the eager forward here (no
+    compilation): what is checked is which rows reach it."""
+    methods = [requests(DEFAULT_RULES)[index] for index in (0, 3)]  # the full cache, a gated +ResKV
+    answer = [11, 205, 3]
+    alone = [
+        prefill.generate(method, setting, max_new_tokens=4, answer_ids=answer) for method, setting in methods
+    ]
+    rows_seen = []
+
+    def eager_as_compiled(backbone, token_ids, cache):
+        rows_seen.append(len(token_ids))
+        return forward(backbone, torch.tensor(token_ids)[:, None], cache)[:, -1]
+
+    monkeypatch.setattr(reskv.grid, "compiled_next_logits", eager_as_compiled)
+    compiled = grid(prefill, methods, max_new_tokens=4, answer_ids=answer, max_rows=1, decode="compiled")
+    assert set(rows_seen) == {2}
+    for one, copied in zip(alone, compiled, strict=True):
+        assert copied.token_ids == one.token_ids
+        assert copied.run == {"decode": "compiled", "batch_rows": 1}
+        for measure in BATCHED_QUALITY:
+            assert copied.quality[measure] == pytest.approx(one.quality[measure], rel=1e-5, abs=1e-6), measure
+
+    stacked_prompt = reskv.grid.stacked_prompt
+
+    def one_row_at_most(prefill, rows, *options):
+        if len(rows) > 1:
+            raise torch.OutOfMemoryError("faked: CUDA out of memory")
+        return stacked_prompt(prefill, rows, *options)
+
+    monkeypatch.setattr(reskv.grid, "stacked_prompt", one_row_at_most)
+    fallen_back = grid(prefill, methods, max_new_tokens=4, max_rows=1, decode="compiled")
+    assert [generation.token_ids for generation in fallen_back] == [one.token_ids for one in alone]
+    assert [generation.run for generation in fallen_back] == [
+        {"decode": "eager", "batch_rows": 1, "compile_fallback": "OutOfMemoryError"}
+    ] * 2
+
+
 @pytest.mark.slow
 def test_a_compiled_grid_compiles_at_most_the_graph_bound_whatever_its_rows_and_prompts():
     """Two samples of other lengths, every kind of row and gate rule (a second ``tau`` and ``alpha``
-    among them), decoded in one batch, in batches of at most 3 and each alone: the compiled step
-    compiles at most ``COMPILED_GRAPH_BOUND`` graphs, below torch._dynamo's recompile limit, and no
-    row falls back to eager decoding."""
+    among them), decoded in one batch, in batches of at most 3 and each alone (beside its copy): the
+    compiled step compiles at most ``COMPILED_GRAPH_BOUND`` graphs, below torch._dynamo's recompile
+    limit, and no row falls back to eager decoding."""
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
     release_compiled()
     for length, seed in ((300, 3), (410, 5)):
