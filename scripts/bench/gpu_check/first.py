@@ -13,7 +13,7 @@ budget left is below what it needs (``STAGE_SECONDS``):
    (``decode_check``); a mismatch or an error switches the kernel off for the rest of the call
    (``KERNEL_SWITCHES``) and the report says so;
 2. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
-   at 4K and at 32K against one full-cache request, warm against warm (a short grid first compiles
+   at 32K and at 4K against one full-cache request, warm against warm (a short grid first compiles
    the step's graphs, the request is timed on its second run), then a second 32K sample in the same
    process (the allocator as a run leaves it): wall seconds, stages, batches, graphs compiled, CUDA
    graphs recorded, fallbacks, peak memory, and the dry run's batches and seconds for that sample
@@ -68,7 +68,7 @@ STAGES = ("kernels", "grid", "decode", "efficiency")
 # Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
 # are estimated): each starts only with this much of the budget left; the first two always run.
 STAGE_SECONDS = {"kernels": 0, "grid": 0, "decode": 40, "efficiency": 45}
-LENGTHS = {"cuda": (4096, 32768), "cpu": (192, 320)}
+LENGTHS = {"cuda": (32768, 4096), "cpu": (320, 192)}  # the length never measured first
 NEW_TOKENS = {"cuda": 32, "cpu": 4}
 KERNEL_LENGTH = {"cuda": 4096, "cpu": 192}
 # How the grid decodes: as a run would on CUDA (compiled, as few batches as the memory allows); on a
@@ -203,8 +203,8 @@ def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
 def grid(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
-    """The paper grid against one full-cache request per length, a second sample at the longest
-    where the call's budget still holds it beside the late stages; ``save``d after each sample."""
+    """The paper grid against one full-cache request per length, a second sample at the first (the
+    longest) where the call's budget still holds it beside the late stages; ``save``d after each sample."""
     new_tokens, lengths = NEW_TOKENS[device], LENGTHS[device]
     started = time.perf_counter()
     sample = functools.partial(grid_sample, backbone, new_tokens=new_tokens, count_flops=False)
@@ -212,7 +212,7 @@ def grid(
     warm_up = sample(prompt_of(backbone, WARM_UP_LENGTH[device], 1), **decoding)
     report = {"warm_up": {"length": WARM_UP_LENGTH[device], "s": time.perf_counter() - started, **warm_up}}
     report["samples"] = []
-    for length, seed in [(length, 42) for length in lengths] + [(lengths[-1], 43)]:
+    for length, seed in [(length, 42) for length in lengths] + [(lengths[0], 43)]:
         if seed == 43 and device == "cuda":  # the late stages' time kept
             needed = report["samples"][-1]["s"] + STAGE_SECONDS["decode"] + STAGE_SECONDS["efficiency"]
             if seconds_left() < needed:
