@@ -3,11 +3,13 @@ against one full-cache request, per stage, with the floor beside it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from scripts.bench import grid_gpu
+from scripts.measure import random_prompt
 
 
 @pytest.mark.slow
@@ -24,3 +26,18 @@ def test_the_bench_times_the_grid_against_a_request_and_writes_its_report(tmp_pa
     for name in ("full_eager", "full_compiled", "floor"):
         assert row[f"grid_over_{name}"] == pytest.approx(row["grid_s"] / row[f"{name}_s"])
     assert row["grid_s"] > row["construct_s"] > 0 and row["decode_s"] > 0
+
+
+def test_a_sample_reports_its_stage_seconds_after_each_configuration():
+    """``progress`` hears of every configuration as it is decoded (the grid decodes a batch's rows
+    together, so several arrive at once), and its last report holds the sample's stage seconds."""
+    backbone = grid_gpu.bench_backbone("cpu")
+    prompt = random_prompt(range(1, backbone.model.config.vocab_size), 160, seed=1)
+    reports = []
+    row = grid_gpu.grid_sample(
+        backbone, prompt, new_tokens=2, decode_batch=64, count_flops=False, progress=reports.append
+    )
+    assert [report["configurations"] for report in reports] == list(range(1, 74))
+    assert all(later["elapsed_s"] >= earlier["elapsed_s"] for earlier, later in itertools.pairwise(reports))
+    stages = ("configurations", "prefill_s", "construct_s", "question_s", "decode_s", "decode_tokens")
+    assert {stage: reports[-1][stage] for stage in stages} == {stage: row[stage] for stage in stages}

@@ -31,8 +31,9 @@ import argparse
 import dataclasses
 import functools
 import json
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ from baselines.registry import RESIDUAL_SUFFIX
 from reskv.backbones import Backbone, random_backbone
 from reskv.batching import check_decode_batch, grid_decoding
 from reskv.config import AUTO, DECODE_CHOICES
-from reskv.engine import Prefill
+from reskv.engine import Generation, Prefill
 from reskv.grid import decode_grid
 from reskv.method import Method
 from scripts.bench.grid_counts import QUESTION_TOKENS
@@ -121,13 +122,16 @@ def grid_sample(
     decode: str = AUTO,
     decode_batch: int | str = AUTO,
     count_flops: bool = True,
+    progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """One sample's grid as the runner serves it with ``decode`` and ``decode_batch`` on this device:
     wall seconds, stage seconds, batches, what the compiler did meanwhile; with ``count_flops`` the
-    constructions' matmul GFLOP (one more pass of them)."""
+    constructions' matmul GFLOP (one more pass of them). ``progress`` is given the stage seconds so
+    far after each configuration decoded, so that a sample cut short still says where its time went."""
     requests = paper_ruler_requests()
     decode, max_rows = grid_decoding(decode, decode_batch, backbone.device.type)
     before = compiler_counts()
+    started = time.perf_counter()
 
     def grid():
         prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, [method for method, _ in requests])
@@ -135,7 +139,12 @@ def grid_sample(
         generations = decode_grid(
             prefill, requests, new_tokens, min_new_tokens=new_tokens, decode=decode, max_rows=max_rows
         )
-        return prefill, [generation for _, generation in generations]
+        decoded = []
+        for _, generation in generations:
+            decoded.append(generation)
+            if progress is not None:
+                progress({"elapsed_s": time.perf_counter() - started} | stage_seconds(prefill, decoded))
+        return prefill, decoded
 
     if backbone.device.type == "cuda":  # the allocator's statistics; a CPU's profiler would slow the run
         with peak_memory(backbone.device) as peak:
@@ -143,16 +152,12 @@ def grid_sample(
     else:
         (prefill, generations), seconds = timed(backbone.device, grid)
     after = compiler_counts()
-    timings = [generation.timings for generation in generations]
     rows_by_size = Counter(generation.run["batch_rows"] for generation in generations)
     runs = [generation.run for generation in generations]
     return {
         "decode": decode,
         "grid_s": seconds,
-        "prefill_s": prefill.timings["prefill_s"] + prefill.timings.get("question_prefill_s", 0.0),
-        "construct_s": sum(timing.get("compress_s", 0.0) for timing in timings),
-        "question_s": sum(timing.get("question_s", 0.0) for timing in timings),
-        "decode_s": sum(timing["decode_s"] for timing in timings),
+        **stage_seconds(prefill, generations),
         "batches": [
             size for size, rows in sorted(rows_by_size.items(), reverse=True) for _ in range(rows // size)
         ],
@@ -160,8 +165,20 @@ def grid_sample(
         "compiler": {name: after[name] - before.get(name, 0) for name in after},
         "compile_fallbacks": sum("compile_fallback" in run for run in runs),
         "out_of_memory_splits": sum(run.get("out_of_memory_splits", 0) for run in runs),
-        "decode_tokens": sum(timing["decode_tokens"] for timing in timings),
         "construct_gflop": construction_gflop(prefill, requests) if count_flops else None,
+    }
+
+
+def stage_seconds(prefill: Prefill, generations: Sequence[Generation]) -> dict:
+    """The seconds of a sample's stages over ``generations`` (decoded so far), and their tokens."""
+    timings = [generation.timings for generation in generations]
+    return {
+        "configurations": len(generations),
+        "prefill_s": prefill.timings["prefill_s"] + prefill.timings.get("question_prefill_s", 0.0),
+        "construct_s": sum(timing.get("compress_s", 0.0) for timing in timings),
+        "question_s": sum(timing.get("question_s", 0.0) for timing in timings),
+        "decode_s": sum(timing["decode_s"] for timing in timings),
+        "decode_tokens": sum(timing["decode_tokens"] for timing in timings),
     }
 
 

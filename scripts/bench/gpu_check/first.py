@@ -204,7 +204,8 @@ def grid(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
     """The paper grid against one full-cache request per length, a second sample at the first (the
-    longest) where the call's budget still holds it beside the late stages; ``save``d after each sample."""
+    longest) where the call's budget still holds it beside the late stages; ``save``d after each
+    sample, and after each configuration its sample's stage seconds so far (``in_progress``)."""
     new_tokens, lengths = NEW_TOKENS[device], LENGTHS[device]
     started = time.perf_counter()
     sample = functools.partial(grid_sample, backbone, new_tokens=new_tokens, count_flops=False)
@@ -227,7 +228,8 @@ def grid(
         if seed == 42:
             row["full_eager_s"] = full_request(backbone, prompt, new_tokens, "eager")
             row["full_compiled_s"] = full_request_as_the_grid(backbone, prompt, new_tokens)
-        row |= sample(prompt, **decoding)
+        in_progress = functools.partial(progress_saved, save, report, {"length": length, "seed": seed})
+        row |= sample(prompt, progress=in_progress, **decoding)
         row["decode_tokens_per_s_of_a_row"] = row["decode_tokens"] / row["decode_s"]
         if seed == 42:
             row["grid_over_full_eager"] = row["grid_s"] / row["full_eager_s"]
@@ -237,6 +239,11 @@ def grid(
         report["samples"].append(row)
         save(report)
     return report
+
+
+def progress_saved(save: Callable[[dict], None], report: dict, sample: dict, stages: dict) -> None:
+    """``report`` saved with the sample under way and its stage seconds so far (``in_progress``)."""
+    save(report | {"in_progress": sample | stages})
 
 
 def full_request_as_the_grid(backbone: Backbone, prompt: list[int], new_tokens: int) -> float:
