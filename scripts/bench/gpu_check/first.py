@@ -291,9 +291,10 @@ def dry_run_estimate(length: int, new_tokens: int) -> dict:
 def decode(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
-    """The compiled decode rate of one row and of a batch of the grid's rows, as the grid decodes."""
+    """The compiled decode rate of one row (beside its copy, as the grid decodes a row alone) and of a
+    batch of the grid's rows, at the shortest length."""
     new_tokens = 4 * NEW_TOKENS[device]
-    prompt = prompt_of(backbone, LENGTHS[device][0], seed=42)
+    prompt = prompt_of(backbone, min(LENGTHS[device]), seed=42)
     compressed = [
         (method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None
     ]
@@ -317,7 +318,7 @@ def decode(
             "tokens_per_s": statistics.median(timed),
             "tokens_per_s_runs": timed,
             "first_run_tokens_per_s": rates_per_run[0],
-            "length": LENGTHS[device][0],
+            "length": min(LENGTHS[device]),
         }
     return report
 
@@ -328,7 +329,7 @@ def efficiency(
     """The efficiency rows at one length, eager, with the alternative paths (``--compare-paths``)."""
     rows = efficiency_rows(
         backbone,
-        [LENGTHS[device][0]],
+        [min(LENGTHS[device])],
         [0.9],
         NEW_TOKENS[device],
         method_names=("snapkv", "snapkv+reskv"),
