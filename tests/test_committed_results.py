@@ -1,5 +1,7 @@
-"""The committed results/ruler4k: its result files load unchanged and `make tables` regenerates
-its committed tables byte for byte (the on-disk JSON format and every table rule held still)."""
+"""The committed reproductions (results/ruler4k on SmolLM2-135M, results/gemma-ruler4k on Gemma 3
+270M): their result files load unchanged, resume under their Makefile commands, and `make tables`
+regenerates their committed tables byte for byte (the on-disk JSON format and every table rule held
+still)."""
 
 from __future__ import annotations
 
@@ -12,29 +14,38 @@ from scripts.harness.plan import compose_plan
 from scripts.harness.store import SCHEMA, ResultFile, ResultKey, load_results, without_default_options
 from scripts.report import tables
 
-COMMITTED = Path(__file__).resolve().parent.parent / "results" / "ruler4k"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+# Each reproduction's directory and the backbone of its Makefile target (reproduce-ruler4k,
+# reproduce-gemma-ruler4k).
+REPRODUCTIONS = {"ruler4k": "smollm2-135m", "gemma-ruler4k": "gemma3-270m"}
+reproductions = pytest.mark.parametrize("reproduction", sorted(REPRODUCTIONS))
 
 
-def test_committed_result_files_load_without_warnings():
-    results, unavailable, warnings = load_results(COMMITTED / "runs")
+@reproductions
+def test_committed_result_files_load_without_warnings(reproduction):
+    results, unavailable, warnings = load_results(RESULTS / reproduction / "runs")
     assert warnings == []
     # results/README.md: 517 configurations on the 11 tasks available offline; qa_1 and qa_2 marked.
     assert len(results) == 517
+    assert {result.key.backbone for result in results} == {REPRODUCTIONS[reproduction]}
     assert len({result.key.task for result in results}) == 11
     assert sorted(mark["task"] for mark in unavailable) == ["qa_1", "qa_2"]
 
 
 @pytest.mark.slow
-def test_make_tables_regenerates_the_committed_tables_byte_for_byte(tmp_path):
-    tables.main(["--results-dir", str(COMMITTED), "--out-dir", str(tmp_path)])
-    committed = {path.name: path.read_bytes() for path in (COMMITTED / "tables").iterdir()}
+@reproductions
+def test_make_tables_regenerates_the_committed_tables_byte_for_byte(reproduction, tmp_path):
+    committed_dir = RESULTS / reproduction
+    tables.main(["--results-dir", str(committed_dir), "--out-dir", str(tmp_path)])
+    committed = {path.name: path.read_bytes() for path in (committed_dir / "tables").iterdir()}
     regenerated = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
     assert sorted(regenerated) == sorted(committed)
     changed = [name for name in committed if regenerated[name] != committed[name]]
     assert changed == []
 
 
-# The three commands of `make reproduce-ruler4k` (Makefile), as plans: what each would run.
+# The three commands of `make reproduce-ruler4k` (Makefile; `reproduce-gemma-ruler4k` the same on its
+# backbone), as plans: what each would run.
 REPRODUCE = [
     [
         "method=[full,snapkv,snapkv+reskv,adakv,adakv+reskv]",
@@ -51,15 +62,18 @@ REPRODUCE = [
 ]
 
 
-def test_every_committed_result_file_resumes_under_the_reproduction_command(tmp_path):
-    """`make reproduce-ruler4k` finds nothing to run: each committed file (its identity written with
-    every option at its default) is the configuration today's plan gives, and opens complete."""
+@reproductions
+def test_every_committed_result_file_resumes_under_the_reproduction_command(reproduction, tmp_path):
+    """`make reproduce-ruler4k` (and the Gemma one) finds nothing to run: each committed file (its
+    identity written with every option at its default) is the configuration today's plan gives, and
+    opens complete."""
+    committed_dir, backbone = RESULTS / reproduction, REPRODUCTIONS[reproduction]
     entries = {}
     for overrides in REPRODUCE:
-        common = ["backbone=smollm2-135m", "benchmark=ruler", "benchmark.length=4096", "benchmark.tasks=all"]
+        common = [f"backbone={backbone}", "benchmark=ruler", "benchmark.length=4096", "benchmark.tasks=all"]
         plan = compose_plan([*common, *overrides, f"results_dir={tmp_path}"])
         entries |= {entry.key(plan, task): (plan, entry) for task in plan.tasks for entry in plan.grid}
-    documents = {path: json.loads(path.read_text()) for path in (COMMITTED / "runs").rglob("*.json")}
+    documents = {path: json.loads(path.read_text()) for path in (committed_dir / "runs").rglob("*.json")}
     documents = {path: document for path, document in documents.items() if document.get("schema") == SCHEMA}
     assert len(documents) == 517
     for path, document in documents.items():
@@ -72,7 +86,8 @@ def test_every_committed_result_file_resumes_under_the_reproduction_command(tmp_
         key = entry.key(plan, document["key"]["task"])
         key.path(plan.runs_dir).parent.mkdir(parents=True)
         key.path(plan.runs_dir).write_text(json.dumps(document))
+        samples = document["samples_total"]  # the rounds committed
         result = ResultFile(
-            plan.runs_dir, key, (0, 10), 10, plan.identity(entry, "float32"), lambda scores: 0.0
+            plan.runs_dir, key, (0, samples), samples, plan.identity(entry, "float32"), lambda scores: 0.0
         ).open()
         assert result.pending == [] and result.close() is None
