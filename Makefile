@@ -129,15 +129,17 @@ reproduce-gemma-ruler4k: REPRO = results/gemma-ruler4k
 reproduce-gemma-ruler4k: REPRO_OPTIONS = $(GEMMA_REPRO_OPTIONS)
 reproduce-gemma-ruler4k: reproduce-ruler4k
 
-# RULER at long context on Gemma 3 270M: the paper grid only, 5 samples per task (one per round), at
-# GEMMA_LONG, the longest length whose full-cache average keeps half its 4K one (results/README.md).
+# RULER at long context on Gemma 3 270M: the paper grid only, 5 samples per task (one per round;
+# LONG_ROUNDS=N stops after N), at GEMMA_LONG, the longest length whose full-cache average keeps half
+# its 4K one (results/README.md).
 GEMMA_LONG  ?= 16384
+LONG_ROUNDS ?= 5
 reproduce-gemma-ruler-long: REPRO_BACKBONE = gemma3-270m
 reproduce-gemma-ruler-long: REPRO_LENGTH = $(GEMMA_LONG)
 reproduce-gemma-ruler-long: REPRO = results/gemma-ruler$(GEMMA_LONG)
 reproduce-gemma-ruler-long: REPRO_OPTIONS = $(GEMMA_REPRO_OPTIONS)
 reproduce-gemma-ruler-long: assets
-	for n in $$(seq 1 5); do $(REPRO_RUN) num_samples=$$n $(REPRO_PAPER_GRID) || exit 1; done
+	for n in $$(seq 1 $(LONG_ROUNDS)); do $(REPRO_RUN) num_samples=$$n $(REPRO_PAPER_GRID) || exit 1; done
 
 # The CI smoke grid (tiny random backbone) end to end into a scratch directory, then its tables.
 smoke: assets
