@@ -227,6 +227,22 @@ def static_address(buffer: Tensor, slots_dim: int | None = None) -> Tensor:
     return buffer
 
 
+def write_at_position(
+    layer: CompressedLayer | StaticSlotsLayer, key_states: Tensor, value_states: Tensor
+) -> Tensor:
+    """The slots ``[position, position + tokens)`` of a static-slot layer's buffers written with
+    ``key_states`` and ``value_states``, claimed on the host first unless a compiled step runs (it
+    claimed them before: ``ResKVCache.claim``); returns the slots for the caller's bias write. The
+    caller advances ``position`` after it: with one token the slots are ``position`` itself."""
+    tokens = key_states.shape[-2]
+    if not torch.compiler.is_compiling():
+        layer.claim(tokens)
+    slots = layer.position if tokens == 1 else layer.position + torch.arange(tokens, device=layer.device)
+    layer._keys.index_copy_(2, slots, key_states)
+    layer._values.index_copy_(2, slots, value_states)
+    return slots
+
+
 class CompressedLayer(AttendingLayer):
     """Residual entries + main cache after compression, in static-capacity buffers; new tokens are
     appended to main, exact.
@@ -327,14 +343,9 @@ class CompressedLayer(AttendingLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         require_single_sequence(key_states)
-        tokens = key_states.shape[-2]
-        if not torch.compiler.is_compiling():
-            self.claim(tokens)
-        slots = self.position if tokens == 1 else self.position + torch.arange(tokens, device=self.device)
-        self._keys.index_copy_(2, slots, key_states)
-        self._values.index_copy_(2, slots, value_states)
+        slots = write_at_position(self, key_states, value_states)
         self._bias.index_fill_(-1, slots, 0.0)
-        self.position.add_(tokens)
+        self.position.add_(key_states.shape[-2])
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -492,11 +503,7 @@ class StaticSlotsLayer(AttendingLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         tokens = key_states.shape[-2]
-        if not torch.compiler.is_compiling():
-            self.claim(tokens)
-        slots = self.position if tokens == 1 else self.position + torch.arange(tokens, device=self.device)
-        self._keys.index_copy_(2, slots, key_states)
-        self._values.index_copy_(2, slots, value_states)
+        slots = write_at_position(self, key_states, value_states)
         self._bias.index_copy_(3, slots, self.feed_bias.expand(*self._bias.shape[:3], tokens))
         self.written(slots, tokens)
         self.position.add_(tokens)
