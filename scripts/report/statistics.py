@@ -178,6 +178,11 @@ class PromptTable:
             total += np.nan_to_num(matrix)[rows].mean(axis=1) * share[position]
         return total
 
+    def tied(self) -> np.ndarray:
+        """``(members,)``: True where a member is 0 on every prompt it has (it ties throughout, so no
+        draw can tell which side of 0 it falls on)."""
+        return np.logical_and.reduce([np.all(np.nan_to_num(matrix) == 0, axis=0) for matrix in self.values])
+
     def informative(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """Strata, and (member, prompt) cells, where a value departs from 0 (a difference that is not a
         tie): ``((strata informative, strata), (cells informative, cells))``."""

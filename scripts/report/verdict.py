@@ -156,8 +156,9 @@ READING = (
 )
 SHARE_READING = (
     "Configurations improved: pairs won of pairs; its interval is the range of the count over the same "
-    "prompt draws (2.5th to 97.5th percentile; 'all' the share of draws where every pair gains), read "
-    "against half of them and the paper's share."
+    "prompt draws (2.5th to 97.5th percentile; 'all' the share of draws where every pair gains), a pair "
+    "tied on every prompt counted lost at its low end and won at its high end (the data cannot tell "
+    "its side), read against half of them and the paper's share."
 )
 
 
@@ -532,8 +533,11 @@ def judge_share(claim: PaperClaim, found: ClaimEvidence) -> ClaimVerdict:
             claim, None, [Cell(count=(won, of)), Cell(count=(wins, len(gains))), *empty], (None, None), 0
         )
     counts = np.sort((table.member_means(table.draws()) > 0).sum(axis=1))
+    # A pair that ties on every prompt carries no information on its side of 0: the interval's low
+    # end counts it lost, its high end won.
+    tied = int(table.tied().sum())
     low = int(counts[round((N_RESAMPLES + 1) * (1 - CONFIDENCE) / 2) - 1])
-    high = int(counts[round((N_RESAMPLES + 1) * (1 + CONFIDENCE) / 2) - 1])
+    high = int(counts[round((N_RESAMPLES + 1) * (1 + CONFIDENCE) / 2) - 1]) + tied
     every = float(np.mean(counts == len(gains)))
     strata, cells = table.informative()
     if cells[0] == 0:
@@ -546,7 +550,7 @@ def judge_share(claim: PaperClaim, found: ClaimEvidence) -> ClaimVerdict:
         )
     row = [
         Cell(count=(won, of)),
-        Cell(text=f"{wins}/{len(gains)} (all: {100 * every:.0f}%)"),
+        Cell(text=f"{wins}/{len(gains)}{f', {tied} tied' if tied else ''} (all: {100 * every:.0f}%)"),
         Cell(text=f"[{low}, {high}]"),
         None,
         Cell(text=samples_text(table.samples)),
