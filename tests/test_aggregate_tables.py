@@ -281,6 +281,43 @@ def test_pair_with_mixed_sample_counts_is_compared_on_shared_samples(tmp_path):
     assert "| q-Aware | TOVA | 0.00\u2020 (n=2) |" in to_markdown(tables["ruler_averages"], show_n=True)
 
 
+def test_cli_reads_several_results_roots_as_one(results_dir, tmp_path):
+    """Two roots, the fixture's files split between them by setting, give the tables of one root
+    holding them all, file for file."""
+    split = tmp_path / "split"
+    for path in (results_dir / "runs").rglob("*.json"):
+        relative = path.relative_to(results_dir / "runs")
+        part = "agnostic" if "agnostic" in relative.parts else "rest"
+        target = split / part / "runs" / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path / "one")])
+    main(["--results-dir", str(split / "rest"), str(split / "agnostic"), "--out-dir", str(tmp_path / "two")])
+    one = {path.name: path.read_bytes() for path in (tmp_path / "one").iterdir()}
+    two = {path.name: path.read_bytes() for path in (tmp_path / "two").iterdir()}
+    assert len(one) > 20 and one == two
+
+
+def test_cli_summary_writes_the_averages_and_the_claims_only(results_dir, tmp_path):
+    main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path), "--summary"])
+    names = {"ruler_averages", f"verdict_claims_{BACKBONE}"}
+    expected = {f"{name}{suffix}" for name in names for suffix in (".tex", ".md", ".csv")}
+    assert {path.name for path in tmp_path.iterdir()} == expected | {"tables.md", "tables.tex"}
+
+
+def test_cli_names_a_missing_root_and_asks_for_an_out_dir_with_several(results_dir, tmp_path, capsys):
+    for argv, message in (
+        ([str(tmp_path / "nowhere")], f"--results-dir {tmp_path / 'nowhere'}: no such directory"),
+        (
+            [str(results_dir), str(tmp_path)],
+            f"--out-dir is needed with several --results-dir ({results_dir}, ",
+        ),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(["--results-dir", *argv])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_on_a_results_directory_without_results(tmp_path, capsys):
     main(["--results-dir", str(tmp_path), "--out-dir", str(tmp_path / "tables")])
     assert "0 tables written" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """The committed reproductions (results/ruler4k on SmolLM2-135M; results/gemma-ruler4k and
 results/gemma-ruler16384 on Gemma 3 270M): their result files load unchanged, resume under their
-Makefile commands, and `make tables` regenerates their committed tables byte for byte (the on-disk
-JSON format and every table rule held still)."""
+Makefile commands, and `make tables` regenerates their committed tables byte for byte, as `make
+tables-combined` does their view together, results/combined (the on-disk JSON format and every table
+rule held still)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,24 @@ def test_make_tables_regenerates_the_committed_tables_byte_for_byte(name, tmp_pa
     assert sorted(regenerated) == sorted(committed)
     changed = [name for name in committed if regenerated[name] != committed[name]]
     assert changed == []
+
+
+@pytest.mark.slow
+def test_make_tables_combined_regenerates_the_committed_view_byte_for_byte(tmp_path):
+    """results/combined (`make tables-combined`): the reproductions read as one, averages and claims."""
+    tables.main(
+        [
+            "--results-dir",
+            *(str(RESULTS / name) for name in REPRODUCTIONS),
+            "--out-dir",
+            str(tmp_path),
+            "--summary",
+        ]
+    )
+    committed = {path.name: path.read_bytes() for path in (RESULTS / "combined").iterdir()}
+    regenerated = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert sorted(regenerated) == sorted(committed)
+    assert [name for name in committed if regenerated[name] != committed[name]] == []
 
 
 @reproductions

@@ -490,16 +490,17 @@ def _result_documents(runs_dir: Path) -> Iterator[tuple[Path, dict[str, Any], li
             yield path, header, records
 
 
-def load_results(runs_dir: Path) -> tuple[list[TaskResult], list[dict[str, Any]], list[str]]:
-    """Every configuration under ``runs_dir``, the unavailable-task markers, and warnings.
+def load_results(*runs_dirs: Path) -> tuple[list[TaskResult], list[dict[str, Any]], list[str]]:
+    """Every configuration under the ``runs_dirs``, the unavailable-task markers, and warnings.
 
     Samples of one configuration found in several files (shards, a journal beside its final
-    file) are merged by index; two different records for one index are reported as a warning
-    and the first (in path order) is kept.
+    file, two directories) are merged by index; two different records for one index are reported
+    as a warning and the first (in directory, then path order) is kept.
     """
     merged: dict[ResultKey, TaskResult] = {}
     warnings = []
-    for path, header, records in _result_documents(runs_dir):
+    documents = (document for runs_dir in runs_dirs for document in _result_documents(runs_dir))
+    for path, header, records in documents:
         key = ResultKey.from_json(header["key"])
         result = merged.setdefault(key, TaskResult(key, {}, header["samples_total"]))
         result.samples_total = max(result.samples_total, header["samples_total"])
@@ -509,5 +510,7 @@ def load_results(runs_dir: Path) -> tuple[list[TaskResult], list[dict[str, Any]]
                 warnings.append(
                     f"{path}: sample {record['index']} differs from an earlier file; kept the first"
                 )
-    unavailable = [read_json(path) for path in sorted(runs_dir.rglob("unavailable.json"))]
+    unavailable = [
+        read_json(path) for runs_dir in runs_dirs for path in sorted(runs_dir.rglob("unavailable.json"))
+    ]
     return sorted(merged.values(), key=lambda result: result.key.sort_key), unavailable, warnings

@@ -1,6 +1,12 @@
 """The paper's tables from the results frames (scripts.report.frames): LaTeX (booktabs), markdown, CSV.
 
-    python -m scripts.report.tables [--results-dir results] [--out-dir results/tables] [--show-n]
+    python -m scripts.report.tables [--results-dir results [...]] [--out-dir results/tables] [--show-n]
+        [--summary]
+
+Several results roots are read as one (their tables then need ``--out-dir``); ``--summary`` writes the
+averages and the verdict's claims only: ``make tables-combined``, the committed reproductions' view,
+both backbones and both lengths side by side, the verdict pooling a backbone's lengths as the paper's
+claims do.
 
 Tables (each as ``<name>.tex``, ``<name>.md``, ``<name>.csv``; ``tables.tex`` inputs them all),
 and the frames themselves as ``results.csv`` (one row per configuration, with its score's 95% interval
@@ -74,29 +80,54 @@ def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Ta
     return tables + verdict_tables(index)
 
 
+def summary_tables(index: ResultIndex) -> list[Table]:
+    """The view across reproductions (``--summary``): each benchmark's averages and each backbone's
+    verdict on the paper's claims."""
+    averages = [averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS]
+    claims = [table for table in verdict_tables(index) if table.name.startswith("verdict_claims_")]
+    return [table for table in averages if table] + claims
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--results-dir",
         type=Path,
-        default=Path("results"),
-        help="results root (reads <dir>/runs; default: results)",
+        nargs="+",
+        default=[Path("results")],
+        help="results roots, read as one (each <dir>/runs; default: results)",
     )
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/tables")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/tables (one root)")
     parser.add_argument(
         "--show-n", action="store_true", help="append each cell's samples per task to the .md and .csv cells"
     )
+    parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="the averages and the verdict's claims only, without the results as data",
+    )
     args = parser.parse_args(argv)
-    try:
-        results, unavailable, warnings = load_results(args.results_dir / "runs")  # read once, used thrice
+    missing = [str(root) for root in args.results_dir if not root.is_dir()]
+    if missing:
+        parser.error(f"--results-dir {', '.join(missing)}: no such directory")
+    if args.out_dir is None and len(args.results_dir) > 1:
+        parser.error(
+            f"--out-dir is needed with several --results-dir ({', '.join(map(str, args.results_dir))})"
+        )
+    try:  # read once, used thrice
+        results, unavailable, warnings = load_results(*(root / "runs" for root in args.results_dir))
     except ResultStoreError as error:
         sys.exit(f"scripts.report.tables: error: {error}")
     samples, configs = frames_from_results(results, unavailable)
     for warning in warnings:
         print(f"warning: {warning}")
-    tables = all_tables(ResultIndex(samples, configs), heads_frame(results))
-    out_dir = args.out_dir or args.results_dir / "tables"
+    index = ResultIndex(samples, configs)
+    tables = summary_tables(index) if args.summary else all_tables(index, heads_frame(results))
+    out_dir = args.out_dir or args.results_dir[0] / "tables"
     write_tables(tables, out_dir, args.show_n)
+    if args.summary:
+        print(f"{len(tables)} tables written to {out_dir} (.tex, .md, .csv; tables.md has them all)")
+        return
     intervals = score_intervals(samples, KEY_COLUMNS)
     configs = configs.merge(intervals, on=KEY_COLUMNS, how="left")
     configs.insert(configs.columns.get_loc("score") + 1, "score_low", configs.pop("score_low"))
