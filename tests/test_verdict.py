@@ -203,47 +203,45 @@ def test_a_backbone_the_paper_did_not_run_gets_only_the_claims(tmp_path):
     assert (mean_gain.observed, mean_gain.paper, mean_gain.rounds) == (14, 1147, 1144)
 
 
-def test_configurations_improved_counts_pairs_on_shared_draws(tmp_path):
-    runs_dir = tmp_path / "runs"
-    for setting, ratio, base, reskv in (
-        ("aware", 0.9, [0, 0], [1, 0]),  # won
-        ("aware", 0.8, [1, 0], [1, 0]),  # tied
-        ("agnostic", 0.9, [1, 1], [0, 1]),  # lost
-    ):
+def configurations_improved_row(runs_dir: Path, pairs: list[tuple]) -> str:
+    """The claim's markdown row over SnapKV / +ResKV pairs on vt: (setting, ratio, base, +ResKV scores)."""
+    for setting, ratio, base, reskv in pairs:
         for method, scores in (("snapkv", base), ("snapkv+reskv", reskv)):
             write_result(
                 runs_dir, ResultKey("tiny-llama", "ruler", 1024, "vt", setting, method, ratio), scores
             )
     (claims,) = verdict_tables(ResultIndex.from_directory(runs_dir)[0])
+    return next(line for line in to_markdown(claims).splitlines() if "configurations improved" in line)
+
+
+def test_configurations_improved_counts_pairs_on_shared_draws(tmp_path):
+    pairs = [
+        ("aware", 0.9, [0, 0], [1, 0]),  # won
+        ("aware", 0.8, [1, 0], [1, 0]),  # tied
+        ("agnostic", 0.9, [1, 1], [0, 1]),  # lost
+    ]
     # The three pairs share vt's two prompts, drawn together: prompts (0, 0) give +100, 0, -100; (0, 1)
     # and (1, 0) +50, 0, -50; (1, 1) all 0. One pair gains on 3 draws in 4, none on 1 in 4: the count
     # ranges over [0, 1], never 3 ("all" 0%). Drawn apart, the won and lost pairs would both gain 1 time
     # in 4 (2 in 16), and the count reach 2. The tied pair's side is unknown: the high end counts it
     # won, [0, 2]. Against half of the pairs (1.5): unresolved; below the paper's 63/64 at its best.
-    row = next(line for line in to_markdown(claims).splitlines() if "configurations improved" in line)
-    assert row == (
+    assert configurations_improved_row(tmp_path / "runs", pairs) == (
         "| RULER: configurations improved | 63/64 | 1/3, 1 tied (all: 0%) | [0, 2] | 3/64 | 2 "
         "| 1/1 tasks, 2/6 cells | -- | unresolved | -- | smaller than the paper's | -- | -- | -- | -- | -- |"
     )
 
 
 def test_configurations_improved_reads_pairs_that_tie_throughout_as_either_side(tmp_path):
-    runs_dir = tmp_path / "runs"
     # Four pairs on vt's two prompts: one lost on both prompts, three tied on both. Counting ties as
     # losses, no draw has a pair gaining: [0, 0], against half of the pairs "reversed". The three tied
     # pairs may fall on either side: [0, 3], 3/4 above the half, 3/4 below the paper's 63/64.
-    for setting, ratio, base, reskv in (
+    pairs = [
         ("aware", 0.9, [1, 1], [0, 0]),  # lost
         ("aware", 0.8, [1, 0], [1, 0]),  # tied
         ("agnostic", 0.9, [0, 0], [0, 0]),  # tied
         ("agnostic", 0.8, [1, 1], [1, 1]),  # tied
-    ):
-        for method, scores in (("snapkv", base), ("snapkv+reskv", reskv)):
-            write_result(
-                runs_dir, ResultKey("tiny-llama", "ruler", 1024, "vt", setting, method, ratio), scores
-            )
-    (claims,) = verdict_tables(ResultIndex.from_directory(runs_dir)[0])
-    row = next(line for line in to_markdown(claims).splitlines() if "configurations improved" in line)
+    ]
+    row = configurations_improved_row(tmp_path / "runs", pairs)
     assert row.split(" | ")[2:4] == ["0/4, 3 tied (all: 0%)", "[0, 3]"]
     assert row.split(" | ")[8:11] == ["unresolved", "--", "smaller than the paper's"]
 
