@@ -64,12 +64,17 @@ from scripts.report.statistics import score_intervals
 from scripts.report.verdict import verdict_tables
 
 
+def averages_tables(index: ResultIndex) -> list[Table]:
+    """Each benchmark's averages table, where the results hold that benchmark."""
+    return [
+        table for table in (averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS) if table
+    ]
+
+
 def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Table]:
     """Every table the results support; ``heads`` (``scripts.report.frames.heads_frame``) adds the proxy's
     choices to the quality tables."""
-    tables = [
-        table for table in (averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS) if table
-    ]
+    tables = averages_tables(index)
     for benchmark in benchmarks.BENCHMARKS:
         for backbone in index.backbones(benchmark):
             tables += [
@@ -83,9 +88,8 @@ def all_tables(index: ResultIndex, heads: pd.DataFrame | None = None) -> list[Ta
 def summary_tables(index: ResultIndex) -> list[Table]:
     """The view across reproductions (``--summary``): each benchmark's averages and each backbone's
     verdict on the paper's claims."""
-    averages = [averages_table(index, benchmark) for benchmark in benchmarks.BENCHMARKS]
     claims = [table for table in verdict_tables(index) if table.name.startswith("verdict_claims_")]
-    return [table for table in averages if table] + claims
+    return averages_tables(index) + claims
 
 
 def main(argv: Sequence[str] | None = None) -> None:
