@@ -54,6 +54,15 @@ REPRODUCTIONS = {
 reproductions = pytest.mark.parametrize("name", sorted(REPRODUCTIONS))
 
 
+def assert_same_files(committed_dir: Path, regenerated_dir: Path) -> None:
+    """The same file names in both directories, and every file byte for byte."""
+    committed = {path.name: path.read_bytes() for path in committed_dir.iterdir()}
+    regenerated = {path.name: path.read_bytes() for path in regenerated_dir.iterdir()}
+    assert sorted(regenerated) == sorted(committed)
+    changed = [name for name in committed if regenerated[name] != committed[name]]
+    assert changed == []
+
+
 @reproductions
 def test_committed_result_files_load_without_warnings(name):
     results, unavailable, warnings = load_results(RESULTS / name / "runs")
@@ -72,11 +81,7 @@ def test_committed_result_files_load_without_warnings(name):
 def test_make_tables_regenerates_the_committed_tables_byte_for_byte(name, tmp_path):
     committed_dir = RESULTS / name
     tables.main(["--results-dir", str(committed_dir), "--out-dir", str(tmp_path)])
-    committed = {path.name: path.read_bytes() for path in (committed_dir / "tables").iterdir()}
-    regenerated = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
-    assert sorted(regenerated) == sorted(committed)
-    changed = [name for name in committed if regenerated[name] != committed[name]]
-    assert changed == []
+    assert_same_files(committed_dir / "tables", tmp_path)
 
 
 @pytest.mark.slow
@@ -91,10 +96,7 @@ def test_make_tables_combined_regenerates_the_committed_view_byte_for_byte(tmp_p
             "--summary",
         ]
     )
-    committed = {path.name: path.read_bytes() for path in (RESULTS / "combined").iterdir()}
-    regenerated = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
-    assert sorted(regenerated) == sorted(committed)
-    assert [name for name in committed if regenerated[name] != committed[name]] == []
+    assert_same_files(RESULTS / "combined", tmp_path)
 
 
 @reproductions
