@@ -101,6 +101,23 @@ def write_result(plan, task: str, entry, indices: list[int], total: int) -> None
     result.close()
 
 
+def test_a_ruler_round_more_or_fewer_is_counted_from_the_plan_not_the_store(tmp_path):
+    """Rounds (make reproduce-ruler4k) raise num_samples over a store written with fewer: over full's
+    3 complete samples, num_samples=4 leaves sample 3 to run for every configuration and full
+    partial, as the run would; num_samples=2 finds full done and the others to do over 2 samples."""
+    three = compose_plan([*TOY_GRID, "benchmark.tasks=[vt]", f"results_dir={tmp_path}"])
+    write_result(three, "vt", three.grid[0], [0, 1, 2], 3)
+    more = compose_plan([*TOY_GRID, "num_samples=4", "benchmark.tasks=[vt]", f"results_dir={tmp_path}"])
+    (task,) = workload.task_plans(more)
+    assert task.sample_range == (0, 4)
+    assert [task.status(entry) for entry in more.grid] == ["partial", "to do", "to do", "to do", "to do"]
+    assert task.pending(more.grid) == {tuple(more.grid[1:]): 3, tuple(more.grid): 1}
+    fewer = compose_plan([*TOY_GRID, "num_samples=2", "benchmark.tasks=[vt]", f"results_dir={tmp_path}"])
+    (task,) = workload.task_plans(fewer)
+    assert task.sample_range == (0, 2)
+    assert [task.status(entry) for entry in fewer.grid] == ["done", "to do", "to do", "to do", "to do"]
+
+
 def test_the_dry_run_lists_what_the_store_holds_and_writes_nothing(tmp_path):
     """full complete, SnapKV aware one sample in its journal, the rest absent: 1 done, 1 partial,
     3 to do; sample 0 lacks 3 configurations, samples 1 and 2 lack 4; the to-do estimate leaves the

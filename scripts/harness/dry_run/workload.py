@@ -48,6 +48,9 @@ class Workload:
     question_tokens: int
     answer_tokens: int  # decode steps: the task's generation length, or the plan's cap
     lengths: str  # where the prompt length comes from
+    # ``samples`` is the count the run will have (RULER generates exactly ``num_samples``): result files
+    # an earlier round wrote with another count do not override it.
+    exact: bool = False
 
 
 def answer_length(benchmark: str, task: str) -> int:
@@ -66,7 +69,9 @@ def task_workload(plan: Plan, task: str) -> Workload:
     generated = answer_length(plan.benchmark, task)
     answer = generated if plan.max_new_tokens is None else min(generated, plan.max_new_tokens)
     if plan.benchmark == "ruler":
-        return Workload(plan.num_samples, plan.length - generated, QUESTION_TOKENS, answer, "length - answer")
+        return Workload(
+            plan.num_samples, plan.length - generated, QUESTION_TOKENS, answer, "length - answer", exact=True
+        )
     if plan.benchmark == "longbench" and task in LONGBENCH_STATISTICS:
         count, words = LONGBENCH_STATISTICS[task]
         per_word = TOKENS_PER_WORD["code" if task in LONGBENCH_CODE_TASKS else "prose"]
@@ -105,7 +110,8 @@ class TaskPlan:
 
 def task_plans(plan: Plan) -> list[TaskPlan]:
     """Every task of the plan with the samples the result store holds of it, read without writing:
-    a task's sample count is the one its result files were written with, else the nominal one."""
+    a task's sample count is the plan's where the benchmark makes exactly that many (RULER), else the
+    one its result files were written with (a dataset's own size), else the nominal one."""
     from scripts.harness.store import load_results
 
     held = load_results(plan.runs_dir)[0] if plan.runs_dir.exists() else []
@@ -115,7 +121,7 @@ def task_plans(plan: Plan) -> list[TaskPlan]:
         workload = task_workload(plan, task)
         found = {entry: results.get(entry.key(plan, task)) for entry in plan.grid}
         totals = [result.samples_total for result in found.values() if result is not None]
-        total = max(totals) if totals else workload.samples
+        total = max(totals) if totals and not workload.exact else workload.samples
         sample_range = plan.shard_range(total) if total is not None else (0, 0)
         done = {
             entry: {index for index in result.samples if sample_range[0] <= index < sample_range[1]}
