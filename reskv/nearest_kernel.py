@@ -9,12 +9,24 @@ row's points, runs over that row's centres a tile at a time with a running minim
 the index: one launch per Lloyd step, no distance block.
 
 The rule is the torch path's: ``||c||² + bias - 2<p, c>`` (``center_norms`` holds the first two
-terms, ``+inf`` on padding centres), fp32 products in IEEE arithmetic (no TF32, as cuBLAS's default
-``baddbmm``), ties to the lower centre index (within a tile the smallest index holding the tile's
-minimum; tiles come in increasing order and a later one must be strictly smaller to win). Only the
-products' rounding may differ from cuBLAS's, so near ties may go another way on the GPU, as they
-may between two BLAS libraries; the CPU keeps the torch path and its bit-identity with the spec's
-plain loop.
+terms, ``+inf`` on padding centres), ties to the lower centre index (within a tile the smallest
+index holding the tile's minimum; tiles come in increasing order and a later one must be strictly
+smaller to win). The products
+``<p, c>`` run in one of three forms (``PRECISION``):
+
+- ``"ieee"``: fp32 arithmetic on the CUDA cores, as cuBLAS's fp32 ``baddbmm`` (no TF32);
+- ``"tf32x3"``: three TF32 tensor-core products, fp32-like accuracy;
+- ``"bf16x3"``, only where every point is a bf16 value (the keys of a bf16 model, upcast): an fp32
+  centre is split exactly into three parts of bf16 precision (``c = high + middle + low``: 8
+  significant bits each, 24 in all, fp32's), and ``<p, c> = <p, low> + <p, middle> + <p, high>``
+  runs as three tensor-core products whose every term ``p_i c_i`` is exact in their fp32
+  accumulators. Their operands are bf16, or TF32 (``SPLIT_OPERANDS``), which holds 8-bit values
+  exactly too, at half bf16's rate; Triton's interpreter multiplies bf16 operands wrongly, so the
+  CPU tests run the split with TF32 operands.
+
+Only the products' summation order and the accumulators' rounding differ from cuBLAS's, so near
+ties may go another way on the GPU, as they may between two BLAS libraries; the CPU keeps the torch
+path and its bit-identity with the spec's plain loop.
 
 Triton is optional: without it (a CPU install) ``available`` is false and the torch path runs.
 Tested on CPU under ``TRITON_INTERPRET=1`` (tests/test_reskv_invariants.py).
@@ -31,18 +43,22 @@ try:
 except ImportError:
     triton = None
 
-# Tile sizes and warps per program, not timed on a GPU yet: ``scripts.bench.gpu_check
-# --compare-paths`` times the construction with this kernel and with the torch path, which decides
-# between them. Sized so that ptxas keeps the tiles in registers on sm_90 at head dims 64 and 128
-# (``python -m scripts.bench.kernel_resources``; 64 x 64 tiles with 4 warps spill at head dim 128 in
-# IEEE fp32).
+# Tile sizes and warps per program, sized so that ptxas keeps the tiles in registers on sm_90 at head
+# dims 64 and 128 (``python -m scripts.bench.kernel_resources``; 64 x 64 tiles with 4 warps spill at
+# head dim 128 in IEEE fp32); not tuned for the tensor-core forms.
 POINT_TILE = 64
 CENTER_TILE = 32
 NUM_WARPS = 8
-# ``tl.dot``'s input precision. "ieee" is fp32 arithmetic on the CUDA cores, as cuBLAS's fp32
-# ``baddbmm``; "tf32x3" (three TF32 tensor-core products, fp32-like accuracy without IEEE bits) is
-# the faster candidate should the kernel prove compute-bound, timed by ``--compare-paths`` too.
-PRODUCT_PRECISION = "ieee"
+# Which form runs (``precision``), as ``python -m scripts.bench.gpu_check.first --stages nearest``
+# measured on an H200 (results/gpu/README.md): points that are all bf16 values take "bf16x3"
+# (``BF16_SPLIT``), faster than the torch path; other points take ``PRODUCT_PRECISION``, where
+# ``None`` leaves them to ``reskv.residual``'s torch path, which was faster than "ieee" and as fast as
+# "tf32x3" there.
+BF16_SPLIT = True
+PRODUCT_PRECISION: str | None = None
+PRECISIONS = ("ieee", "tf32x3", "bf16x3")
+# The operands of "bf16x3"'s three products: "bf16" or "tf32" (the module docstring).
+SPLIT_OPERANDS = "bf16"
 # No contraction of a multiply and an add into one FMA outside the product (``norms - 2 * products``
 # rounds the same either way, 2x being exact), whatever Triton's default (on up to 3.9, off from 3.10).
 FP_FUSION = False
@@ -53,12 +69,24 @@ def available() -> bool:
     return triton is not None
 
 
-def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
+def precision(points_in_bf16: bool) -> str | None:
+    """The products' form (``PRECISIONS``) for points that are, or may not be, all bf16 values; ``None``
+    where the kernel does not run for them (the torch path does)."""
+    return "bf16x3" if points_in_bf16 and BF16_SPLIT else PRODUCT_PRECISION
+
+
+def nearest(
+    points: Tensor, centers: Tensor, center_norms: Tensor, form: str, split_operands: str | None = None
+) -> Tensor:
     """Index ``[R, E]`` (int64) of each point's nearest centre, as ``reskv.residual.nearest_centers``.
 
     ``points`` ``[R, E, d]`` and ``centers`` ``[R, r, d]`` fp32 (read contiguous); ``center_norms``
-    ``[R, r]``: ``||c||²`` plus the centres' bias, a row's minimum finite.
+    ``[R, r]``: ``||c||²`` plus the centres' bias, a row's minimum finite. ``form``: the products'
+    (``PRECISIONS``; ``"bf16x3"`` only where every point is a bf16 value), whose split operands are
+    ``split_operands`` (``SPLIT_OPERANDS`` when ``None``).
     """
+    if form not in PRECISIONS:
+        raise ValueError(f"unknown product form {form!r}; choose one of {list(PRECISIONS)}")
     num_rows, num_points, dim = points.shape
     points, centers, center_norms = points.contiguous(), centers.contiguous(), center_norms.contiguous()
     nearest_index = torch.empty(num_rows, num_points, dtype=torch.long, device=points.device)
@@ -74,7 +102,8 @@ def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
         POINT_TILE=POINT_TILE,
         CENTER_TILE=CENTER_TILE,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
-        PRECISION=PRODUCT_PRECISION,
+        PRECISION=form,
+        SPLIT_BF16=(split_operands or SPLIT_OPERANDS) == "bf16",
         num_warps=NUM_WARPS,
         enable_fp_fusion=FP_FUSION,
     )
@@ -82,6 +111,13 @@ def nearest(points: Tensor, centers: Tensor, center_norms: Tensor) -> Tensor:
 
 
 if triton is not None:
+
+    @triton.jit
+    def split_product(point_tile, part, accumulator, SPLIT_BF16: tl.constexpr):
+        """``point_tile @ part.T (+ accumulator)`` of 8-bit values, exact, on the tensor cores."""
+        if SPLIT_BF16:
+            return tl.dot(point_tile.to(tl.bfloat16), tl.trans(part.to(tl.bfloat16)), accumulator)
+        return tl.dot(point_tile, tl.trans(part), accumulator, input_precision="tf32")
 
     @triton.jit(do_not_specialize=["num_points", "num_centers"])  # one compilation per head dim
     def _nearest_kernel(
@@ -96,6 +132,7 @@ if triton is not None:
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
         PRECISION: tl.constexpr,
+        SPLIT_BF16: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # row * num_points * dim passes 2^31 at long prompts
         point = tl.program_id(1) * POINT_TILE + tl.arange(0, POINT_TILE)
@@ -117,7 +154,16 @@ if triton is not None:
             norms = tl.load(
                 center_norms + row * num_centers + center, mask=center < num_centers, other=float("inf")
             )
-            products = tl.dot(point_tile, tl.trans(center_tile), input_precision=PRECISION)
+            if PRECISION == "bf16x3":  # the exact split, smallest part first (module docstring)
+                high = center_tile.to(tl.bfloat16).to(tl.float32)
+                rest = center_tile - high
+                middle = rest.to(tl.bfloat16).to(tl.float32)
+                low = rest - middle
+                products = split_product(point_tile, low, None, SPLIT_BF16)
+                products = split_product(point_tile, middle, products, SPLIT_BF16)
+                products = split_product(point_tile, high, products, SPLIT_BF16)
+            else:
+                products = tl.dot(point_tile, tl.trans(center_tile), input_precision=PRECISION)
             distances = norms[None, :] - 2.0 * products
             tile_best = tl.min(distances, axis=1)
             # The tile's first minimum, written out: the interpreter's argmin ignores tie_break_left.

@@ -38,8 +38,9 @@ CPU_PADDING_TOLERANCE = 1.25
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
 CPU_VECTORISED_ARGMIN = True
 # On CUDA with Triton installed, find the nearest centres by ``reskv.nearest_kernel`` (the distances
-# never written: no distance blocks, one launch per Lloyd step); off, by the torch path below.
-# ``scripts.bench.gpu_check --compare-paths`` times the construction with the kernel and without.
+# never written: no distance blocks, one launch per Lloyd step) where it has a form for the points
+# (``nearest_kernel.precision``: bf16 keys' on tensor cores); off, or for other points, by the torch
+# path below.
 CUDA_FUSED_NEAREST = True
 # On CUDA, sum each cluster's points by ``sorted_cluster_sums`` (a sort and a segment sum, in point
 # order: the same sums from run to run) instead of ``index_add_``'s atomics, a visible share of the
@@ -155,7 +156,11 @@ def row_offsets(num_rows: int, num_centers: int, device: torch.device) -> Tensor
 
 
 def nearest_centers(
-    points: Tensor, centers: Tensor, chunk_bytes: int, center_bias: Tensor | None = None
+    points: Tensor,
+    centers: Tensor,
+    chunk_bytes: int,
+    center_bias: Tensor | None = None,
+    points_in_bf16: bool = False,
 ) -> Tensor:
     """Index ``[R, E]`` of each point's nearest centre by squared Euclidean distance.
 
@@ -163,7 +168,8 @@ def nearest_centers(
     centre index. ``center_bias`` ``[R, r]`` (0, or ``+inf`` on a row's padding centres, which then
     never win) lets rows with fewer centres share one call; on CPU padding centres also round the
     width up (``distance_width``). On CUDA with Triton, ``reskv.nearest_kernel`` finds them in one
-    pass (``CUDA_FUSED_NEAREST``). Otherwise the ``[R, E, r]`` distances are computed in blocks holding
+    pass (``CUDA_FUSED_NEAREST``) where ``points_in_bf16`` says every point is a bf16 value (the keys
+    of a bf16 model), on tensor cores. Otherwise the ``[R, E, r]`` distances are computed in blocks holding
     at most ``chunk_bytes`` of fp32, so transient memory stays bounded whatever ``s`` and ``r``: whole rows
     while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
     """
@@ -174,8 +180,9 @@ def nearest_centers(
     if points.is_cuda and CUDA_FUSED_NEAREST:
         from reskv import nearest_kernel  # imports Triton (slow to import), which the CPU never runs
 
-        if nearest_kernel.available():
-            return nearest_kernel.nearest(points, centers, center_norms)
+        form = nearest_kernel.precision(points_in_bf16)
+        if nearest_kernel.available() and form is not None:
+            return nearest_kernel.nearest(points, centers, center_norms, form)
     width = distance_width(centers.shape[1], points.device)
     if width > centers.shape[1]:  # padding centres at the origin with norm +inf (distance_width)
         padding = width - centers.shape[1]
@@ -216,7 +223,12 @@ def first_minimum(distances: Tensor) -> Tensor:
 
 
 def lloyd_assignments(
-    points: Tensor, weights: Tensor, centers: Tensor, iterations: int, center_bias: Tensor | None = None
+    points: Tensor,
+    weights: Tensor,
+    centers: Tensor,
+    iterations: int,
+    center_bias: Tensor | None = None,
+    points_in_bf16: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Cluster of every point after ``iterations`` Lloyd steps (assign, then move centres to means),
     as a ``flat_cluster_index`` (``r * row + cluster``, what summing other per-point data by cluster
@@ -226,13 +238,13 @@ def lloyd_assignments(
     With the init ordered by score, ties in ``nearest_centers`` make the better-scored of two
     identical centres win and the other end empty. A centre that loses all its points keeps its
     position. ``points`` ``[R, E, d]`` fp32, zero where ``weights`` is 0; ``centers`` ``[R, r, d]``;
-    ``center_bias`` as in ``nearest_centers``; ``iterations >= 1``.
+    ``center_bias`` and ``points_in_bf16`` as in ``nearest_centers``; ``iterations >= 1``.
     """
     centers = centers.float()
     block, num_centers = distance_block_bytes(points.device), centers.shape[1]
     offsets = row_offsets(points.shape[0], num_centers, points.device)
     for step in range(iterations):
-        assignments = nearest_centers(points, centers, block, center_bias)
+        assignments = nearest_centers(points, centers, block, center_bias, points_in_bf16)
         flat_index = flat_cluster_index(assignments, offsets)
         sums, counts = (
             cluster_sums(points, flat_index, num_centers),
@@ -402,7 +414,9 @@ def _cluster(
     rows = token_rows(heads, positions, keys.shape[1])  # one index for the keys' and the values' gathers
     point_keys = gather_rows(keys, rows).float().mul_(weights[..., None])
     centers = point_keys[:, : group.max_size]
-    flat_index, key_sums, counts = lloyd_assignments(point_keys, weights, centers, iterations, center_bias)
+    flat_index, key_sums, counts = lloyd_assignments(
+        point_keys, weights, centers, iterations, center_bias, points_in_bf16=keys.dtype == torch.bfloat16
+    )
     del point_keys, centers  # values are gathered only now, so both never sit in memory at once
     point_values = gather_rows(values, rows).float().mul_(weights[..., None])
     value_sums = cluster_sums(point_values, flat_index, group.max_size)

@@ -187,7 +187,7 @@ def test_the_machine_block_names_each_kernel_with_the_tiles_its_launcher_uses(mo
         monkeypatch.setattr(module, name, value)
     info = report.check_machine("cpu")
     kernel = f"Triton {triton.__version__} kernel"
-    assert info["nearest_centers"] == f"{kernel}, ieee products, 128 x 16 tiles, 2 warps"
+    assert info["nearest_centers"] == f"{kernel}, bf16 points bf16x3, others torch, 128 x 16 tiles, 2 warps"
     assert info["gated_decode_attention"] == f"{kernel}, 2 launches, 48-slot tiles, 1 warps"
 
 
@@ -214,15 +214,15 @@ def test_a_decode_rate_is_the_median_of_its_repeated_runs_each_kept():
 
 def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypatch):
     """``--compare-paths``: a +ResKV construction (not its base's) is timed again with the kernel's
-    products in TF32x3, with ``CUDA_FUSED_NEAREST`` off and with ``CUDA_SORTED_CLUSTER_SUMS`` on, one
-    switch at a time, its request decodes again with ``CUDA_FUSED_DECODE`` off, and the summary prints
-    those times and rates beside the default's."""
+    split products on TF32 operands, with ``CUDA_FUSED_NEAREST`` off and with
+    ``CUDA_SORTED_CLUSTER_SUMS`` on, one switch at a time, its request decodes again with
+    ``CUDA_FUSED_DECODE`` off, and the summary prints those times and rates beside the default's."""
     constructions = []
     compressed = Prefill.compressed
 
     def recorded(self, method, setting):
         switches = (
-            reskv.nearest_kernel.PRODUCT_PRECISION,
+            reskv.nearest_kernel.SPLIT_OPERANDS,
             reskv.residual.CUDA_FUSED_NEAREST,
             reskv.residual.CUDA_SORTED_CLUSTER_SUMS,
         )
@@ -243,11 +243,11 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
     methods = ("snapkv", "snapkv+reskv")
     rows = efficiency.efficiency_rows(backbone, [96], [0.9], 2, method_names=methods, compare_paths=True)
     # One construction on each path, +ResKV's (its base has no residual to compare).
-    default = ("ieee", True, False)
+    default = ("bf16", True, False)
     assert [(name, switches) for name, switches in constructions if switches != default] == [
-        ("snapkv+reskv", ("tf32x3", True, False)),
-        ("snapkv+reskv", ("ieee", False, False)),
-        ("snapkv+reskv", ("ieee", True, True)),
+        ("snapkv+reskv", ("tf32", True, False)),
+        ("snapkv+reskv", ("bf16", False, False)),
+        ("snapkv+reskv", ("bf16", True, True)),
     ]
     assert constructions[-1][1] == default  # every switch restored
     assert "construct_s_torch_nearest" not in rows[1] and "torch_attention_same_tokens" not in rows[1]
@@ -256,12 +256,12 @@ def test_compare_paths_times_each_reskv_construction_again_on_each_path(monkeypa
     assert [name for name, fused in decodes if not fused] == ["snapkv+reskv"]
     assert rows[2]["torch_attention_same_tokens"] and rows[2]["decode_tokens_per_s_torch_attention"] > 0
     assert reskv.attention.CUDA_FUSED_DECODE  # restored
-    tf32x3, torch_path, sorted_sums = (
+    tf32_operands, torch_path, sorted_sums = (
         rows[2][key] - rows[1]["construct_s"] for key in efficiency.CONSTRUCTION_VARIANTS
     )
     assert all(rows[2][key.replace("construct_s_", "same_sizes_")] for key in CONSTRUCTION_VARIANTS)
     lines = report.summary({"machine": {"fp32_matmul_gflops": 1.0}, "efficiency": rows})
-    expected = f"(other paths: tf32x3 nearest {tf32x3:.3f}s, torch nearest {torch_path:.3f}s, "
+    expected = f"(other paths: tf32 operands nearest {tf32_operands:.3f}s, torch nearest {torch_path:.3f}s, "
     assert expected + f"sorted sums {sorted_sums:.3f}s);" in lines[1]
     torch_form = rows[2]["decode_tokens_per_s_torch_attention"] / rows[1]["decode_tokens_per_s"]
     assert f"(torch attention {torch_form:.3f})" in lines[1]

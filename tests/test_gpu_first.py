@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 from unittest import mock
 
 import pytest
+import yaml
 
 import reskv.attention
 from baselines import build_method
@@ -70,7 +72,7 @@ def test_the_cpu_form_runs_every_stage_but_what_needs_cuda_and_prints_the_gpu_co
 
 def test_the_gpu_command_the_cpu_form_prints_is_the_one_results_gpu_readme_says_to_type():
     readme = (first.H100_CALIBRATION.parents[1] / "gpu" / "README.md").read_text()
-    top = readme[: readme.index("\n## ", readme.index("## The first GPU call"))]
+    top = readme[: readme.index("\n## ", readme.index("## The GPU check of the grid"))]
     assert first.GPU_COMMAND in top and "make gpu-first" in top
 
 
@@ -107,3 +109,31 @@ def test_the_decode_kernel_check_fails_a_kernel_off_by_a_fraction_of_a_percent(m
     assert not first.decode_check(prefill, method)["passed"]
     monkeypatch.setattr(reskv.attention, "shared_softmax_attention", kernel_off_by(1.0))
     assert first.decode_check(prefill, method)["passed"]
+
+
+def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags):
+    """``nearest``, ``constructions`` and ``profile`` on the shrunken 8B shape: every compressed
+    configuration of configs/grid/paper_ruler.yaml built once, each nearest-centre form choosing a
+    centre no further than float64's nearest but by fp32 rounding (on a CPU every form is the torch
+    path) and keeping the same slots, the prefill timed with and without H2O's sums, and both ratios
+    timed alone, shared and profiled."""
+    grid = yaml.safe_load((Path(first.__file__).parents[3] / "configs/grid/paper_ruler.yaml").read_text())
+    expected = {
+        (method, ratio, setting)
+        for method in grid["method"]
+        if method != "full"
+        for ratio in grid["ratio"]
+        for setting in grid["setting"]
+    }
+    assert first.main(["--out", str(tmp_path), "--stages", "nearest", "constructions", "profile"]) == 0
+    rows = json.loads((tmp_path / "constructions.json").read_text())["rows"]
+    assert len(rows) == len(expected) == 72
+    assert {(row["method"], row["ratio"], row["setting"]) for row in rows} == expected
+    nearest = json.loads((tmp_path / "nearest.json").read_text())
+    assert set(nearest["forms"]) == set(first.NEAREST_FORMS) and nearest["chosen"] in first.NEAREST_FORMS
+    for form in nearest["forms"].values():
+        assert form["largest_gap_relative"] <= 1e-6 and form["same_slots_as_torch"]
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert set(profile["prefill_s"]) == {"plain", "h2o_sums"}
+    ratios = {str(ratio) for ratio in first.PROFILE_RATIOS}
+    assert set(profile["alone_s"]) == set(profile["shared_s"]) == set(profile["profiles"]) == ratios

@@ -427,15 +427,18 @@ def integer_case(rows: int, num_points: int, num_centers: int, dim: int, seed: i
 def test_fused_nearest_kernel_gives_the_plain_loops_first_nearest_centre(tmp_path):
     """``reskv/nearest_kernel.py`` under Triton's interpreter on CPU: each point's index is the first
     of its nearest centres by exact integer distances (the spec's rule, ties to the lower index), and
-    ``nearest_centers``' torch path's. Ragged tiles (300 points, 70 centres: 64 + 6), centres repeated
+    ``nearest_centers``' torch path's, in each product form (the bf16 split on TF32 operands, which the
+    interpreter multiplies right). Ragged tiles (300 points, 70 centres: 64 + 6), centres repeated
     within and across tiles, padding centres, a head dim that is no power of two, fewer points and
     centres than a tile."""
     pytest.importorskip("triton")
+    from reskv import nearest_kernel  # imports Triton
+
     cases = [integer_case(3, 300, 70, 64, 0), integer_case(2, 90, 17, 80, 1), integer_case(1, 10, 5, 16, 2)]
     inputs, expected, tied = [], [], []
     for points, centers, bias in cases:
         norms = (centers * centers).sum(-1) + bias
-        inputs.append((points, centers, norms))
+        inputs += [(points, centers, norms, form, "tf32") for form in nearest_kernel.PRECISIONS]
         integer_points, integer_centers = points.long(), centers.long()
         indices = []
         for row in range(points.shape[0]):
@@ -443,12 +446,46 @@ def test_fused_nearest_kernel_gives_the_plain_loops_first_nearest_centre(tmp_pat
             distances = distances.double() + bias[row].double()
             indices.append([plain_first_minimum(point) for point in distances.tolist()])
             tied += [point.count(min(point)) > 1 for point in distances.tolist()]
-        expected.append(torch.tensor(indices))
+        expected += [torch.tensor(indices)] * len(nearest_kernel.PRECISIONS)
         assert torch.equal(nearest_centers(points, centers, 1 << 30, bias), expected[-1])
-    got = interpreted("reskv.nearest_kernel:nearest", inputs, tmp_path)
+    got = interpreted("reskv.nearest_kernel:nearest", inputs, tmp_path)  # each form on each case
     for fused, plain in zip(got, expected, strict=True):
         assert fused.dtype == torch.long and torch.equal(fused, plain)
     assert sum(tied) > len(tied) / 2  # most indices were decided by the tie rule
+
+
+def test_fused_nearest_kernels_bf16_split_keeps_fp32_centres_exact(tmp_path):
+    """The kernel's ``"bf16x3"`` products under Triton's interpreter: on bf16-valued points and fp32
+    centres (k-means means, not bf16 values), three bf16 products against the centres' exact split
+    give each point the centre nearest by float64 distances, but at ties within fp32 rounding; one
+    bf16 product of the rounded centres (the split's top part alone) does not. On the integer cases
+    (the centres their own top part) it keeps the tie rule too."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(3)
+    points = (torch.randn(2, 300, 64, generator=generator) * 3).bfloat16().float()
+    # Centres near each other (means of overlapping clusters), where the low parts decide.
+    centers = points[:, :40] + torch.randn(2, 40, 64, generator=generator) * 1e-2
+    norms = (centers * centers).sum(-1)
+    integer_points, integer_centers, bias = integer_case(3, 300, 70, 64, 0)
+    integer_norms = (integer_centers * integer_centers).sum(-1) + bias
+    # TF32 operands: the interpreter multiplies bf16 ones wrongly (reskv/nearest_kernel.py).
+    cases = [
+        (points, centers, norms, "bf16x3", "tf32"),
+        (integer_points, integer_centers, integer_norms, "bf16x3", "tf32"),
+    ]
+    split, integer_split = interpreted("reskv.nearest_kernel:nearest", cases, tmp_path)
+    assert torch.equal(integer_split, nearest_centers(integer_points, integer_centers, 1 << 30, bias))
+    exact = (centers.double() ** 2).sum(-1)[:, None, :] - 2 * points.double() @ centers.double().transpose(
+        1, 2
+    )
+    best = exact.amin(-1)
+    gap = exact.gather(2, split[..., None])[..., 0] - best
+    assert (gap <= 1e-6 * exact.abs().amax()).all()  # fp32 rounding of the distances, no more
+    assert (split == exact.argmin(-1)).float().mean() > 0.99
+    rounded = centers.bfloat16().float()
+    one_product = (rounded * rounded).sum(-1)[:, None, :] - 2 * points @ rounded.transpose(1, 2)
+    wrong_gap = exact.gather(2, one_product.argmin(-1)[..., None])[..., 0] - best
+    assert (wrong_gap > 1e-6 * exact.abs().amax()).any()  # the low parts decide here
 
 
 def test_sorted_cluster_sums_add_each_clusters_points_in_order_as_index_add_does():

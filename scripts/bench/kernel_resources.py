@@ -54,7 +54,7 @@ class Resources:
 
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     """The compilations the launchers make for ``head_dim`` and a cache in ``cache_dtype``: the
-    nearest-centre kernel (fp32 points, both product precisions ``nearest_kernel`` offers) and the
+    nearest-centre kernel (fp32 points, each product form ``nearest_kernel`` offers) and the
     gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows). A tile is
     a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
     dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
@@ -69,11 +69,12 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
                 "CENTER_TILE": nearest_kernel.CENTER_TILE,
                 "DIM_TILE": dim_tile,
                 "PRECISION": precision,
+                "SPLIT_BF16": nearest_kernel.SPLIT_OPERANDS == "bf16",
             },
             nearest_kernel.NUM_WARPS,
             nearest_kernel.FP_FUSION,
         )
-        for precision in ("ieee", "tf32x3")
+        for precision in nearest_kernel.PRECISIONS
     ]
     partials = dict.fromkeys(["partial_max", "partial_sum", "partial_output"], "*fp32")
     chunk = KernelBuild(

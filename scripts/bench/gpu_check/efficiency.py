@@ -7,9 +7,10 @@ since the prefilled cache stays alive while a compressed copy decodes), the comp
 decode rate over the new tokens. Out of memory is recorded as ``"OOM"``.
 
 With ``compare_paths`` each +ResKV construction is timed again on each of the construction's
-alternative CUDA paths (``CONSTRUCTION_VARIANTS``): the nearest-centre kernel's products in TF32x3
-(``reskv.nearest_kernel.PRODUCT_PRECISION``), the kernel off (``reskv.residual.CUDA_FUSED_NEAREST``)
-and cluster sums by sort and segment sum (``reskv.residual.CUDA_SORTED_CLUSTER_SUMS``); and each +ResKV
+alternative CUDA paths (``CONSTRUCTION_VARIANTS``): the nearest-centre kernel's bf16x3 products with
+TF32 operands (``reskv.nearest_kernel.SPLIT_OPERANDS``), the kernel off
+(``reskv.residual.CUDA_FUSED_NEAREST``) and cluster sums by sort and segment sum
+(``reskv.residual.CUDA_SORTED_CLUSTER_SUMS``); and each +ResKV
 request decodes again eagerly with the gated layers' torch form instead of the fused decode kernel
 (``reskv.attention.CUDA_FUSED_DECODE``).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from unittest import mock
 
@@ -46,7 +48,7 @@ from scripts.measure import (
 # default (row key: the switch patched for that timing).
 TORCH_NEAREST = (reskv.residual, "CUDA_FUSED_NEAREST", False)
 CONSTRUCTION_VARIANTS = {
-    "construct_s_tf32x3_nearest": (reskv.nearest_kernel, "PRODUCT_PRECISION", "tf32x3"),
+    "construct_s_tf32_operands_nearest": (reskv.nearest_kernel, "SPLIT_OPERANDS", "tf32"),
     "construct_s_torch_nearest": TORCH_NEAREST,
     "construct_s_sorted_sums": (reskv.residual, "CUDA_SORTED_CLUSTER_SUMS", True),
 }
@@ -62,6 +64,18 @@ CPU_LENGTHS = (256, 512)
 # A short request run once per backbone before the rows, not recorded: the first call's kernel
 # selection, allocator growth and the compiled step's compilation stay out of the timings.
 WARM_UP_LENGTH = {"cuda": 1024, "cpu": 128}
+
+
+# The CUDA runtime calls by which the host waits for the device or copies to or from it.
+HOST_WAITS = frozenset(
+    (
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpyAsync",
+        "cudaMemcpy",
+    )
+)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -106,6 +120,8 @@ def device_profile(device: torch.device, fn, *args, top: int = 12, **kwargs) -> 
         "device_busy_s": sum(event.time_range.elapsed_us() for event in launches) * 1e-6,
         "device_launches": len(launches),
         "aten_calls": sum(entry.count for entry in operators),
+        # The host's waits on the device and its copies (a copy from pageable host memory waits too).
+        "host_calls": dict(Counter(event.name for event in profiler.events() if event.name in HOST_WAITS)),
         "top": [
             {
                 "op": entry.key,

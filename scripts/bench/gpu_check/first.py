@@ -12,16 +12,31 @@ budget left is below what it needs (``STAGE_SECONDS``):
    fused decode kernel an attention output no further from float64 than the torch form's
    (``decode_check``); a mismatch or an error switches the kernel off for the rest of the call
    (``KERNEL_SWITCHES``) and the report says so;
-2. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
+2. ``nearest``: the nearest-centre step's forms (the torch path, the kernel's IEEE, TF32x3 and
+   bf16x3 products) on one layer's k-means at the longest length's shape, TFLOP/s and choices
+   against float64's, then a +ResKV construction with each; the fastest that keeps the torch path's
+   slots stays on for the rest of the call;
+3. ``constructions``: at the longest length, each compressed configuration of the paper grid built
+   alone from the shared prefill (within ``Prefill.sharing_construction``, in the grid's order, as
+   the grid builds them), its seconds saved as it ends, until the stage's share of the budget
+   (``CONSTRUCTION_SHARE``) is spent: where a sample's construction time goes, by method, setting
+   and ratio;
+4. ``profile``: at the longest length, the prefill with and without H2O's accumulated attention;
+   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built
+   alone and as the grid builds it, then profiled: kernels, launches, the host's waits and copies;
+5. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
    at 32K and at 4K against one full-cache request, warm against warm (a short grid first compiles
    the step's graphs, the request is timed on its second run), then a second 32K sample in the same
    process (the allocator as a run leaves it): wall seconds, stages, batches, graphs compiled, CUDA
    graphs recorded, fallbacks, peak memory, and the dry run's batches and seconds for that sample
    from the committed H100 calibration beside them;
-3. ``decode``: the compiled decode rate of one row and of a batch of the grid's compressed rows, as
+6. ``decode``: the compiled decode rate of one row and of a batch of the grid's compressed rows, as
    the grid decodes them, each the median of 3 runs with every run's rate;
-4. ``efficiency``: the efficiency rows at one length, eager, with ``--compare-paths``' variants
+7. ``efficiency``: the efficiency rows at one length, eager, with ``--compare-paths``' variants
    (``scripts.bench.gpu_check.efficiency``).
+
+``--grid-decode eager`` decodes the grid stage's samples eagerly (no graph compiled: ~84 s a graph on
+an H200), for a call that measures the constructions rather than the compiled step.
 
 Without CUDA the same stages run on a shrunken copy of the 8B shape at short lengths, skipping only
 what needs CUDA (the kernels' compilation, peak memory), and the GPU command is printed.
@@ -30,6 +45,7 @@ what needs CUDA (the kernels' compilation, peak memory), and the GPU command is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -43,13 +59,13 @@ from unittest import mock
 import torch
 
 from baselines import build_method
-from reskv import attention
+from reskv import attention, nearest_kernel, residual
 from reskv.backbones import Backbone
 from reskv.batching import ModelShape
 from reskv.decode_rule import DecodeRule
 from reskv.engine import Prefill
 from reskv.grid import decode_grid, model_shape
-from scripts.bench.gpu_check.efficiency import TORCH_DECODE, TORCH_NEAREST, efficiency_rows
+from scripts.bench.gpu_check.efficiency import TORCH_DECODE, TORCH_NEAREST, device_profile, efficiency_rows
 from scripts.bench.gpu_check.report import check_machine
 from scripts.bench.grid_counts import QUESTION_TOKENS
 from scripts.bench.grid_gpu import (
@@ -64,10 +80,37 @@ from scripts.harness.dry_run.workload import Workload
 from scripts.harness.plan import compose_plan
 from scripts.measure import random_prompt, release_memory, timed
 
-STAGES = ("kernels", "grid", "decode", "efficiency")
+STAGES = ("kernels", "nearest", "constructions", "profile", "grid", "decode", "efficiency")
 # Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
 # are estimated): each starts only with this much of the budget left; the first two always run.
-STAGE_SECONDS = {"kernels": 0, "grid": 0, "decode": 40, "efficiency": 45}
+STAGE_SECONDS = {
+    "kernels": 0,
+    "nearest": 0,
+    "constructions": 0,
+    "profile": 0,
+    "grid": 0,
+    "decode": 40,
+    "efficiency": 45,
+}
+# The nearest-centre step's forms the nearest stage compares: switches (module, flag, value) each sets.
+NEAREST_FORMS = {
+    "torch": [(residual, "CUDA_FUSED_NEAREST", False)],
+    "ieee": [(nearest_kernel, "BF16_SPLIT", False), (nearest_kernel, "PRODUCT_PRECISION", "ieee")],
+    "tf32x3": [(nearest_kernel, "BF16_SPLIT", False), (nearest_kernel, "PRODUCT_PRECISION", "tf32x3")],
+    "bf16x3": [(nearest_kernel, "BF16_SPLIT", True), (nearest_kernel, "SPLIT_OPERANDS", "bf16")],
+    "bf16x3_tf32_operands": [
+        (nearest_kernel, "BF16_SPLIT", True),
+        (nearest_kernel, "SPLIT_OPERANDS", "tf32"),
+    ],
+}
+NEAREST_REPEATS = 3
+# Evicted tokens per centre in the nearest stage's k-means (a residual of ~6% of the evicted tokens).
+NEAREST_POINTS_PER_CENTER = 16
+# The ratios the profile stage times, in the grid's order: its dearest and cheapest +ResKV constructions.
+PROFILE_RATIOS = (0.6, 0.9)
+# The share of the call's budget left that the constructions stage may take (it stops after the
+# construction that crosses it), the rest kept for the grid.
+CONSTRUCTION_SHARE = 0.5
 LENGTHS = {"cuda": (32768, 4096), "cpu": (320, 192)}  # the length never measured first
 NEW_TOKENS = {"cuda": 32, "cpu": 4}
 KERNEL_LENGTH = {"cuda": 4096, "cpu": 192}
@@ -87,7 +130,8 @@ H100_CALIBRATION = rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json"
 GPU_COMMAND = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && "
     "export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; TORCH_LOGS=recompiles python3 -m "
-    "scripts.bench.gpu_check.first --out $OUT 2>&1 | tee $OUT/log"
+    "scripts.bench.gpu_check.first --out $OUT --stages kernels constructions grid --grid-decode eager "
+    "--budget-s 400 2>&1 | tee $OUT/log"
 )
 
 
@@ -200,16 +244,173 @@ def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
     return ((output.cpu().double() - reference).abs().max() / reference.abs().max()).item()
 
 
-def grid(
+def constructions(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
+    """Each compressed configuration of the paper grid built alone (module docstring, stage 2),
+    ``save``d after each."""
+    length = LENGTHS[device][0]
+    prompt = prompt_of(backbone, length, seed=42)
+    requests = [(method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None]
+    deadline = time.perf_counter() + CONSTRUCTION_SHARE * seconds_left()
+    report: dict = {"length": length, "rows": []}
+    prefill = prefilled(backbone, prompt, [method for method, _ in requests])
+    with prefill.sharing_construction():
+        for method, setting in requests:
+            if time.perf_counter() > deadline:
+                report["stopped"] = f"the stage's budget spent after {len(report['rows'])} of {len(requests)}"
+                break
+            (cache, _), seconds = timed(backbone.device, prefill.compressed, method, setting)
+            del cache
+            report["rows"].append(
+                {"method": method.name, "ratio": method.ratio, "setting": setting, "s": seconds}
+            )
+            save(report)
+    report["construct_s"] = sum(row["s"] for row in report["rows"])
+    return report
+
+
+def prefilled(backbone: Backbone, prompt: list[int], methods: Sequence) -> Prefill:
+    """The query-aware prefill of ``prompt`` for ``methods`` (H2O's accumulate attention during it)."""
+    prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, methods)
+    prefill.prefilled("aware")
+    return prefill
+
+
+def nearest_forms(
+    backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
+) -> dict:
+    """The nearest-centre step's forms (``NEAREST_FORMS``): (1) alone on one layer's k-means at the
+    longest length's shape at ratio 0.6 (bf16-valued points, centres near them as means are): TFLOP/s
+    of the products (median of ``NEAREST_REPEATS``, after a compiling run), and each form's choices
+    against the float64 distances' (agreement, and the largest gap of a choice to the nearest);
+    (2) SnapKV+ResKV query-aware at ratio 0.6 built with each form: seconds, and whether it keeps the
+    torch path's slots in every head. The fastest kernel form that keeps them stays on for the rest of
+    the call (the report's ``chosen``)."""
+    shape = model_shape(backbone)
+    length = LENGTHS[device][0]
+    generator = torch.Generator(device=backbone.device).manual_seed(0)
+    rows, evicted = shape.kv_heads, int(0.6 * length)
+    centers_count = max(8, evicted // NEAREST_POINTS_PER_CENTER)
+    points = torch.randn(rows, evicted, shape.head_dim, generator=generator, device=backbone.device)
+    points = (points * 4).bfloat16().float()
+    centers = points[:, :centers_count] + 0.05 * torch.randn(
+        rows, centers_count, shape.head_dim, generator=generator, device=backbone.device
+    )
+    exact = (centers.double() ** 2).sum(-1)[:, None, :] - 2 * points.double() @ centers.double().transpose(
+        1, 2
+    )
+    best, best_index = exact.min(-1)
+    flop = 2 * rows * evicted * centers_count * shape.head_dim
+    report: dict = {
+        "rows": rows,
+        "points": evicted,
+        "centers": centers_count,
+        "dim": shape.head_dim,
+        "forms": {},
+    }
+    for name, switches in NEAREST_FORMS.items():
+        with contextlib.ExitStack() as stack:
+            for switch in switches:
+                stack.enter_context(mock.patch.object(*switch))
+            run = functools.partial(
+                residual.nearest_centers,
+                points,
+                centers,
+                residual.distance_block_bytes(points.device),
+                None,
+                True,
+            )
+            choice = run()  # compiles a kernel form
+            seconds = statistics.median(timed(backbone.device, run)[1] for _ in range(NEAREST_REPEATS))
+            gap = exact.gather(2, choice[..., None])[..., 0] - best
+            report["forms"][name] = {
+                "s": seconds,
+                "tflop_per_s": flop / seconds / 1e12,
+                "same_as_float64": (choice == best_index).float().mean().item(),
+                "largest_gap": gap.max().item(),
+                "largest_gap_relative": (gap.max() / exact.abs().max()).item(),
+            }
+        save(report)
+    del points, centers, exact, best, best_index
+    release_memory(backbone.device)
+    method = build_method("snapkv+reskv", 0.6)
+    prefill = prefilled(backbone, prompt_of(backbone, length, seed=42), [method])
+    reference = None
+    for name, switches in NEAREST_FORMS.items():
+        with contextlib.ExitStack() as stack:
+            for switch in switches:
+                stack.enter_context(mock.patch.object(*switch))
+            prefill.compressed(method, "aware")  # compiled above at these tiles; this warms the rest
+            (cache, _), seconds = timed(backbone.device, prefill.compressed, method, "aware")
+        slots = cache.slots()
+        reference = slots if reference is None else reference
+        report["forms"][name] |= {"construct_s": seconds, "same_slots_as_torch": slots == reference}
+        save(report)
+    kernels = [
+        name for name in NEAREST_FORMS if name != "torch" and report["forms"][name]["same_slots_as_torch"]
+    ]
+    fastest = min(kernels + ["torch"], key=lambda name: report["forms"][name]["construct_s"])
+    for switch in NEAREST_FORMS[fastest]:
+        mock.patch.object(*switch).start()  # for the rest of the call
+    report["chosen"] = fastest
+    return report
+
+
+def profile(
+    backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
+) -> dict:
+    """Why a +ResKV construction of the grid costs what it does at the longest length: the
+    query-aware prefill with and without H2O's accumulated attention, then SnapKV+ResKV
+    query-aware at ``PROFILE_RATIOS``, each timed alone, then as the grid builds it (within
+    ``Prefill.sharing_construction``, after SnapKV computed the scores and stacked the layers: the
+    first also builds the validation proxy the others share), then profiled again with everything
+    shared in place (``device_profile``: kernels, launches, the host's waits and copies)."""
+    length = LENGTHS[device][0]
+    prompt = prompt_of(backbone, length, seed=42)
+    methods = [build_method("snapkv+reskv", ratio) for ratio in PROFILE_RATIOS]
+    report: dict = {"length": length, "prefill_s": {}, "method": "snapkv+reskv", "setting": "aware"}
+    report |= {"alone_s": {}, "shared_s": {}}
+    for name, prefilled_for in (("h2o_sums", [build_method("h2o", 0.9)]), ("plain", methods)):
+        release_memory(backbone.device)
+        prefill, report["prefill_s"][name] = timed(
+            backbone.device, prefilled, backbone, prompt, prefilled_for
+        )
+        save(report)
+    for method in methods:
+        report["alone_s"][method.ratio] = timed(backbone.device, prefill.compressed, method, "aware")[1]
+        save(report)
+    with prefill.sharing_construction():
+        prefill.compressed(build_method("snapkv", 0.9), "aware")  # the scores and stacked layers
+        for method in methods:
+            report["shared_s"][method.ratio] = timed(backbone.device, prefill.compressed, method, "aware")[1]
+            save(report)
+        report["profiles"] = {}
+        for method in methods:
+            report["profiles"][method.ratio] = device_profile(
+                backbone.device, prefill.compressed, method, "aware", top=20
+            )
+            save(report)
+    return report
+
+
+def grid(
+    backbone: Backbone,
+    device: str,
+    save: Callable[[dict], None],
+    seconds_left: Callable[[], float],
+    decode: str | None = None,
+) -> dict:
     """The paper grid against one full-cache request per length, a second sample at the first (the
-    longest) where the call's budget still holds it beside the late stages; ``save``d after each
+    longest) where the call's budget still holds it beside the late stages, decoded as a run would
+    (``GRID_DECODING``) or as ``decode`` says; ``save``d after each
     sample, and after each configuration its sample's stage seconds so far (``in_progress``)."""
     new_tokens, lengths = NEW_TOKENS[device], LENGTHS[device]
     started = time.perf_counter()
     sample = functools.partial(grid_sample, backbone, new_tokens=new_tokens, count_flops=False)
     decoding = dict(zip(("decode", "decode_batch"), GRID_DECODING[device], strict=True))
+    if decode is not None:
+        decoding["decode"] = decode
     warm_up = sample(prompt_of(backbone, WARM_UP_LENGTH[device], 1), **decoding)
     report = {"warm_up": {"length": WARM_UP_LENGTH[device], "s": time.perf_counter() - started, **warm_up}}
     report["samples"] = []
@@ -227,13 +428,15 @@ def grid(
         row = {"length": length, "seed": seed, "rows": len(paper_ruler_requests())}
         if seed == 42:
             row["full_eager_s"] = full_request(backbone, prompt, new_tokens, "eager")
-            row["full_compiled_s"] = full_request_as_the_grid(backbone, prompt, new_tokens)
+            if decoding["decode"] != "eager":  # compiling its graph is ~84 s on an H200
+                row["full_compiled_s"] = full_request_as_the_grid(backbone, prompt, new_tokens)
         in_progress = functools.partial(progress_saved, save, report, {"length": length, "seed": seed})
         row |= sample(prompt, progress=in_progress, **decoding)
         row["decode_tokens_per_s_of_a_row"] = row["decode_tokens"] / row["decode_s"]
         if seed == 42:
             row["grid_over_full_eager"] = row["grid_s"] / row["full_eager_s"]
-            row["grid_over_full_compiled"] = row["grid_s"] / row["full_compiled_s"]
+            if "full_compiled_s" in row:
+                row["grid_over_full_compiled"] = row["grid_s"] / row["full_compiled_s"]
         row["dry_run"] = dry_run_estimate(length, new_tokens)
         row["s"] = time.perf_counter() - sample_started
         report["samples"].append(row)
@@ -338,10 +541,12 @@ def efficiency(
     return {"rows": rows}
 
 
-# Each stage's run: (backbone, device, save a partial report) -> its report.
 # A stage: (backbone, device, save its report so far, seconds left of the call's budget) -> its report.
 STAGE_RUNS: dict[str, Callable[[Backbone, str, Callable[[dict], None], Callable[[], float]], dict]] = {
     "kernels": kernels,
+    "nearest": nearest_forms,
+    "constructions": constructions,
+    "profile": profile,
     "grid": grid,
     "decode": decode,
     "efficiency": efficiency,
@@ -358,7 +563,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=420.0,
         help="seconds of this call; a stage starts only with its need left",
     )
+    parser.add_argument(
+        "--grid-decode",
+        choices=("compiled", "eager"),
+        help="how the grid stage decodes (default: as a run on the device would)",
+    )
     args = parser.parse_args(argv)
+    runs = STAGE_RUNS | {"grid": functools.partial(grid, decode=args.grid_decode)}
     started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -372,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             stage_started = time.perf_counter()
             try:
-                result = STAGE_RUNS[stage](
+                result = runs[stage](
                     backbone,
                     device,
                     functools.partial(write, args.out / f"{stage}.json"),
@@ -403,6 +614,26 @@ def summary(stage: str, result: dict) -> str:
             f"{name} {'passed' if check['passed'] else 'OFF'}"
             for name, check in result.items()
             if isinstance(check, dict)
+        )
+    if stage == "constructions":
+        return f"{seconds}; {len(result['rows'])} constructions in {result['construct_s']:.1f}s" + (
+            f" ({result['stopped']})" if "stopped" in result else ""
+        )
+    if stage == "nearest":
+        return f"{seconds}; chosen {result['chosen']}; " + "; ".join(
+            f"{name} {row['tflop_per_s']:.1f} TFLOP/s, float64's {row['same_as_float64']:.4f}, "
+            f"construct {row['construct_s']:.2f}s, same slots {row['same_slots_as_torch']}"
+            for name, row in result["forms"].items()
+        )
+    if stage == "profile":
+        return (
+            f"{seconds}; prefill {result['prefill_s']}; alone {result['alone_s']}; "
+            f"shared {result['shared_s']}; "
+            + "; ".join(
+                f"{ratio}: busy {row['device_busy_s']:.2f}s of {row['profiled_s']:.2f}s, "
+                f"host {row['host_calls']}"
+                for ratio, row in result["profiles"].items()
+            )
         )
     if stage == "grid":
         return f"{seconds}; " + "; ".join(

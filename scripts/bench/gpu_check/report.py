@@ -43,7 +43,8 @@ def check_machine(device: str) -> dict:
     info["nearest_centers"] = kernel_path(
         info["cuda_available"] and reskv.residual.CUDA_FUSED_NEAREST,
         nearest,
-        f"{nearest.PRODUCT_PRECISION} products, {nearest.POINT_TILE} x {nearest.CENTER_TILE} tiles, "
+        f"bf16 points {nearest.precision(True) or 'torch'}, others {nearest.precision(False) or 'torch'}, "
+        f"{nearest.POINT_TILE} x {nearest.CENTER_TILE} tiles, "
         f"{nearest.NUM_WARPS} warps",
         "torch (baddbmm + argmin)",
     )
