@@ -10,10 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # Query chunk for attention statistics over long prompts: bounds memory at H * chunk * s floats.
 QUERY_CHUNK = 512
+# On CUDA with Triton installed, H2O's column sums of half-precision queries and keys by
+# ``reskv.column_sums_kernel`` (no probability written); off, or elsewhere, by the torch path's
+# chunks. Off until a GPU has checked it against the torch path and timed it
+# (``scripts.bench.gpu_check.first``'s kernels and profile stages).
+CUDA_FUSED_COLUMN_SUMS = False
 
 
 @dataclass
@@ -97,9 +103,17 @@ def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: range,
     """H2O's heavy-hitter statistic: column sums of causal attention over the given queries.
 
     Returns ``[H_kv, s]`` (mean over each group of query heads). Computed in query chunks so no
-    ``s x s`` tensor is materialised. Reference: FMInference/H2O ``modify_llama.py``
+    ``s x s`` tensor is materialised, or on CUDA by ``reskv.column_sums_kernel``
+    (``CUDA_FUSED_COLUMN_SUMS``). Reference: FMInference/H2O ``modify_llama.py``
     (``_update_hh_score``): plain sums, no normalisation by how many queries see a token.
     """
+    if queries.is_cuda and CUDA_FUSED_COLUMN_SUMS and queries.dtype in (torch.bfloat16, torch.float16):
+        from reskv import column_sums_kernel  # imports Triton (slow to import), which the CPU never runs
+
+        if column_sums_kernel.available():
+            visible = query_positions[-1] + 1  # later keys get no weight
+            sums = column_sums_kernel.column_sums(queries, keys[:, :visible], query_positions[0], scaling)
+            return group_mean(F.pad(sums, (0, keys.shape[1] - visible)), keys.shape[0])
     total = torch.zeros(queries.shape[0], keys.shape[1], device=keys.device, dtype=torch.float32)
     for start in range(0, queries.shape[1], QUERY_CHUNK):
         chunk = slice(start, start + QUERY_CHUNK)

@@ -21,6 +21,7 @@ from baselines.snapkv import WINDOW_FILL, SnapKV
 from baselines.tova import TOVA
 from reskv.scoring import LayerObservation, accumulated_attention
 from reskv.selection import select_main
+from tests.conftest import interpreted
 
 D = 4
 SCALING = 1 / math.sqrt(D)
@@ -183,6 +184,42 @@ def test_h2o_matches_plain_column_sums(group, monkeypatch):
     assert torch.allclose(scorer.prompt_scores(obs).double(), f64(expected), atol=1e-5)  # the sums themselves
     prefix = [row[:28] for row in expected]
     assert torch.equal(kept_by(scorer, obs, 11), plain_kept(prefix, 32, 4, [11, 11]))
+
+
+@pytest.mark.parametrize(
+    ("group", "num_keys", "num_queries", "dim", "tiles"),
+    [
+        (1, 150, 150, 64, (64, 64)),  # a prefill
+        (2, 150, 100, 80, (64, 64)),  # a question forward
+        (2, 150, 101, 32, (16, 16)),  # the tile from key 64 on first seen by query 15 of a tile
+        (4, 70, 3, 16, (16, 32)),  # a few tokens
+    ],
+)
+def test_h2o_column_sums_kernel_matches_plain_column_sums(group, num_keys, num_queries, dim, tiles, tmp_path):
+    """``reskv/column_sums_kernel.py`` under Triton's interpreter (fp32 inputs): each query head's
+    column sums over causal softmax attention, here averaged over each group as H2O does, equal the
+    plain loop's within fp32 rounding. Ragged tiles (150 = 2 x 64 + 22 keys), queries starting mid-way
+    (a forward that extends a cache), grouped query heads, a head dim that is no power of two, a
+    key tile whose first reader is the last query of a tile."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(group)
+    kv_heads = 2
+    queries = torch.randn(kv_heads * group, num_queries, dim, generator=generator)
+    keys = torch.randn(kv_heads, num_keys, dim, generator=generator)
+    first = num_keys - num_queries
+    case = (queries, keys, first, SCALING, *tiles)
+    (sums,) = interpreted("reskv.column_sums_kernel:column_sums", [case], tmp_path)
+    assert sums.shape == (kv_heads * group, num_keys) and sums.dtype == torch.float32
+    positions = torch.arange(first, num_keys)
+    expected = [
+        [value * num_queries for value in row]  # undo the query mean
+        for row in plain_window_mean(queries, positions, keys, group)
+    ]
+    got = sums.reshape(kv_heads, group, num_keys).mean(dim=1)
+    assert torch.allclose(got.double(), f64(expected), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(
+        got.sum(-1), torch.full((kv_heads,), float(num_queries)), rtol=1e-5
+    )  # rows sum to 1
 
 
 def test_h2o_sums_are_not_normalised():

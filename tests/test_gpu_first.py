@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import reskv.attention
+import reskv.scoring
 from baselines import build_method
 from reskv.engine import Prefill
 from scripts.bench.gpu_check import first
@@ -88,6 +89,31 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     assert decode["passed"] and len(decode["cases"]) == len(first.DECODE_CASES)  # fp32 only here
     for case in decode["cases"]:
         assert case["kernel_error"] == case["torch_error"] < 1e-5
+    sums = first.column_sums_check(prefill, method)
+    assert sums["passed"] and [case["queries"] for case in sums["cases"]] == [300, first.QUESTION_TOKENS]
+    for case in sums["cases"]:
+        assert case["kernel_error"] == case["torch_error"] < 1e-5
+
+
+def test_the_column_sums_check_fails_a_kernel_off_by_a_fraction_of_a_percent(monkeypatch):
+    """Sums 0.1% off the torch path's (what ``accumulated_attention`` gives while
+    ``CUDA_FUSED_COLUMN_SUMS`` is on) fail the float64 comparison; exact ones pass."""
+    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
+    method = build_method("h2o", 0.9)
+    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
+    exact = reskv.scoring.accumulated_attention
+
+    def kernel_off_by(factor):
+        def sums(*arguments):
+            output = exact(*arguments)
+            return output * factor if reskv.scoring.CUDA_FUSED_COLUMN_SUMS else output
+
+        return sums
+
+    monkeypatch.setattr(reskv.scoring, "accumulated_attention", kernel_off_by(1.001))
+    assert not first.column_sums_check(prefill, method)["passed"]
+    monkeypatch.setattr(reskv.scoring, "accumulated_attention", kernel_off_by(1.0))
+    assert first.column_sums_check(prefill, method)["passed"]
 
 
 def test_the_decode_kernel_check_fails_a_kernel_off_by_a_fraction_of_a_percent(monkeypatch):
@@ -134,6 +160,6 @@ def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags):
     for form in nearest["forms"].values():
         assert form["largest_gap_relative"] <= 1e-6 and form["same_slots_as_torch"]
     profile = json.loads((tmp_path / "profile.json").read_text())
-    assert set(profile["prefill_s"]) == {"plain", "h2o_sums"}
+    assert set(profile["prefill_s"]) == {"plain", "h2o_sums", "h2o_sums_kernel"}
     ratios = {str(ratio) for ratio in first.PROFILE_RATIOS}
     assert set(profile["alone_s"]) == set(profile["shared_s"]) == set(profile["profiles"]) == ratios

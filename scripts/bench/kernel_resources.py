@@ -5,7 +5,8 @@
 
 Triton compiles each kernel for the GPU architecture with its own bundled toolchain (the one it uses
 on the GPU, so the figures are the GPU's for the installed Triton), at the tiles and warps its
-launcher uses (``reskv.nearest_kernel``'s and ``reskv.decode_kernel``'s constants), for the head
+launcher uses (``reskv.nearest_kernel``'s, ``reskv.decode_kernel``'s and
+``reskv.column_sums_kernel``'s constants), for the head
 dims of the paper's backbones (128) and the embedded model (64) and each cache dtype. Triton's
 ``cuobjdump`` then reads the registers a thread holds and the stack bytes it keeps in local memory:
 a kernel whose tiles do not fit its registers spills them there and reads them back in its inner
@@ -24,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from reskv import decode_kernel, nearest_kernel
+from reskv import column_sums_kernel, decode_kernel, nearest_kernel
 
 HEAD_DIMS = (64, 128)
 CACHE_DTYPES = ("fp32", "bf16", "fp16")
@@ -100,7 +101,32 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
         4,  # Triton's default: the launcher names none
         decode_kernel.FP_FUSION,
     )
-    return nearest + [chunk, merge]
+    column_shape = dict.fromkeys(["num_queries", "num_keys", "first_position", "dim", "group"], "i32")
+    column_tiles = {
+        "QUERY_TILE": column_sums_kernel.QUERY_TILE,
+        "KEY_TILE": column_sums_kernel.KEY_TILE,
+        "DIM_TILE": dim_tile,
+        "IEEE": False,
+    }
+    inputs = dict.fromkeys(["queries", "keys"], f"*{cache_dtype}")
+    log_sum_exp = KernelBuild(
+        "column sums: log-sum-exp",
+        column_sums_kernel._log_sum_exp_kernel,
+        inputs | {"log_sum_exp": "*fp32"} | column_shape | {"scaling": "fp32"},
+        column_tiles,
+        column_sums_kernel.NUM_WARPS,
+        True,  # Triton's default: the launcher names none
+    )
+    columns = KernelBuild(
+        "column sums",
+        column_sums_kernel._column_sums_kernel,
+        inputs | {"log_sum_exp": "*fp32", "sums": "*fp32"} | column_shape | {"scaling": "fp32"},
+        column_tiles,
+        column_sums_kernel.NUM_WARPS,
+        True,
+    )
+    # H2O's column sums run on CUDA for half-precision queries and keys only (reskv.scoring).
+    return nearest + [chunk, merge] + ([log_sum_exp, columns] if cache_dtype != "fp32" else [])
 
 
 def compiled_resources(build: KernelBuild, arch: int) -> Resources:

@@ -29,6 +29,7 @@ from torch._dynamo.utils import counters
 import reskv.attention
 import reskv.nearest_kernel
 import reskv.residual
+import reskv.scoring
 from baselines import build_method
 from reskv.backbones import Backbone
 from reskv.engine import Prefill
@@ -57,7 +58,10 @@ TORCH_DECODE = (reskv.attention, "CUDA_FUSED_DECODE", False)
 # ``--torch-paths``: every Triton kernel off for a run, should one fail to compile on the device's
 # Triton (the kernels are tested under Triton's interpreter on CPU, whose version may differ from the
 # GPU image's).
-KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE)
+# H2O's column sums by their torch path (``reskv.scoring.CUDA_FUSED_COLUMN_SUMS``; the kernel is off
+# by default until a GPU has checked it, and this switch keeps it off).
+TORCH_COLUMN_SUMS = (reskv.scoring, "CUDA_FUSED_COLUMN_SUMS", False)
+KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_COLUMN_SUMS)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)

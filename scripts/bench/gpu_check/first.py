@@ -10,8 +10,10 @@ budget left is below what it needs (``STAGE_SECONDS``):
 1. ``kernels``: each Triton kernel against its torch path at the 8B shape (4K tokens, SnapKV+ResKV at
    0.9): the fused nearest-centre kernel must give the torch path's residual sizes in every head, the
    fused decode kernel an attention output no further from float64 than the torch form's
-   (``decode_check``); a mismatch or an error switches the kernel off for the rest of the call
-   (``KERNEL_SWITCHES``) and the report says so;
+   (``decode_check``), H2O's column-sum kernel sums no further from float64 than the torch path's
+   (``column_sums_check``); a mismatch or an error switches the kernel off for the rest of the call
+   (``KERNEL_SWITCHES``) and the report says so, and the column-sum kernel, off by default, is
+   switched on for the rest of the call where it passes;
 2. ``nearest``: the nearest-centre step's forms (the torch path, the kernel's IEEE, TF32x3 and
    bf16x3 products) on one layer's k-means at the longest length's shape, TFLOP/s and choices
    against float64's, then a +ResKV construction with each; the fastest that keeps the torch path's
@@ -59,13 +61,19 @@ from unittest import mock
 import torch
 
 from baselines import build_method
-from reskv import attention, nearest_kernel, residual
+from reskv import attention, nearest_kernel, residual, scoring
 from reskv.backbones import Backbone
 from reskv.batching import ModelShape
 from reskv.decode_rule import DecodeRule
 from reskv.engine import Prefill
 from reskv.grid import decode_grid, model_shape
-from scripts.bench.gpu_check.efficiency import TORCH_DECODE, TORCH_NEAREST, device_profile, efficiency_rows
+from scripts.bench.gpu_check.efficiency import (
+    TORCH_COLUMN_SUMS,
+    TORCH_DECODE,
+    TORCH_NEAREST,
+    device_profile,
+    efficiency_rows,
+)
 from scripts.bench.gpu_check.report import check_machine
 from scripts.bench.grid_counts import QUESTION_TOKENS
 from scripts.bench.grid_gpu import (
@@ -130,8 +138,8 @@ H100_CALIBRATION = rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json"
 GPU_COMMAND = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && "
     "export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; TORCH_LOGS=recompiles python3 -m "
-    "scripts.bench.gpu_check.first --out $OUT --stages kernels constructions grid --grid-decode eager "
-    "--budget-s 400 2>&1 | tee $OUT/log"
+    "scripts.bench.gpu_check.first --out $OUT --stages kernels constructions profile grid --grid-decode "
+    "eager --budget-s 420 2>&1 | tee $OUT/log"
 )
 
 
@@ -151,8 +159,13 @@ def kernels(
     checks = {
         "nearest_centers": (nearest_check, TORCH_NEAREST),
         "gated_decode_attention": (decode_check, TORCH_DECODE),
+        "h2o_column_sums": (column_sums_check, TORCH_COLUMN_SUMS),
     }
-    return checked(checks, prefill, method)
+    report = checked(checks, prefill, method)
+    if report["h2o_column_sums"]["passed"]:  # off by default until checked: on for the rest of the call
+        mock.patch.object(scoring, "CUDA_FUSED_COLUMN_SUMS", True).start()
+        report["h2o_column_sums"]["switched_on"] = True
+    return report
 
 
 def checked(checks: dict, *arguments) -> dict:
@@ -211,6 +224,52 @@ def decode_check(prefill: Prefill, method) -> dict:
                  "kernel_error": errors[0], "torch_error": errors[1], "passed": errors[0] <= bound}
             )  # fmt: skip
     return {"passed": all(case["passed"] for case in cases), "cases": cases}
+
+
+def column_sums_check(prefill: Prefill, method) -> dict:
+    """H2O's column sums (``reskv.scoring.accumulated_attention``) by the kernel
+    (``CUDA_FUSED_COLUMN_SUMS``) and by the torch path, each against float64, over random queries
+    and keys of the backbone's heads and dtype at the prompt's length: a whole prefill's queries, and
+    its last ``QUESTION_TOKENS`` (a question's forward). It passes where the kernel's relative error
+    is within ``DECODE_ERROR_FACTOR`` times the torch path's plus fp32's rounding."""
+    shape, backbone = model_shape(prefill.backbone), prefill.backbone
+    length, scaling = len(prefill.prompt_ids), backbone.scaling
+    generator = torch.Generator(device=backbone.device).manual_seed(0)
+    queries, keys = (
+        torch.randn(heads, length, shape.head_dim, generator=generator, device=backbone.device)
+        for heads in (shape.query_heads, shape.kv_heads)
+    )
+    queries, keys = queries.to(backbone.model.dtype), keys.to(backbone.model.dtype)
+    cases = []
+    for first in (0, length - QUESTION_TOKENS):
+        positions = range(first, length)
+        reference = column_sums_float64(queries[:, first:], keys, positions, scaling)
+        with mock.patch.object(scoring, "CUDA_FUSED_COLUMN_SUMS", True):
+            kernel = scoring.accumulated_attention(queries[:, first:], keys, positions, scaling)
+        torch_path = scoring.accumulated_attention(queries[:, first:], keys, positions, scaling)
+        errors = [relative_error(sums, reference) for sums in (kernel, torch_path)]
+        passed = errors[0] <= DECODE_ERROR_FACTOR * errors[1] + torch.finfo(torch.float32).eps
+        cases.append(
+            {"queries": length - first, "kernel_error": errors[0], "torch_error": errors[1], "passed": passed}
+        )
+    return {"passed": all(case["passed"] for case in cases), "cases": cases}
+
+
+def column_sums_float64(
+    queries: torch.Tensor, keys: torch.Tensor, positions: range, scaling: float
+) -> torch.Tensor:
+    """``accumulated_attention`` in float64 on the device, ``scoring.QUERY_CHUNK`` queries at a time."""
+    group = queries.shape[0] // keys.shape[0]
+    grouped_keys = keys.double().repeat_interleave(group, dim=0)
+    total = torch.zeros(queries.shape[0], keys.shape[1], dtype=torch.float64, device=keys.device)
+    for start in range(0, queries.shape[1], scoring.QUERY_CHUNK):
+        chunk = queries[:, start : start + scoring.QUERY_CHUNK].double()
+        logits = chunk @ grouped_keys.transpose(1, 2) * scaling
+        first = positions[start]
+        chunk_positions = torch.arange(first, first + chunk.shape[1], device=keys.device)
+        future = torch.arange(keys.shape[1], device=keys.device)[None, :] > chunk_positions[:, None]
+        total += logits.masked_fill_(future, -math.inf).softmax(dim=-1).sum(dim=1)
+    return scoring.group_mean(total, keys.shape[0])
 
 
 def decode_inputs(
@@ -361,7 +420,8 @@ def profile(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
     """Why a +ResKV construction of the grid costs what it does at the longest length: the
-    query-aware prefill with and without H2O's accumulated attention, then SnapKV+ResKV
+    query-aware prefill with and without H2O's accumulated attention (by the torch path and by the
+    column-sum kernel), then SnapKV+ResKV
     query-aware at ``PROFILE_RATIOS``, each timed alone, then as the grid builds it (within
     ``Prefill.sharing_construction``, after SnapKV computed the scores and stacked the layers: the
     first also builds the validation proxy the others share), then profiled again with everything
@@ -371,11 +431,14 @@ def profile(
     methods = [build_method("snapkv+reskv", ratio) for ratio in PROFILE_RATIOS]
     report: dict = {"length": length, "prefill_s": {}, "method": "snapkv+reskv", "setting": "aware"}
     report |= {"alone_s": {}, "shared_s": {}}
-    for name, prefilled_for in (("h2o_sums", [build_method("h2o", 0.9)]), ("plain", methods)):
+    h2o = [build_method("h2o", 0.9)]
+    prefills = (("h2o_sums", h2o, False), ("h2o_sums_kernel", h2o, True), ("plain", methods, False))
+    for name, prefilled_for, fused in prefills:
         release_memory(backbone.device)
-        prefill, report["prefill_s"][name] = timed(
-            backbone.device, prefilled, backbone, prompt, prefilled_for
-        )
+        with mock.patch.object(scoring, "CUDA_FUSED_COLUMN_SUMS", fused):
+            prefill, report["prefill_s"][name] = timed(
+                backbone.device, prefilled, backbone, prompt, prefilled_for
+            )
         save(report)
     for method in methods:
         report["alone_s"][method.ratio] = timed(backbone.device, prefill.compressed, method, "aware")[1]
