@@ -31,6 +31,36 @@ def test_counter_counts_launching_ops_and_syncs_by_hand():
     assert counts.syncs_by_op == {"_local_scalar_dense": 1, "tolist": 1}
 
 
+def test_counter_counts_a_blocking_copy_of_host_data_to_a_device_as_a_sync():
+    """On CUDA a copy from the host that is not ``non_blocking`` waits for the stream, though no op shows
+    it on CPU: Python data given a device, and a host-made tensor (from Python data, or drawn from a
+    CPU generator) moved to one, count a sync each; a ``non_blocking`` move, a device tensor moved, a
+    tensor of a tensor and a draw from the default generator do not."""
+    device = torch.device("cpu")
+    with count_dispatch() as counts:
+        torch.tensor([1, 2], device=device)  # 1
+        torch.as_tensor([1.0], device=device)  # 1
+        torch.tensor([3, 4]).to(device)  # 1
+        torch.rand(3, generator=torch.Generator().manual_seed(0)).to(device)  # 1
+        torch.tensor([5]).to(device, non_blocking=True)
+        (torch.ones(2) + 1).to(device)
+        torch.as_tensor(torch.ones(2), device=device)
+        torch.rand(3).to(device)
+    assert counts.syncs == 4
+    assert counts.syncs_by_op == {"tensor(device=)": 1, "as_tensor(device=)": 1, "to(device)": 2}
+
+
+def test_counter_counts_the_fp32_bytes_ops_write():
+    """Each launching op's fp32 results, in place too; other dtypes and views add nothing."""
+    with count_dispatch() as counts:
+        a = torch.ones(10)  # 40 bytes
+        a.add_(1)  # 40
+        a.to(torch.float64)  # 0
+        a[2:].view(2, 4)  # a view: no op
+        torch.ones(3, dtype=torch.long)  # 0
+    assert counts.fp32_bytes_by_stage == {"other": 80} and counts.largest_fp32_bytes == 40
+
+
 def test_counter_counts_a_read_under_inference_mode():
     """Under ``inference_mode`` (the engine's) ``int()`` dispatches ``aten.item``, not
     ``_local_scalar_dense``: still one sync."""

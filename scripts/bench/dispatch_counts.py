@@ -13,7 +13,15 @@ on CPU with a ``TorchDispatchMode``:
 - a *sync* is a call that makes the host wait for a device's data: ``item``/``int()``/``bool()``
   (``aten.item`` under ``inference_mode``, ``aten._local_scalar_dense`` outside it), ``nonzero``,
   ``unique`` and ``masked_select`` (their output shape is data), and ``Tensor.tolist`` (which on CPU
-  reads memory without dispatching, so it is counted by a wrapper for the duration of the count).
+  reads memory without dispatching, so it is counted by a wrapper for the duration of the count);
+  and a copy from the host to a device that is not ``non_blocking``: on CUDA it waits for the stream
+  (torch's ``memcpy_and_sync``) though no op counter sees it. Such a copy is ``torch.tensor`` or
+  ``torch.as_tensor`` of Python data with a ``device``, or ``Tensor.to(device)`` of a host tensor: one
+  made from Python data without a device, or drawn from a CPU generator without one (wrappers count
+  them, as for ``tolist``: on CPU the device is the host, so no op shows the copy).
+
+Each op's fp32 result is counted in bytes too (``fp32_bytes``, by stage; in-place results included):
+what a piece of code writes in fp32, the transient memory traffic of a construction.
 
 A ``torch.compile``d function runs no aten op of its own that a dispatch mode could see: its launches
 are read from the code inductor generates for it instead (``compiled_kernels``).
@@ -28,6 +36,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -55,11 +64,15 @@ class DispatchCounts:
     syncs_by_op: Counter = field(default_factory=Counter)
     ops_by_stage: Counter = field(default_factory=Counter)
     syncs_by_stage: Counter = field(default_factory=Counter)
+    fp32_bytes_by_stage: Counter = field(default_factory=Counter)
+    largest_fp32_bytes: int = 0  # the largest fp32 result one op wrote
 
-    def op(self, name: str) -> None:
+    def op(self, name: str, fp32_bytes: int = 0) -> None:
         self.ops += 1
         self.by_op[name] += 1
         self.ops_by_stage[_STAGE.get()] += 1
+        self.fp32_bytes_by_stage[_STAGE.get()] += fp32_bytes
+        self.largest_fp32_bytes = max(self.largest_fp32_bytes, fp32_bytes)
 
     def sync(self, name: str) -> None:
         self.syncs += 1
@@ -69,6 +82,11 @@ class DispatchCounts:
 
 # The stage counted ops and syncs are attributed to (``stage``).
 _STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("stage", default="other")
+
+
+def current_stage() -> str:
+    """The stage ops and syncs are attributed to now (``stage``)."""
+    return _STAGE.get()
 
 
 @contextlib.contextmanager
@@ -92,8 +110,18 @@ class _Counter(TorchDispatchMode):
             self.counts.sync(func.overloadpacket.__name__)
         result = func(*args, **(kwargs or {}))
         if func not in NO_KERNEL and not (func.is_view and _aliases(result, args[0])):
-            self.counts.op(func.overloadpacket.__name__)
+            self.counts.op(func.overloadpacket.__name__, _fp32_bytes(result))
         return result
+
+
+def _fp32_bytes(result) -> int:
+    """Bytes of the fp32 tensors an op returned."""
+    tensors = result if isinstance(result, tuple | list) else (result,)
+    return sum(
+        tensor.numel() * 4
+        for tensor in tensors
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32
+    )
 
 
 def _aliases(result, source) -> bool:
@@ -102,6 +130,63 @@ def _aliases(result, source) -> bool:
     if not isinstance(result, torch.Tensor) or not isinstance(source, torch.Tensor):
         return True
     return result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+
+
+# What a tensor made on the host carries while counted (module docstring): its copy to a device syncs.
+_HOST_MADE = "_counted_on_host"
+# Factories that draw from a generator: on a CPU generator without a device, the draw is on the host.
+RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm")
+
+
+def _device_given(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``Tensor.to`` call names a device (a device, its name, or a tensor whose it takes)."""
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, torch.device | str | int | torch.Tensor)
+
+
+@contextlib.contextmanager
+def _counted_host_copies(counts: DispatchCounts):
+    """While counting, ``torch.tensor``/``torch.as_tensor`` of Python data with a device, and
+    ``Tensor.to(device)`` of a tensor made on the host (``_HOST_MADE``) without ``non_blocking``, count
+    a sync each (module docstring)."""
+    originals = {name: getattr(torch, name) for name in ("tensor", "as_tensor", *RANDOM_FACTORIES)}
+    original_to = torch.Tensor.to
+
+    def from_data(name):
+        def made(data, *args, **kwargs):
+            tensor = originals[name](data, *args, **kwargs)
+            if not isinstance(data, torch.Tensor):
+                if kwargs.get("device") is not None:
+                    counts.sync(f"{name}(device=)")
+                else:
+                    setattr(tensor, _HOST_MADE, True)
+            return tensor
+
+        return made
+
+    def drawn(name):
+        def made(*args, **kwargs):
+            tensor = originals[name](*args, **kwargs)
+            generator = kwargs.get("generator")
+            if kwargs.get("device") is None and generator is not None and generator.device.type == "cpu":
+                setattr(tensor, _HOST_MADE, True)
+            return tensor
+
+        return made
+
+    def moved(tensor, *args, **kwargs):
+        blocking = not kwargs.get("non_blocking")
+        if getattr(tensor, _HOST_MADE, False) and _device_given(args, kwargs) and blocking:
+            counts.sync("to(device)")
+        return original_to(tensor, *args, **kwargs)
+
+    wrapped = {"tensor": from_data("tensor"), "as_tensor": from_data("as_tensor")}
+    wrapped |= {name: drawn(name) for name in RANDOM_FACTORIES}
+    with contextlib.ExitStack() as stack:
+        for name, function in wrapped.items():
+            stack.enter_context(mock.patch.object(torch, name, function))
+        stack.enter_context(mock.patch.object(torch.Tensor, "to", moved))
+        yield
 
 
 @contextlib.contextmanager
@@ -116,7 +201,7 @@ def count_dispatch():
 
     torch.Tensor.tolist = counted_tolist
     try:
-        with _Counter(counts):
+        with _counted_host_copies(counts), _Counter(counts):
             yield counts
     finally:
         torch.Tensor.tolist = original_tolist

@@ -1,0 +1,198 @@
+"""What one sample's paper RULER grid constructs, against its floor: host syncs, ops, k-means FLOPs and
+fp32 bytes, counted on CPU as a GPU would run them.
+
+    python -m scripts.bench.grid_constructions [--length 4096] [--out FILE]
+
+The 72 compressed configurations of ``configs/grid/paper_ruler.yaml`` (``grid_gpu.paper_ruler_requests``:
+H2O, TOVA, SnapKV, AdaKV and each +ResKV, CaM, at ratios 0.6-0.9, both settings; the full cache, the
+73rd, constructs nothing) are constructed as the grid constructs them (``Prefill.sharing_construction``),
+one after another in the plan's order, on one prompt prefilled by the 32-layer 8B attention shape
+(``decode_counts.narrow_llama_8b_attention``: random weights, bf16) and laid out as on an 80 GB GPU
+(``construction_counts.gpu_layout``). Nothing is decoded. Per (method, setting), its four ratios
+together:
+
+- **syncs**: every wait of the host on the device (``dispatch_counts``: reads, and host->device copies
+  that are not ``non_blocking``);
+- **ops**: launching aten ops (work a (method, setting) shares with another is counted where it runs
+  first, in the plan's order);
+- **k-means FLOPs over the unpadded formula**: the nearest-centre products the k-means launches
+  (rows x padded points x padded centres x 2 d a Lloyd step, what the GPU's kernel computes) over
+  ``2 d |E| r`` a step summed over its rows, each with its own point count and residual size;
+- **fp32 bytes written**: fp32 results of the construction's ops, apart from the nearest-centre step's
+  distance blocks (the torch path's here; on CUDA the kernel writes none, ``reskv.nearest_kernel``),
+  which are given beside them; and the largest fp32 result one op wrote.
+
+The counts depend on the shapes the data decides (AdaKV's budgets, the residual sizes the proxies
+chose on this random model), not on the weights otherwise. A few minutes of CPU at 2K tokens, tens
+at 4K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.utils.flop_counter import FlopCounterMode
+
+import reskv.residual
+from reskv.engine import Prefill
+from scripts.bench.construction_counts import gpu_layout
+from scripts.bench.decode_counts import narrow_llama_8b_attention
+from scripts.bench.dispatch_counts import DispatchCounts, count_dispatch, current_stage, stage
+from scripts.bench.grid_counts import QUESTION_TOKENS
+from scripts.bench.grid_gpu import paper_ruler_requests
+from scripts.machine import machine
+from scripts.measure import random_prompt
+
+NEAREST = "/nearest"  # suffix of the stage a construction's nearest-centre step runs in
+
+
+@dataclasses.dataclass
+class KmeansWork:
+    """The k-means groups one construction ran: FLOPs as launched and by the unpadded formula."""
+
+    launched: float = 0.0
+    # Per group: (point counts, residual sizes, 2 d x Lloyd steps); read after the count, so that the
+    # formula's reads of the device are not counted as the construction's.
+    groups: list = dataclasses.field(default_factory=list)
+
+    def formula(self) -> float:
+        return sum(
+            factor * float((counts * torch.minimum(sizes, counts)).sum())
+            for counts, sizes, factor in self.groups
+        )
+
+
+@contextlib.contextmanager
+def probed(work: dict[str, KmeansWork]):
+    """Every construction in a stage of its (method, setting) (``Prefill.compressed_layers``), its
+    nearest-centre step in a stage of its own, and its k-means groups recorded in ``work``."""
+    compressed_layers, nearest_centers, cluster = (
+        Prefill.compressed_layers,
+        reskv.residual.nearest_centers,
+        reskv.residual._cluster,
+    )
+
+    def in_stage(prefill, method, setting="aware"):
+        with stage(f"{method.name} {setting}"):
+            return compressed_layers(prefill, method, setting)
+
+    def nearest(*args, **kwargs):
+        with stage(current_stage() + NEAREST):
+            return nearest_centers(*args, **kwargs)
+
+    def recorded(keys, values, heads, order, offsets, point_counts, sizes, group, iterations):
+        factor = 2 * keys.shape[-1] * iterations
+        found = work[current_stage()]
+        found.launched += factor * len(group.rows) * group.max_points * group.max_size
+        found.groups.append((point_counts.clone(), sizes.clone(), factor))
+        return cluster(keys, values, heads, order, offsets, point_counts, sizes, group, iterations)
+
+    with (
+        mock.patch.object(Prefill, "compressed_layers", in_stage),
+        mock.patch.object(reskv.residual, "nearest_centers", nearest),
+        mock.patch.object(reskv.residual, "_cluster", recorded),
+    ):
+        yield
+
+
+def count_constructions(length: int) -> tuple[DispatchCounts, dict[str, KmeansWork], float]:
+    """The counts of one sample's 72 constructions at ``length`` tokens (module docstring), its k-means
+    work per (method, setting), and every construction matmul's GFLOP (``FlopCounterMode``)."""
+    backbone = narrow_llama_8b_attention()
+    prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
+    requests = [(method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None]
+    work: dict[str, KmeansWork] = defaultdict(KmeansWork)
+    with torch.inference_mode(), gpu_layout():
+        prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
+        prefill.prefilled("aware")
+        with (
+            probed(work),
+            count_dispatch() as counts,
+            FlopCounterMode(display=False) as flops,
+            prefill.sharing_construction(),
+        ):
+            for method, setting in requests:
+                prefill.compressed_layers(method, setting)
+    return counts, work, flops.get_total_flops() / 1e9
+
+
+def figures(counts: DispatchCounts, work: dict[str, KmeansWork]) -> dict:
+    """Per (method, setting) and for the grid: syncs, ops, k-means FLOPs as launched and by formula,
+    fp32 bytes written apart from the nearest-centre step's and by it."""
+    names = sorted({name.removesuffix(NEAREST) for name in counts.ops_by_stage} - {"other"})
+    rows = {}
+    for name in names:
+        formula = work[name].formula() if name in work else 0.0
+        rows[name] = {
+            "syncs": counts.syncs_by_stage[name] + counts.syncs_by_stage[name + NEAREST],
+            "ops": counts.ops_by_stage[name] + counts.ops_by_stage[name + NEAREST],
+            "kmeans_gflop_launched": work[name].launched / 1e9 if name in work else 0.0,
+            "kmeans_gflop_formula": formula / 1e9,
+            "fp32_gb": counts.fp32_bytes_by_stage[name] / 1e9,
+            "nearest_fp32_gb": counts.fp32_bytes_by_stage[name + NEAREST] / 1e9,
+        }
+    grid = {key: sum(row[key] for row in rows.values()) for key in next(iter(rows.values()))}
+    return {"per_method_setting": rows, "grid": grid, "syncs_by_op": dict(counts.syncs_by_op)}
+
+
+def ratio(row: dict) -> str:
+    formula = row["kmeans_gflop_formula"]
+    return f"{row['kmeans_gflop_launched'] / formula:.3f}" if formula else "-"
+
+
+def figures_table(found: dict, length: int) -> Table:
+    table = Table(
+        title=f"One sample's paper RULER grid, its 72 constructions at {length} tokens, 8B attention shape, "
+        "GPU layout (four ratios per row)"
+    )
+    columns = ("method, setting", "syncs", "ops", "k-means GFLOP", "/ unpadded", "fp32 GB", "+ distances GB")
+    for column in columns:
+        table.add_column(column, justify="left" if column == columns[0] else "right")
+    for name, row in [*found["per_method_setting"].items(), ("grid", found["grid"])]:
+        table.add_row(
+            name,
+            str(row["syncs"]),
+            f"{row['ops']:,}",
+            f"{row['kmeans_gflop_launched']:,.1f}",
+            ratio(row),
+            f"{row['fp32_gb']:.2f}",
+            f"{row['nearest_fp32_gb']:.2f}",
+        )
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    counts, work, matmul_gflop = count_constructions(args.length)
+    found = figures(counts, work) | {
+        "length": args.length,
+        "construction_matmul_gflop": matmul_gflop,
+        "largest_fp32_gb": counts.largest_fp32_bytes / 1e9,
+        "machine": machine(),
+    }
+    console = Console(width=200)
+    console.print(figures_table(found, args.length))
+    console.print(
+        f"syncs by kind: {found['syncs_by_op']}; every construction matmul: {matmul_gflop:,.1f} GFLOP; "
+        f"the largest fp32 result: {found['largest_fp32_gb']:.2f} GB"
+    )
+    if args.out is not None:
+        args.out.write_text(json.dumps(found, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
