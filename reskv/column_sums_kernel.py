@@ -88,6 +88,15 @@ def column_sums(
 if triton is not None:
 
     @triton.jit
+    def _rows(tensor, head, rows, num_rows, feature, dim):
+        """Rows ``rows`` of head ``head`` of ``tensor`` ``[heads, num_rows, dim]``, zero past its ends."""
+        return tl.load(
+            tensor + (head * num_rows + rows[:, None]) * dim + feature[None, :],
+            mask=(rows[:, None] < num_rows) & (feature[None, :] < dim),
+            other=0.0,
+        )
+
+    @triton.jit
     def _logits(query_tile, key_tile, scaling, IEEE: tl.constexpr):
         """``query_tile @ key_tile.T * scaling`` in fp32: exact products of half-precision inputs on
         the tensor cores, IEEE fp32 products of fp32 ones."""
@@ -116,11 +125,7 @@ if triton is not None:
         head = tl.program_id(0).to(tl.int64)  # head * num_keys * dim passes 2^31 at long prompts
         query = tl.program_id(1) * QUERY_TILE + tl.arange(0, QUERY_TILE)
         feature = tl.arange(0, DIM_TILE)
-        query_tile = tl.load(
-            queries + (head * num_queries + query[:, None]) * dim + feature[None, :],
-            mask=(query[:, None] < num_queries) & (feature[None, :] < dim),
-            other=0.0,
-        )
+        query_tile = _rows(queries, head, query, num_queries, feature, dim)
         position = first_position + query
         largest = tl.full([QUERY_TILE], float("-inf"), tl.float32)
         total = tl.zeros([QUERY_TILE], tl.float32)
@@ -128,11 +133,7 @@ if triton is not None:
         last_key = tl.minimum(first_position + (tl.program_id(1) + 1) * QUERY_TILE, num_keys)
         for start in range(0, last_key, KEY_TILE):
             key = start + tl.arange(0, KEY_TILE)
-            key_tile = tl.load(
-                keys + (key_head * num_keys + key[:, None]) * dim + feature[None, :],
-                mask=(key[:, None] < num_keys) & (feature[None, :] < dim),
-                other=0.0,
-            )
+            key_tile = _rows(keys, key_head, key, num_keys, feature, dim)
             logits = _logits(query_tile, key_tile, scaling, IEEE)
             logits = tl.where(key[None, :] <= position[:, None], logits, float("-inf"))
             new_largest = tl.maximum(largest, tl.max(logits, axis=1))
@@ -162,21 +163,13 @@ if triton is not None:
         head = tl.program_id(0).to(tl.int64)
         key = tl.program_id(1) * KEY_TILE + tl.arange(0, KEY_TILE)
         feature = tl.arange(0, DIM_TILE)
-        key_tile = tl.load(
-            keys + (head // group * num_keys + key[:, None]) * dim + feature[None, :],
-            mask=(key[:, None] < num_keys) & (feature[None, :] < dim),
-            other=0.0,
-        )
+        key_tile = _rows(keys, head // group, key, num_keys, feature, dim)
         column = tl.zeros([KEY_TILE], tl.float32)
         # Queries before the tile's first key see none of it.
         first_query = tl.maximum(tl.program_id(1) * KEY_TILE - first_position, 0)
         for start in range(first_query // QUERY_TILE * QUERY_TILE, num_queries, QUERY_TILE):
             query = start + tl.arange(0, QUERY_TILE)
-            query_tile = tl.load(
-                queries + (head * num_queries + query[:, None]) * dim + feature[None, :],
-                mask=(query[:, None] < num_queries) & (feature[None, :] < dim),
-                other=0.0,
-            )
+            query_tile = _rows(queries, head, query, num_queries, feature, dim)
             lse = tl.load(log_sum_exp + head * num_queries + query, mask=query < num_queries, other=0.0)
             logits = _logits(query_tile, key_tile, scaling, IEEE)
             seen = (key[None, :] <= first_position + query[:, None]) & (query[:, None] < num_queries)

@@ -95,46 +95,35 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
         assert case["kernel_error"] == case["torch_error"] < 1e-5
 
 
-def test_the_column_sums_check_fails_a_kernel_off_by_a_fraction_of_a_percent(monkeypatch):
-    """Sums 0.1% off the torch path's (what ``accumulated_attention`` gives while
-    ``CUDA_FUSED_COLUMN_SUMS`` is on) fail the float64 comparison; exact ones pass."""
+@pytest.mark.parametrize(
+    ("module", "function", "switch", "check", "method_name"),
+    [
+        (reskv.attention, "shared_softmax_attention", "CUDA_FUSED_DECODE", "decode_check", "snapkv+reskv"),
+        (reskv.scoring, "accumulated_attention", "CUDA_FUSED_COLUMN_SUMS", "column_sums_check", "h2o"),
+    ],
+)
+def test_a_kernel_check_fails_a_kernel_off_by_a_fraction_of_a_percent(
+    module, function, switch, check, method_name, monkeypatch
+):
+    """A "kernel" (the path taken while its switch is on: the decode step's attention, H2O's column
+    sums) whose output is 0.1% off the torch path's fails the float64 comparison in fp32; an exact one
+    passes."""
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
-    method = build_method("h2o", 0.9)
+    method = build_method(method_name, 0.9)
     prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
-    exact = reskv.scoring.accumulated_attention
+    exact = getattr(module, function)
 
     def kernel_off_by(factor):
-        def sums(*arguments):
-            output = exact(*arguments)
-            return output * factor if reskv.scoring.CUDA_FUSED_COLUMN_SUMS else output
+        def output(*arguments):
+            result = exact(*arguments)
+            return result * factor if getattr(module, switch) else result
 
-        return sums
+        return output
 
-    monkeypatch.setattr(reskv.scoring, "accumulated_attention", kernel_off_by(1.001))
-    assert not first.column_sums_check(prefill, method)["passed"]
-    monkeypatch.setattr(reskv.scoring, "accumulated_attention", kernel_off_by(1.0))
-    assert first.column_sums_check(prefill, method)["passed"]
-
-
-def test_the_decode_kernel_check_fails_a_kernel_off_by_a_fraction_of_a_percent(monkeypatch):
-    """A "kernel" (the path taken while ``CUDA_FUSED_DECODE`` is on) whose output is 0.1% off the
-    torch form's fails the float64 comparison in fp32; an exact one passes."""
-    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
-    method = build_method("snapkv+reskv", 0.9)
-    prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
-    exact = reskv.attention.shared_softmax_attention
-
-    def kernel_off_by(factor):
-        def attend(*arguments):
-            output = exact(*arguments)
-            return output * factor if reskv.attention.CUDA_FUSED_DECODE else output
-
-        return attend
-
-    monkeypatch.setattr(reskv.attention, "shared_softmax_attention", kernel_off_by(1.001))
-    assert not first.decode_check(prefill, method)["passed"]
-    monkeypatch.setattr(reskv.attention, "shared_softmax_attention", kernel_off_by(1.0))
-    assert first.decode_check(prefill, method)["passed"]
+    monkeypatch.setattr(module, function, kernel_off_by(1.001))
+    assert not getattr(first, check)(prefill, method)["passed"]
+    monkeypatch.setattr(module, function, kernel_off_by(1.0))
+    assert getattr(first, check)(prefill, method)["passed"]
 
 
 def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags):
