@@ -10,13 +10,14 @@ index) so that the caps sum to ``H*B`` exactly; each head keeps its top ``cap_h`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
 
 import torch
 from torch import Tensor
 
 from baselines.snapkv import SnapKV
-from reskv.selection import score_ranks
+from reskv.selection import score_ranks, uploaded
 
 # alpha becomes the nearest fraction with at most this denominator (0.2 -> 1/5), so caps and
 # their remainders are exact integers: no float noise decides which head gets a rounded slot.
@@ -25,7 +26,14 @@ ALPHA_DENOMINATOR = 10_000
 
 def safeguarded_caps(prefix_scores: Tensor, per_head: int, alpha: float) -> Tensor:
     """Prefix slots ``[..., H]`` (long) per head, summing to ``H * per_head`` in each layer;
-    ``prefix_scores`` is ``[..., H, n]`` (one layer, or layers stacked in front).
+    ``prefix_scores`` is ``[..., H, n]`` (one layer, or layers stacked in front): ``safeguarded_caps_at``
+    of one ``per_head``."""
+    return safeguarded_caps_at(prefix_scores, [per_head], alpha)[0]
+
+
+def safeguarded_caps_at(prefix_scores: Tensor, per_heads: Sequence[int], alpha: float) -> Tensor:
+    """``[B, ..., H]``: for each of ``per_heads``, prefix slots per head summing to ``H * per_head`` in
+    each layer of ``prefix_scores`` ``[..., H, n]``; one ranking of the scores serves them all.
 
     ``c_h`` counts head ``h`` among the layer's top ``H * per_head`` of its flattened scores; ties go
     to the lower head index, then the lower position (a stable sort of the head-major flattening).
@@ -34,16 +42,18 @@ def safeguarded_caps(prefix_scores: Tensor, per_head: int, alpha: float) -> Tens
     fractional ``cap_h < n`` (remainders sum to the number of units handed out, each below 1).
     """
     *layers, num_heads, length = prefix_scores.shape
+    device = prefix_scores.device
+    per_head = uploaded(per_heads, device)[:, None, None]  # [B, 1, 1]
     total = num_heads * per_head
-    in_top = score_ranks(prefix_scores.reshape(-1, num_heads * length)) < total
-    counts = in_top.reshape(-1, num_heads, length).sum(dim=-1)  # [layers, H]
+    ranks = score_ranks(prefix_scores.reshape(-1, num_heads * length))  # [layers, H * n]
+    counts = (ranks < total).reshape(len(per_heads), -1, num_heads, length).sum(dim=-1)  # [B, layers, H]
     num, den = Fraction(alpha).limit_denominator(ALPHA_DENOMINATOR).as_integer_ratio()
     scaled = counts * (den - num) + num * per_head  # den * cap_h
     caps, remainders = scaled // den, scaled % den
     # The units still missing go to the largest remainders, one each: a head gets one when its
     # remainder ranks below the number missing (no count is read back from the device).
     caps = caps + (score_ranks(remainders) < total - caps.sum(dim=-1, keepdim=True))
-    return caps.reshape(*layers, num_heads)
+    return caps.reshape(len(per_heads), *layers, num_heads)
 
 
 class AdaKV(SnapKV):
@@ -76,3 +86,20 @@ class AdaKV(SnapKV):
     ) -> Tensor:
         """``head_budgets`` of every stacked layer at once (``safeguarded_caps`` per layer)."""
         return self.head_budgets(scores, budget)
+
+    def host_budgets(
+        self, scores: Tensor, budgets: Sequence[int], *, first_layer: int, num_layers: int | None = None
+    ) -> list[list[list[int]]]:
+        """``head_budgets`` of the stacked layers at each of ``budgets``, read once: the budgets that
+        reallocate share one ranking (``safeguarded_caps_at``), the others are uniform (host)."""
+        num_layers_here, num_heads, seq_len = scores.shape
+        window = min(self.window, seq_len)
+        prefix_len = seq_len - window
+        spread = sorted({budget for budget in budgets if 0 < budget - window < prefix_len})
+        caps = {}
+        if spread:
+            per_heads = [budget - window for budget in spread]
+            found = safeguarded_caps_at(scores[..., :prefix_len], per_heads, self.alpha) + window
+            caps = dict(zip(spread, found.tolist(), strict=True))
+        uniform = [[[budget] * num_heads for _ in range(num_layers_here)] for budget in budgets]
+        return [caps.get(budget, same) for budget, same in zip(budgets, uniform, strict=True)]

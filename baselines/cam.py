@@ -138,11 +138,21 @@ class CaM(SnapKV):
         self.merge_window = merge_window
         self.seed = seed
 
-    def adjust_values(self, obs: LayerObservation, kept: Tensor) -> Tensor:
-        """New values (``obs.values`` is never modified); keys are not touched. ``kept`` plays no
-        part: every position in the merge range takes part, retained or not."""
+    def adjust_values(self, obs: LayerObservation, num_layers: int = 1) -> Tensor:
+        """New values (``obs.values`` is never modified); keys are not touched, and which tokens are
+        kept plays no part: every position in the merge range takes part, retained or not. Layers
+        stacked along the heads merge in one cascade, each with its own layer's draws."""
         queries, positions = observation_queries(obs, self.window)
         attention = window_attention(queries, positions, obs.keys, obs.scaling)
-        generator = torch.Generator().manual_seed(self.seed * LAYER_SEED_STRIDE + obs.layer_idx)
-        uniforms = torch.rand(attention.shape, generator=generator).to(attention.device)
-        return merge_values(obs.values, attention, uniforms, self.merge_window)
+        return merge_values(obs.values, attention, self.uniforms(obs, num_layers), self.merge_window)
+
+    def uniforms(self, obs: LayerObservation, num_layers: int) -> Tensor:
+        """The draws ``[H_kv, s]`` of each stacked layer from its own seeded CPU generator, on the
+        device without the host waiting for it (``reskv.selection.uploaded``'s way)."""
+        heads, seq_len = obs.num_kv_heads // num_layers, obs.seq_len
+        device = obs.values.device
+        draws = torch.empty(obs.num_kv_heads, seq_len, pin_memory=device.type == "cuda")
+        for layer in range(num_layers):
+            generator = torch.Generator().manual_seed(self.seed * LAYER_SEED_STRIDE + obs.layer_idx + layer)
+            torch.rand((heads, seq_len), generator=generator, out=draws[layer * heads : (layer + 1) * heads])
+        return draws.to(device, non_blocking=True)

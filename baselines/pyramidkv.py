@@ -19,12 +19,18 @@ rounded to integers by largest remainder (ties to the lower layer), so the layer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
 
 import torch
 from torch import Tensor
 
 from baselines.snapkv import SnapKV
+
+LAYER_NEEDED = (
+    "PyramidKV's budgets depend on the layer: the compressor must call "
+    "head_budgets(scores, budget, layer_idx=..., num_layers=...)"
+)
 
 
 def pyramid_budgets(budget: int, seq_len: int, num_layers: int, window: int, beta: int) -> list[int]:
@@ -62,9 +68,19 @@ class PyramidKV(SnapKV):
     ) -> Tensor:
         """Layer ``layer_idx``'s pyramid budget for each of its KV heads (``pyramid_budgets``)."""
         if layer_idx is None or num_layers is None:
-            raise ValueError(
-                "PyramidKV's budgets depend on the layer: the compressor must call "
-                "head_budgets(scores, budget, layer_idx=..., num_layers=...)"
-            )
+            raise ValueError(LAYER_NEEDED)
         layer_budget = pyramid_budgets(budget, scores.shape[1], num_layers, self.window, self.beta)[layer_idx]
         return torch.full((scores.shape[0],), layer_budget, dtype=torch.long, device=scores.device)
+
+    def host_budgets(
+        self, scores: Tensor, budgets: Sequence[int], *, first_layer: int, num_layers: int | None = None
+    ) -> list[list[list[int]]]:
+        """The stacked layers' pyramid budgets at each of ``budgets``, on the host (no score is read)."""
+        if num_layers is None:
+            raise ValueError(LAYER_NEEDED)
+        layers, heads, seq_len = scores.shape
+        pyramids = [
+            pyramid_budgets(budget, seq_len, num_layers, self.window, self.beta)[first_layer:]
+            for budget in budgets
+        ]
+        return [[[pyramid[layer]] * heads for layer in range(layers)] for pyramid in pyramids]

@@ -12,6 +12,8 @@ padding kernel // 2)`` with PyTorch's default ``count_include_pad``. The selecti
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -63,3 +65,9 @@ class SnapKV(TokenScorer):
 
     def score(self, keys: Tensor, queries: Tensor, positions: range, scaling: float) -> Tensor:
         return window_scores(queries, positions, keys, scaling, self.window, self.kernel_size)
+
+    def scores_key(self) -> Hashable:
+        """The scoring functions, the window and the kernel: rules built on SnapKV's scores (AdaKV, CaM:
+        their other attributes spread the budget or merge values) score as it does."""
+        rule = type(self)
+        return (rule.score, rule.stacked_score, rule.prompt_scores), self.window, self.kernel_size

@@ -27,16 +27,6 @@ def additive_mask(visible: Tensor) -> Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
-def padding_bias(counts: list[int], device: torch.device) -> Tensor | None:
-    """``[H, 1, n]`` additive bias over rows padded to the longest, ``n = max(counts)``: 0 on each row's
-    first ``counts[h]`` slots, ``-inf`` on its padding; ``None`` when no row is padded."""
-    longest = max(counts)
-    if min(counts) == longest:
-        return None
-    slots = torch.arange(longest, device=device)
-    return additive_mask(slots[None, :] < torch.tensor(counts, device=device)[:, None])[:, None, :]
-
-
 def gate_values(main_mass: Tensor, gate: GateTerms) -> Tensor:
     """``g(q) = max(g_min, sigmoid(alpha * (tau - p_max(q))))`` (reskv.md, Eq. gate; 1 where the gate is
     not open) with ``p_max = exp(max(a) - lse_M)``, which is ``1 / main_mass`` for

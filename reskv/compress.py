@@ -5,17 +5,24 @@ scorer gives token scores, the protected window and the per-head split of the la
 ``M = P ∪ Top_{m-|P|}(scores)``; with a residual, ``b = m + r`` and the evicted side ``E`` is
 summarised by ``r`` k-means entries, ``r`` chosen per head by the validation proxy
 (``reskv.proxy``).
+
+A sample's grid constructs its configurations of one setting as one program planned on the host
+(``SharedLayers.plan``): every shape comes from host integers, uploaded without the host waiting for
+the device (``reskv.selection.uploaded``), and the device is read three times for all of them: the
+heads' budgets of the rules that spread them by their scores (AdaKV), the residual sizes every
+validation proxy chose, and the entries that survived their k-means (empty clusters). What
+configurations compute alike is computed once (``SharedLayers``), and each configuration is what
+it is compressed alone, bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from reskv.attention import padding_bias
 from reskv.config import ResidualConfig, budget_for
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import (
@@ -26,7 +33,7 @@ from reskv.residual import (
     residual_size,
 )
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
-from reskv.selection import gather_rows, select_main, token_rows
+from reskv.selection import gather_rows, padding_bias, prefix_ranks, select_main, token_rows, uploaded
 
 
 @dataclass
@@ -96,45 +103,139 @@ def level_groups(
     return [group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, device)]
 
 
+def scorer_key(scorer: TokenScorer) -> Hashable:
+    """What decides a scorer's budgets and values: its class and its attributes (window, kernel, seed,
+    ...); its scores are decided by less (``TokenScorer.scores_key``)."""
+    return type(scorer), tuple(sorted(vars(scorer).items()))
+
+
+@dataclass(frozen=True)
+class Family:
+    """Configurations constructed together: one base rule with one residual (or none) at several
+    ratios, a sample's grid's."""
+
+    scorer: TokenScorer
+    residual: ResidualConfig | None
+    ratios: tuple[float, ...]
+
+    @property
+    def key(self) -> Hashable:
+        return scorer_key(self.scorer), self.residual
+
+
+@dataclass
+class Construction:
+    """One configuration's construction of a batch of layers before its main cache is gathered: what
+    ``SharedLayers`` keeps of it for the configuration to take (``SharedLayers.states``), host integers
+    and the device's kept tokens and entries."""
+
+    budget: int
+    budgets: list[list[int]]  # [L][H_kv]: each head's slots
+    sizes: list[list[int]]  # [L][H_kv]: each head's residual size
+    kept: Tensor  # [L * H_kv, s] bool, layer-major
+    entries: list[ResidualEntries]  # per layer
+    entry_counts: list[list[int]]  # [L][H_kv]: entries kept (empty clusters dropped)
+
+    def main_counts(self, seq_len: int) -> list[int]:
+        """Tokens each head keeps, layer-major."""
+        return [
+            kept_count(budget - size, seq_len)
+            for budget, size in zip(sum(self.budgets, []), sum(self.sizes, []), strict=True)
+        ]
+
+
 class SharedLayers:
     """Layers of one prompt that several compressions take in turn (a sample's grid: every ratio, with
-    and without ResKV), and what each compression of them would compute alike, computed on first use
-    and kept: a base scorer's scores (independent of the ratio), the layers stacked along the heads,
-    and a (scorer, residual) pair's validation proxy (whose fit scores, ranking and full-attention
-    outputs are independent of the ratio; ``ValidationProxy.choose`` takes the budgets). The values
-    are those each compression computes alone, bit for bit; only the work is done once. Scorers are
-    told apart by class and attributes (``scorer_key``)."""
+    and without ResKV), and what compressions of them compute alike, computed on first use and kept:
+    a rule's scores (independent of the ratio, and shared by the rules that score alike:
+    ``TokenScorer.scores_key``) and their ranking, a rule's head budgets, the layers stacked along the
+    heads, a merging rule's values, and the validation proxy of the rules that score alike with one
+    residual (its fit scores, ranking and full-attention outputs are independent of the ratio and of
+    the budgets' spread; ``ValidationProxy.choose`` takes the budgets). The families ``plan`` names are
+    constructed together on first use (``construct``), each configuration kept for its compression to
+    take. The values are those each compression computes alone, bit for bit; only the work is done
+    once."""
 
     def __init__(self, observations: list[LayerObservation]):
         self.observations = observations
+        self.families: dict[Hashable, Family] = {}
         self._scores: dict[Hashable, list[Tensor] | Tensor] = {}
+        self._ranks: dict[Hashable, Tensor] = {}
+        self._budgets: dict[Hashable, list[list[int]]] = {}
         self._stacked: LayerObservation | None = None
+        self._values: dict[Hashable, Tensor] = {}
         self._proxies: dict[Hashable, ValidationProxy | None] = {}
+        self._constructions: dict[Hashable, Construction] = {}
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.observations[0].num_kv_heads
+
+    def plan(self, families: Iterable[Family]) -> None:
+        """Construct ``families`` together the first time one of their configurations is asked for."""
+        self.families |= {family.key: family for family in families}
 
     def scores(self, scorer: TokenScorer) -> list[Tensor]:
         """``scorer.prompt_scores`` of each layer."""
-        key = scorer_key(scorer)
+        key = scorer.scores_key()
         if key not in self._scores:
             self._scores[key] = [scorer.prompt_scores(obs) for obs in self.observations]
         return self._scores[key]
 
     def stacked_scores(self, scorer: TokenScorer) -> Tensor:
         """``scores`` of every layer as one ``[L * H_kv, s]`` tensor, layer-major (``stack_layers``)."""
-        key = scorer_key(scorer), "stacked"
+        key = scorer.scores_key(), "stacked"
         if key not in self._scores:
             self._scores[key] = torch.cat(self.scores(scorer))
         return self._scores[key]
 
+    def ranks(self, scorer: TokenScorer) -> Tensor:
+        """``prefix_ranks`` of ``stacked_scores`` for the rule's window: what ``select_main`` ranks."""
+        key = scorer.scores_key()
+        if key not in self._ranks:
+            self._ranks[key] = prefix_ranks(self.stacked_scores(scorer), scorer.window)
+        return self._ranks[key]
+
+    def head_budgets(self, scorer: TokenScorer, budgets: Sequence[int], model_layers: int | None) -> None:
+        """Read ``scorer``'s head budgets at each of ``budgets`` (``TokenScorer.host_budgets``: once for
+        them all), for ``budgets_of``."""
+        missing = [budget for budget in budgets if (scorer_key(scorer), budget) not in self._budgets]
+        if missing:
+            layers, heads = len(self.observations), self.num_kv_heads
+            found = scorer.host_budgets(
+                self.stacked_scores(scorer).unflatten(0, (layers, heads)),
+                missing,
+                first_layer=self.observations[0].layer_idx,
+                num_layers=model_layers,
+            )
+            self._budgets |= {
+                (scorer_key(scorer), budget): got for budget, got in zip(missing, found, strict=True)
+            }
+
+    def budgets_of(self, scorer: TokenScorer, budget: int, model_layers: int | None) -> list[list[int]]:
+        """``scorer``'s slots per layer and head ``[L][H_kv]`` for a layer budget of ``budget``."""
+        self.head_budgets(scorer, [budget], model_layers)
+        return self._budgets[scorer_key(scorer), budget]
+
     def stacked(self) -> LayerObservation:
-        """The layers as one observation (``stack_layers``): one copy, for ResKV's work."""
+        """The layers as one observation (``stack_layers``): one copy, for ResKV's work and the grid's
+        gathers."""
         if self._stacked is None:
             self._stacked = stack_layers(self.observations)
         return self._stacked
 
+    def values(self, scorer: TokenScorer) -> Tensor:
+        """The stacked values the main caches take their kept tokens' from (``TokenScorer.adjust_values``
+        of the stacked layers: a merging rule's, computed once for all its ratios)."""
+        key = scorer_key(scorer)
+        if key not in self._values:
+            self._values[key] = scorer.adjust_values(self.stacked(), len(self.observations))
+        return self._values[key]
+
     def proxy(self, scorer: TokenScorer, residual: ResidualConfig) -> ValidationProxy | None:
-        """The validation proxy of ``scorer`` with ``residual`` on the stacked layers, or ``None`` when
-        too few queries were observed to validate on (``observation_split``)."""
-        key = scorer_key(scorer), residual
+        """The validation proxy of ``scorer``'s scores with ``residual`` on the stacked layers, or ``None``
+        when too few queries were observed to validate on (``observation_split``)."""
+        key = scorer.scores_key(), residual
         if key not in self._proxies:
             stacked = self.stacked()
             split = observation_split(stacked, residual)
@@ -145,10 +246,151 @@ class SharedLayers:
             )
         return self._proxies[key]
 
+    def construction(
+        self, scorer: TokenScorer, residual: ResidualConfig | None, ratio: float, model_layers: int | None
+    ) -> Construction:
+        """The construction of ``scorer`` with ``residual`` at ``ratio``: with those of every family
+        ``plan`` named and not constructed yet when one of theirs, else alone."""
+        family = Family(scorer, residual, (ratio,))
+        key = family.key, ratio
+        if key not in self._constructions:
+            planned = self.families.get(family.key)
+            families = [family]
+            if planned is not None and ratio in planned.ratios:
+                families = [
+                    other
+                    for other in self.families.values()
+                    if any((other.key, r) not in self._constructions for r in other.ratios)
+                ]
+            self._constructions |= construct(self, families, model_layers)
+        return self._constructions[key]
 
-def scorer_key(scorer: TokenScorer) -> Hashable:
-    """What decides a scorer's scores: its class and its attributes (window, kernel, seed, ...)."""
-    return type(scorer), tuple(sorted(vars(scorer).items()))
+    def states(
+        self, construction: Construction, scorer: TokenScorer, residual: ResidualConfig | None
+    ) -> list[CompressedLayerState]:
+        """Each layer's compressed state of ``construction`` (of ``scorer`` with ``residual``): its kept
+        tokens gathered, for every layer at once from the stacked copy where one was made (a grid's,
+        or ResKV's), else layer by layer."""
+        observations, num_heads = self.observations, self.num_kv_heads
+        seq_len = observations[0].seq_len
+        counts = construction.main_counts(seq_len)
+        positions = kept_positions(construction.kept, max(counts))
+        if self._stacked is not None or len(observations) == 1:
+            stacked = self.stacked()
+            rows = token_rows(torch.arange(len(counts), device=positions.device), positions, seq_len)
+            all_keys, all_values = gather_rows(stacked.keys, rows), gather_rows(self.values(scorer), rows)
+            main = [slice(layer * num_heads, (layer + 1) * num_heads) for layer in range(len(observations))]
+            gathered = [(all_keys[rows_of], all_values[rows_of]) for rows_of in main]
+        else:
+            heads = torch.arange(num_heads, device=positions.device)
+            gathered = []
+            for layer, obs in enumerate(observations):
+                rows = token_rows(heads, positions[layer * num_heads : (layer + 1) * num_heads], seq_len)
+                gathered.append((gather_rows(obs.keys, rows), gather_rows(scorer.adjust_values(obs), rows)))
+        # Every layer's padding from one bias over all rows, each layer's a view of it.
+        all_bias = padding_bias(counts, positions.device)
+        states = []
+        for layer, (keys, values) in enumerate(gathered):
+            rows = slice(layer * num_heads, (layer + 1) * num_heads)
+            layer_counts, longest = counts[rows], max(counts[rows])
+            main_bias = None
+            if all_bias is not None and min(layer_counts) < longest:
+                main_bias = all_bias[rows, :, :longest]
+            state = CompressedLayerState(
+                keys[:, :longest],
+                values[:, :longest],
+                main_bias,
+                construction.entries[layer],
+                construction.kept[rows],
+            )
+            state.stats = {
+                "budget": construction.budget,
+                "main_slots": layer_counts,
+                "residual_entries": construction.entry_counts[layer],
+                "residual_slots": construction.sizes[layer],
+            }
+            if residual is not None:
+                state.stats["residual_choice"] = [
+                    residual_choice(residual, size, budget)
+                    for size, budget in zip(
+                        construction.sizes[layer], construction.budgets[layer], strict=True
+                    )
+                ]
+            states.append(state)
+        return states
+
+
+def construct(
+    shared: SharedLayers, families: list[Family], model_layers: int | None
+) -> dict[Hashable, Construction]:
+    """Every configuration of ``families`` that compresses ``shared``'s layers (its budget below the
+    prompt), by ``(Family.key, ratio)``: their head budgets read at most once per base rule, the
+    residual sizes every validation proxy chose read back together, then the main selections and the
+    final entries, whose survivors are read back together (the module docstring's three reads)."""
+    observations = shared.observations
+    seq_len, num_layers, num_heads = observations[0].seq_len, len(observations), shared.num_kv_heads
+    wanted = [
+        (family, ratio, budget)
+        for family in families
+        for ratio in family.ratios
+        if 1 <= (budget := budget_for(seq_len, ratio)) < seq_len
+    ]
+    if len(wanted) > 1:  # a grid's: the gathers read one stacked copy
+        shared.stacked()
+    rules = {scorer_key(family.scorer): family.scorer for family, _, _ in wanted}
+    for key, scorer in rules.items():
+        shared.head_budgets(
+            scorer, sorted({budget for f, _, budget in wanted if f.key[0] == key}), model_layers
+        )
+    sizes, choices = {}, []
+    for family, ratio, budget in wanted:
+        scorer, residual = family.scorer, family.residual
+        budgets = shared.budgets_of(scorer, budget, model_layers)
+        window = min(scorer.window, seq_len)
+        sizes[family.key, ratio] = [[0] * num_heads for _ in observations]
+        if residual is not None and not residual.validate:
+            sizes[family.key, ratio] = [
+                fixed_sizes(residual, layer_budgets, window) for layer_budgets in budgets
+            ]
+        elif residual is not None and (proxy := shared.proxy(scorer, residual)) is not None:
+            choices.append(((family.key, ratio), proxy.choose(sum(budgets, []))))
+    if choices:
+        chosen = torch.cat([choice for _, choice in choices]).tolist()
+        for number, (key, _) in enumerate(choices):
+            flat = chosen[number * num_layers * num_heads : (number + 1) * num_layers * num_heads]
+            sizes[key] = [flat[layer * num_heads : (layer + 1) * num_heads] for layer in range(num_layers)]
+    built, surviving = {}, []
+    for family, ratio, budget in wanted:
+        scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
+        budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
+        all_scores, window, ranks = None, scorer.window, None
+        if residual is not None and residual.final_selection == "fit" and residual.validate:
+            proxy = shared.proxy(scorer, residual)
+            if proxy is not None:
+                all_scores, window = proxy.fit_selection()
+        if all_scores is None:
+            all_scores, ranks = shared.stacked_scores(scorer), shared.ranks(scorer)
+        flat_sizes = sum(layer_sizes, [])
+        main_sizes = [head - size for head, size in zip(sum(budgets, []), flat_sizes, strict=True)]
+        kept = select_main(all_scores, window, uploaded(main_sizes, all_scores.device), ranks)
+        if residual is not None and any(flat_sizes):
+            main_counts = [kept_count(size, seq_len) for size in main_sizes]
+            entries, entry_counts = final_entries(
+                shared.stacked(), kept, all_scores, layer_sizes, main_counts, budgets, residual
+            )
+            surviving.append((key, entry_counts))
+        else:
+            entries = [ResidualEntries.empty(num_heads, obs.keys) for obs in observations]
+        none = [[0] * num_heads for _ in observations]
+        built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
+    if surviving:
+        counts = torch.cat([count for _, count in surviving]).tolist()
+        for number, (key, _) in enumerate(surviving):
+            flat = counts[number * num_layers * num_heads : (number + 1) * num_layers * num_heads]
+            built[key].entry_counts = [
+                flat[layer * num_heads : (layer + 1) * num_heads] for layer in range(num_layers)
+            ]
+    return built
 
 
 def compress_layer(
@@ -172,90 +414,27 @@ def compress_layers(
     """Compress layers of one prompt; ``None`` for each when the budget covers the prompt (the cache
     stays full, bit for bit). ``model_layers`` is the model's layer count, for scorers whose budgets
     depend on the layer (PyramidKV). ``layers`` given as ``SharedLayers`` share with the other
-    compressions of the same layers what does not depend on the ratio.
+    compressions of the same layers what does not depend on the ratio, and are constructed with the
+    families it plans (``SharedLayers.construction``).
 
     Each layer is scored on its own, as the base method does; the heads' budgets are then allotted
     for the layers together (``TokenScorer.stacked_head_budgets``), every head selected as a row of
-    one stack (each row as alone), and each layer's kept tokens gathered from its own keys and
-    values. What ResKV adds runs once for all the layers given, stacked along the heads
-    (``stack_layers``): the validation proxy and the k-means of the final entries. Every shape is
-    planned from host integers, so the device is read three times, whatever the number of layers:
-    the heads' budgets, the chosen residual sizes, and the entries that survived (empty clusters).
+    one stack (each row as alone), and each layer's kept tokens gathered from its keys and values.
+    What ResKV adds runs once for all the layers given, stacked along the heads (``stack_layers``):
+    the validation proxy and the k-means of the final entries. Every shape is planned from host
+    integers (``construct``).
     """
     shared = layers if isinstance(layers, SharedLayers) else SharedLayers(layers)
-    observations = shared.observations
-    seq_len, num_layers = observations[0].seq_len, len(observations)
+    seq_len = shared.observations[0].seq_len
     budget = budget_for(seq_len, ratio)
     if seq_len <= budget:
-        return [None] * num_layers
+        return [None] * len(shared.observations)
     if budget < 1:
         raise ValueError(
             f"ratio {ratio} leaves no slot for a {seq_len}-token prompt: "
             f"budget_for({seq_len}, {ratio}) = {budget}"
         )
-    window, num_heads = scorer.window, observations[0].num_kv_heads
-    all_scores = shared.stacked_scores(scorer)  # [L * H_kv, s], layer-major
-    budgets = scorer.stacked_head_budgets(
-        all_scores.unflatten(0, (num_layers, num_heads)),
-        budget,
-        first_layer=observations[0].layer_idx,
-        num_layers=model_layers,
-    ).tolist()
-    sizes = [[0] * num_heads for _ in observations]
-    stacked = shared.stacked() if residual is not None else None
-    proxy = None
-    if residual is not None and not residual.validate:
-        sizes = [fixed_sizes(residual, layer_budgets, min(window, seq_len)) for layer_budgets in budgets]
-    elif residual is not None and (proxy := shared.proxy(scorer, residual)) is not None:
-        sizes = proxy.choose(sum(budgets, [])).reshape(num_layers, num_heads).tolist()
-    if residual is not None and proxy is not None and residual.final_selection == "fit":
-        all_scores, window = proxy.fit_selection()
-    main_sizes = [head - size for head, size in zip(sum(budgets, []), sum(sizes, []), strict=True)]
-    main_counts = [kept_count(size, seq_len) for size in main_sizes]
-    # Selected, positioned and indexed for all layers at once (each row is one head's, as alone), then
-    # gathered per layer from its own keys and values.
-    device = all_scores.device
-    all_kept = select_main(all_scores, window, torch.tensor(main_sizes))  # [L * H_kv, s]
-    if residual is not None and any(map(any, sizes)):
-        entries, entry_counts = final_entries(
-            stacked, all_kept, all_scores, sizes, main_counts, budgets, residual
-        )
-    else:
-        entries = [ResidualEntries.empty(num_heads, obs.keys) for obs in observations]
-        entry_counts = [[0] * num_heads for _ in observations]
-    # Every layer's padding from one bias over all rows, each layer's a view of it.
-    all_bias = padding_bias(main_counts, device)
-    heads = torch.arange(num_layers * num_heads, device=device) % num_heads
-    all_rows = token_rows(heads, kept_positions(all_kept, max(main_counts)), seq_len)
-    states = []
-    for layer, obs in enumerate(observations):
-        rows = slice(layer * num_heads, (layer + 1) * num_heads)
-        counts, layer_kept = main_counts[rows], all_kept[rows]
-        main_bias = None
-        if all_bias is not None and min(counts) < max(counts):
-            main_bias = all_bias[rows, :, : max(counts)]
-        main_values = scorer.adjust_values(obs, layer_kept)
-        layer_rows = all_rows[rows, : max(counts)]
-        state = CompressedLayerState(
-            gather_rows(obs.keys, layer_rows),
-            gather_rows(main_values, layer_rows),
-            main_bias,
-            entries[layer],
-            layer_kept,
-        )
-        state.stats = {
-            "budget": budget,
-            "main_slots": counts,
-            "residual_entries": entry_counts[layer],
-            "residual_slots": sizes[layer],
-        }
-        if residual is not None:
-            state.stats["residual_choice"] = [
-                residual_choice(residual, size, head_budget)
-                for size, head_budget in zip(sizes[layer], budgets[layer], strict=True)
-            ]
-        states.append(state)
-    return states
+    return shared.states(shared.construction(scorer, residual, ratio, model_layers), scorer, residual)
 
 
 def final_entries(
@@ -266,23 +445,24 @@ def final_entries(
     main_counts: list[int],
     budgets: list[list[int]],
     config: ResidualConfig,
-) -> tuple[list[ResidualEntries], list[list[int]]]:
+) -> tuple[list[ResidualEntries], Tensor]:
     """The deployed entries of every layer's heads (k-means of ``E = S \\ M``, reskv.md; ``kept`` and
     ``scores`` ``[L * H_kv, s]``, ``main_counts`` per row), clustered for all layers at once, and the
-    entries kept per layer and head (empty clusters dropped).
+    entries kept per head ``[L * H_kv]`` on the device (empty clusters dropped).
 
     A layer's entries are as wide as its largest ``min(r, |E|)``, the layout a layer compressed
     alone has, so that decode reads the same buffers."""
     num_heads, seq_len = len(sizes[0]), stacked.seq_len
     flat_sizes = sum(sizes, [])
     point_counts = [seq_len - count for count in main_counts]
-    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, stacked.keys.device)
+    device = stacked.keys.device
+    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, device)
     entries = build_residual(
         stacked.keys,
         stacked.values,
         ~kept,
         scores,
-        torch.tensor(flat_sizes, device=stacked.keys.device),
+        uploaded(flat_sizes, device),
         config.kmeans_iterations,
         groups,
     )
@@ -295,4 +475,4 @@ def final_entries(
                 entries.keys[rows, :width], entries.values[rows, :width], entries.log_counts[rows, :width]
             )
         )
-    return per_layer, entries.entries_per_head.reshape(len(sizes), num_heads).tolist()
+    return per_layer, entries.entries_per_head

@@ -22,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from reskv.cache import CompressingLayer, ObservedLayer, ResKVCache, WindowedLayer
-from reskv.compress import CompressedLayerState, SharedLayers
+from reskv.compress import CompressedLayerState, Family, SharedLayers
 from reskv.config import COMPILED_WITHOUT_SHARED_SOFTMAX, DECODE_MODES, DEFAULT_OBSERVATION_WINDOW, SETTINGS
 from reskv.decoding import compiled_next_logits, forward, greedy, static_cache
 from reskv.method import Method, attended_slots, compression_stats, retained_shares, shared_batches
@@ -115,8 +115,10 @@ class Prefill:
             self._context = self._prefill(self.prompt_ids[:context_length], "prefill_s")
         self._whole_prompt: PrefilledState | None = None
         self.quality_probe = QualityProbe(self)
-        # Per setting, while a grid shares its constructions (``sharing_construction``).
+        # Per setting, while a grid shares its constructions (``sharing_construction``), and the families
+        # it constructs together.
         self._shared: dict[str, list[SharedLayers]] | None = None
+        self._families: dict[str, list[Family]] = {}
 
     def _require_full_cache(self, what: str) -> None:
         """Refuse ``what`` where the full cache is not kept."""
@@ -216,6 +218,8 @@ class Prefill:
             if self._shared is not None:
                 if setting not in self._shared:
                     self._shared[setting] = shared_batches(cache, self.scaling)
+                    for batch in self._shared[setting]:
+                        batch.plan(self._families.get(setting, ()))
                 shared = self._shared[setting]
             layers = method.compressed_layers(cache, self.scaling, shared)
         else:
@@ -247,15 +251,29 @@ class Prefill:
         return cache, stats
 
     @contextlib.contextmanager
-    def sharing_construction(self) -> Iterator[None]:
+    def sharing_construction(self, requests: Sequence[tuple[Method, str]] = ()) -> Iterator[None]:
         """Within the block, the compressions of one setting share what every compression of its cache
-        computes alike (``reskv.compress.SharedLayers``: scores, stacked layers, validation proxies;
-        the same values bit for bit), which is let go of when the block ends."""
+        computes alike (``reskv.compress.SharedLayers``: scores, budgets, stacked layers, merged values,
+        validation proxies; the same values bit for bit), which is let go of when the block ends. The
+        ``(method, setting)`` requests given (a sample's grid) are constructed together, per setting, the
+        first time one of them is asked for (``SharedLayers.plan``): the device is read a few times
+        for them all instead of a few times each."""
+        ratios: dict[tuple[str, Hashable], set[float]] = {}
+        representatives: dict[tuple[str, Hashable], Method] = {}
+        for method, setting in requests:
+            if method.scorer is not None:
+                key = setting, Family(method.scorer, method.residual, ()).key
+                ratios.setdefault(key, set()).add(method.ratio)
+                representatives.setdefault(key, method)
+        self._families = {}
+        for (setting, key), method in representatives.items():
+            family = Family(method.scorer, method.residual, tuple(sorted(ratios[setting, key])))
+            self._families.setdefault(setting, []).append(family)
         self._shared = {}
         try:
             yield
         finally:
-            self._shared = None
+            self._shared, self._families = None, {}
 
     def generate(
         self,

@@ -117,7 +117,7 @@ def decode_grid(
         min_new_tokens=min_new_tokens,
         answer_ids=answer_ids,
     )
-    with prefill.sharing_construction():
+    with prefill.sharing_construction(requests):
         for batch in [[stacked[row] for row in rows] for rows in planned]:
             if len(batch) == 1 and decode != "compiled":  # compiled, a row alone is a stacked one
                 yield batch[0].index, alone_generation(prefill, batch[0], options)

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reskv.attention import additive_mask, joint_attention, joint_bias, padding_bias
+from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import ResidualConfig
 from reskv.residual import ResidualEntries, cluster_rows, padded_groups, residual_size
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
-from reskv.selection import gather_rows, score_order, token_rows
+from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
 
 
 def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[slice, slice] | None:
@@ -146,8 +146,7 @@ class ValidationProxy:
         if any(size > 0 and w < window for size, w in zip(residual, kept_window, strict=True)):
             raise ValueError("a candidate with entries must keep all of P' (candidate_sizes skips it)")
         residual = [min(size, points) for size, points in zip(residual, evicted, strict=True)]
-        heads_t, top_t = torch.tensor(heads, device=device), torch.tensor(top, device=device)
-        evicted_t = torch.tensor(evicted, device=device)
+        heads_t, top_t, evicted_t = (uploaded(values, device) for values in (heads, top, evicted))
         order = self.fit_order.index_select(0, heads_t)
         longest, widest = max(counts), max(top)
         # M' in position order: the ranking's top ``top_i`` and P' newest first, unused columns past
@@ -158,7 +157,7 @@ class ValidationProxy:
                 order[:, :widest].masked_fill(slot[:widest] >= top_t[:, None], boundary),
                 (boundary - 1 - slot[:window])
                 .expand(len(heads), -1)
-                .masked_fill(slot[:window] >= torch.tensor(kept_window, device=device)[:, None], boundary),
+                .masked_fill(slot[:window] >= uploaded(kept_window, device)[:, None], boundary),
             ],
             dim=1,
         )
@@ -179,7 +178,7 @@ class ValidationProxy:
             order,
             top_t,
             evicted_t,
-            torch.tensor(residual, device=device),
+            uploaded(residual, device),
             groups,
             self.config.kmeans_iterations,
         )
@@ -257,7 +256,7 @@ class ValidationProxy:
         caches = self.candidates(budgets, [[0] * len(budgets), *admissible])
         losses = self.caches_errors(caches).mean(dim=-1).reshape(1 + len(admissible), len(budgets))
         main_only, candidate_losses = losses[0], losses[1:]
-        sizes = torch.tensor(admissible, device=device)
+        sizes = uploaded(admissible, device)
         candidate_losses = candidate_losses.masked_fill(sizes == 0, float("inf"))
         best = candidate_losses.argmin(dim=0, keepdim=True)  # the first of equal losses
         accepted = candidate_losses.gather(0, best)[0] < (1 - self.config.delta) * main_only

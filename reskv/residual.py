@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from reskv.config import DEVICE_MEMORY_SHARE
-from reskv.selection import gather_rows, token_rows
+from reskv.selection import gather_rows, token_rows, uploaded
 
 # Bound on the k-means distance block (fp32 bytes) on CPU, so transient memory does not grow with
 # s * r: one layer's clustering then holds mostly its fp32 points (its peak at Llama-3.1-8B's shape
@@ -370,7 +370,7 @@ def cluster_rows(
         first, last = group.rows[0], group.rows[-1]
         contiguous = group.rows == list(range(first, last + 1))
         # Rows in one run are a slice: a view, where an index tensor gathers copies.
-        index = slice(first, last + 1) if contiguous else torch.tensor(group.rows, device=keys.device)
+        index = slice(first, last + 1) if contiguous else uploaded(group.rows, keys.device)
         offsets = None if point_offsets is None else point_offsets[index]
         mean_keys, mean_values, log_counts = _cluster(
             keys,

@@ -7,6 +7,7 @@ Queries and keys are post-RoPE, as they sit in the cache.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,13 @@ class TokenScorer:
         queries, positions = observation_queries(obs, self.window)
         return self.score(obs.keys, queries, positions, obs.scaling)
 
+    def scores_key(self) -> Hashable:
+        """What decides this rule's scores (``score``, ``stacked_score``, ``prompt_scores``) and its
+        protected window: rules that share it score alike, so a grid scores a setting once for them all
+        (``reskv.compress.SharedLayers``). By default the rule's class and attributes; a rule whose
+        subclasses score as it does (SnapKV: AdaKV, CaM) says so."""
+        return type(self), tuple(sorted(vars(self).items()))
+
     def head_budgets(
         self, scores: Tensor, budget: int, *, layer_idx: int | None = None, num_layers: int | None = None
     ) -> Tensor:
@@ -191,6 +199,27 @@ class TokenScorer:
             ]
         )
 
-    def adjust_values(self, obs: LayerObservation, kept: Tensor) -> Tensor:
-        """Values after selection; ``kept`` is ``[H_kv, s]`` bool. Merging methods (CaM) override."""
+    def host_budgets(
+        self, scores: Tensor, budgets: Sequence[int], *, first_layer: int, num_layers: int | None = None
+    ) -> list[list[list[int]]]:
+        """``stacked_head_budgets`` at each of ``budgets`` (a grid's ratios), as host integers
+        ``[budget][layer][head]``: read from the device once for them all, and never where they do not
+        depend on the scores (a rule that keeps ``head_budgets`` as it is here; PyramidKV's pyramid)."""
+        rule = type(self)
+        if (rule.head_budgets, rule.stacked_head_budgets) == (
+            TokenScorer.head_budgets,
+            TokenScorer.stacked_head_budgets,
+        ):
+            return [[[budget] * scores.shape[1] for _ in scores] for budget in budgets]
+        per_budget = [
+            self.stacked_head_budgets(scores, budget, first_layer=first_layer, num_layers=num_layers)
+            for budget in budgets
+        ]
+        return torch.stack(per_budget).tolist()
+
+    def adjust_values(self, obs: LayerObservation, num_layers: int = 1) -> Tensor:
+        """The values ``[H_kv, s, d]`` the main cache takes its kept tokens' from: the layer's own, or a
+        merging rule's (CaM overrides this). They may not depend on which tokens are kept, so that a
+        grid computes them once for all its ratios; ``obs`` may stack ``num_layers`` layers along its
+        heads (``stack_layers``, from layer ``obs.layer_idx`` on)."""
         return obs.values

@@ -1,9 +1,33 @@
-"""Top-k token selection with a protected recent window, ragged across heads."""
+"""Top-k token selection with a protected recent window, ragged across heads, and the host's ways of
+giving the device what it planned without waiting for it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+
+from reskv.attention import additive_mask
+
+
+def uploaded(values: Sequence[int] | Sequence[float], device: torch.device, dtype=torch.long) -> Tensor:
+    """Host numbers (a plan's sizes and counts) as a tensor on ``device``, the host not waiting for it:
+    on CUDA a copy that is not ``non_blocking`` waits for the stream, every kernel queued before it
+    (torch's ``memcpy_and_sync``), so the copy goes from pinned memory, ``non_blocking`` (the caching
+    host allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def padding_bias(counts: list[int], device: torch.device) -> Tensor | None:
+    """``[H, 1, n]`` additive bias over rows padded to the longest, ``n = max(counts)``: 0 on each row's
+    first ``counts[h]`` slots, ``-inf`` on its padding; ``None`` when no row is padded."""
+    longest = max(counts)
+    if min(counts) == longest:
+        return None
+    slots = torch.arange(longest, device=device)
+    return additive_mask(slots[None, :] < uploaded(counts, device)[:, None])[:, None, :]
 
 
 def score_order(scores: Tensor) -> Tensor:
@@ -24,19 +48,28 @@ def score_ranks(scores: Tensor) -> Tensor:
     return ranks
 
 
-def select_main(scores: Tensor, window: int, main_sizes: Tensor) -> Tensor:
+def prefix_ranks(scores: Tensor, window: int) -> Tensor:
+    """``score_ranks`` of each head's tokens before its last ``window`` (``[H, s - window]``): what the
+    main selection ranks, whatever the heads' sizes, so that selections of one score at several sizes
+    (a grid's ratios) sort once."""
+    return score_ranks(scores[:, : scores.shape[1] - min(window, scores.shape[1])])
+
+
+def select_main(scores: Tensor, window: int, main_sizes: Tensor, ranks: Tensor | None = None) -> Tensor:
     """Kept-token mask ``[H, s]``: the last ``window`` tokens plus the top ``main_sizes[h] - window``
     tokens before them (Eq. main_selection: ``M = P ∪ Top_{m-|P|}(s)``).
 
-    ``main_sizes`` is ``[H]`` (ragged budgets, e.g. AdaKV). A head whose size is below the window
-    keeps only its last ``main_sizes[h]`` tokens: the documented fallback for budgets smaller
-    than the protected window.
+    ``main_sizes`` is ``[H]`` on the scores' device (ragged budgets, e.g. AdaKV). A head whose size is
+    below the window keeps only its last ``main_sizes[h]`` tokens: the documented fallback for budgets
+    smaller than the protected window. ``ranks``: the scores' ``prefix_ranks`` for ``window``, when
+    they are at hand.
     """
     num_heads, seq_len = scores.shape
     window = min(window, seq_len)
-    sizes = main_sizes.to(scores.device).clamp(min=0, max=seq_len)
+    sizes = main_sizes.clamp(min=0, max=seq_len)
     prefix_len = seq_len - window
-    prefix_kept = score_ranks(scores[:, :prefix_len]) < (sizes - window).clamp(min=0)[:, None]
+    ranks = prefix_ranks(scores, window) if ranks is None else ranks
+    prefix_kept = ranks < (sizes - window).clamp(min=0)[:, None]
     from_end = seq_len - 1 - torch.arange(window, device=scores.device)  # window positions, newest first
     window_kept = torch.zeros(num_heads, seq_len, dtype=torch.bool, device=scores.device)
     window_rank = torch.arange(window, device=scores.device)[None, :] < sizes[:, None]

@@ -16,7 +16,7 @@ import torch
 from baselines.cam import LAYER_SEED_STRIDE, CaM, merge_probabilities, merge_values
 from baselines.snapkv import SnapKV, window_attention
 from reskv.compress import compress_layer
-from reskv.scoring import LayerObservation
+from reskv.scoring import LayerObservation, stack_layers
 
 D = 4
 SCALING = 1 / math.sqrt(D)
@@ -196,22 +196,28 @@ def test_keys_unchanged_and_selection_is_snapkvs():
 
 def test_adjust_values_is_seeded_per_run_and_layer():
     obs = observation(300, seed=4, layer_idx=1)
-    kept = torch.zeros(obs.keys.shape[:2], dtype=torch.bool)  # kept plays no part in the merge
     probabilities = merge_probabilities(attention_of(obs), 64)
     assert ((probabilities > 0.05) & (probabilities < 0.95)).sum() >= 20  # draws decide something
-    first = CaM(seed=1).adjust_values(obs, kept)
+    first = CaM(seed=1).adjust_values(obs)
     assert torch.equal(first, merge_values(obs.values, attention_of(obs), uniforms_of(obs, 1)))
-    assert torch.equal(first, CaM(seed=1).adjust_values(obs, ~kept))
     assert not torch.equal(first, obs.values)
-    assert not torch.equal(first, CaM(seed=2).adjust_values(obs, kept))
+    assert not torch.equal(first, CaM(seed=2).adjust_values(obs))
     obs.layer_idx = 2
-    assert not torch.equal(first, CaM(seed=1).adjust_values(obs, kept))
+    assert not torch.equal(first, CaM(seed=1).adjust_values(obs))
+
+
+def test_stacked_layers_merge_as_each_layer_alone():
+    """Three layers stacked along the heads (``stack_layers``, as a grid merges them once for all its
+    ratios): each layer's rows are its merge alone, bit for bit, with its own layer's draws."""
+    layers = [observation(300, seed=7 + layer, layer_idx=4 + layer) for layer in range(3)]
+    stacked = CaM(seed=3).adjust_values(stack_layers(layers), num_layers=3)
+    assert torch.equal(stacked, torch.cat([CaM(seed=3).adjust_values(obs) for obs in layers]))
 
 
 def test_low_precision_values_merge_in_fp32_and_cast_once():
     obs = observation(300, seed=6)
     obs.values = obs.values.to(torch.bfloat16)
-    merged = CaM(seed=1).adjust_values(obs, torch.ones(obs.keys.shape[:2], dtype=torch.bool))
+    merged = CaM(seed=1).adjust_values(obs)
     fp32 = merge_values(obs.values.float(), attention_of(obs), uniforms_of(obs, 1))
     assert merged.dtype == torch.bfloat16
     assert torch.equal(merged, fp32.to(torch.bfloat16))

@@ -150,7 +150,7 @@ def test_cam_merges_values_of_the_plain_kept_set(observations):
     for obs, state in zip(observations, compress_layers(observations, cam, 0.7), strict=True):
         kept = state.kept
         assert torch.equal(kept, compress_layer(obs, snap, 0.7).kept)
-        merged = cam.adjust_values(obs, kept)
+        merged = cam.adjust_values(obs)
         for head in range(obs.num_kv_heads):
             positions = kept[head].nonzero().flatten()
             assert torch.equal(state.main_values[head, : len(positions)], merged[head, positions])

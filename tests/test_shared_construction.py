@@ -9,9 +9,12 @@ import torch
 
 import reskv.compress
 from baselines import build_method
+from baselines.cam import CaM
 from reskv.config import ResidualConfig
 from reskv.engine import Prefill
+from reskv.method import shared_batches
 from reskv.scoring import TokenScorer
+from scripts.bench.dispatch_counts import count_dispatch
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
 
@@ -49,11 +52,14 @@ def tensors(cache) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["shared", "planned"])
 @pytest.mark.parametrize("setting", ["aware", "agnostic"])
-def test_each_configuration_of_a_shared_grid_equals_its_compression_alone(prefill, setting):
+def test_each_configuration_of_a_shared_grid_equals_its_compression_alone(prefill, setting, planned):
+    """Sharing what the configurations compute alike, and (planned, as a grid runs) constructing them
+    all together the first time one is asked for, gives each its compression alone, bit for bit."""
     methods = grid_methods()
     alone = [prefill.compressed(method, setting) for method in methods]
-    with prefill.sharing_construction():
+    with prefill.sharing_construction([(method, setting) for method in methods] if planned else ()):
         shared = [prefill.compressed(method, setting) for method in methods]
     assert any(sum(map(sum, stats["residual_entries"])) for _, stats in alone)  # entries were built
     for (alone_cache, alone_stats), (shared_cache, shared_stats) in zip(alone, shared, strict=True):
@@ -62,15 +68,23 @@ def test_each_configuration_of_a_shared_grid_equals_its_compression_alone(prefil
             assert torch.equal(got, expected)
 
 
-def test_a_grid_scores_each_layer_once_per_base_rule_and_builds_one_proxy_per_rule(prefill, monkeypatch):
-    """Eight configurations of two base rules (SnapKV, AdaKV: 2 ratios, with and without ResKV) score
-    each layer twice in all, where alone they scored it eight times; one proxy per rule."""
+def test_a_grid_scores_each_layer_once_per_score_and_builds_one_proxy_per_score_and_residual(
+    prefill, monkeypatch
+):
+    """Twelve configurations of three rules that score alike (SnapKV, AdaKV, CaM: 2 ratios, SnapKV and
+    AdaKV with and without ResKV) score each layer once in all, where alone they scored it twelve
+    times; one validation proxy serves SnapKV+ResKV and AdaKV+ResKV; CaM merges its values once for
+    its two ratios."""
     calls = []
-    original = TokenScorer.prompt_scores
+    prompt_scores, merge = TokenScorer.prompt_scores, CaM.adjust_values
 
     def counted(scorer, obs):
         calls.append(type(scorer).__name__)
-        return original(scorer, obs)
+        return prompt_scores(scorer, obs)
+
+    def merged(scorer, obs, num_layers=1):
+        calls.append("merge")
+        return merge(scorer, obs, num_layers)
 
     class CountedProxy(reskv.compress.ValidationProxy):
         def __init__(self, *args, **kwargs):
@@ -78,17 +92,35 @@ def test_a_grid_scores_each_layer_once_per_base_rule_and_builds_one_proxy_per_ru
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(TokenScorer, "prompt_scores", counted)
+    monkeypatch.setattr(CaM, "adjust_values", merged)
     monkeypatch.setattr(reskv.compress, "ValidationProxy", CountedProxy)
-    methods = grid_methods()[:8]
+    methods = grid_methods()[:8] + [build_method("cam", ratio) for ratio in (0.6, 0.9)]
     layers = prefill.backbone.model.config.num_hidden_layers
-    with prefill.sharing_construction():
+    with prefill.sharing_construction([(method, "agnostic") for method in methods]):
         for method in methods:
             prefill.compressed(method, "agnostic")
-    assert sorted(calls) == ["AdaKV"] * layers + ["SnapKV"] * layers + ["proxy"] * 2
+    assert sorted(calls) == ["SnapKV"] * layers + ["merge", "proxy"]
     calls.clear()
     for method in methods:
         prefill.compressed(method, "agnostic")
-    assert len(calls) == 8 * layers + 4
+    assert len(calls) == 10 * layers + 4 + 2 * layers  # CaM alone merges each layer (one batch a layer)
+
+
+def test_a_planned_setting_reads_the_device_three_times(prefill):
+    """A setting's planned grid (every rule of the paper grid, with and without ResKV, two ratios each)
+    waits for the device three times whatever its configurations: AdaKV's budgets for all its ratios,
+    the sizes every proxy chose, the entries every final k-means kept; host->device copies never
+    wait (``scripts.bench.dispatch_counts``)."""
+    bases = ("h2o", "tova", "snapkv", "adakv")
+    names = [*bases, *(base + "+reskv" for base in bases), "cam"]
+    methods = [build_method(name, ratio) for name in names for ratio in (0.6, 0.8)]
+    batches = len(shared_batches(prefill.prefilled("aware").cache, 1.0))  # the question's forward ran
+    with prefill.sharing_construction([(method, "aware") for method in methods]):
+        with count_dispatch() as counts:
+            for method in methods:
+                prefill.compressed_layers(method, "aware")
+    assert counts.syncs == 3 * batches
+    assert set(counts.syncs_by_op) == {"tolist"}
 
 
 @pytest.mark.parametrize("name", ["snapkv", "adakv", "pyramidkv", "tova", "h2o", "streamingllm", "cam"])

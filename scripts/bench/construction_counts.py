@@ -84,11 +84,11 @@ def gpu_layout():
 
 
 def count_compression(cache: ResKVCache, name: str, ratio: float, head_dim: int) -> tuple[int, int]:
-    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio``, laid out as on an 80 GB GPU
-    (``gpu_layout``)."""
+    """Ops and syncs of ``name``'s compression of ``cache`` at ``ratio`` (its layers' compressed states;
+    a cache assembled from them is the decode's), laid out as on an 80 GB GPU (``gpu_layout``)."""
     method = build_method(name, ratio)
     with gpu_layout(), torch.no_grad(), count_dispatch() as counts:
-        method.compress(cache, head_dim**-0.5)
+        method.compressed_layers(cache, head_dim**-0.5)
     return counts.ops, counts.syncs
 
 

@@ -175,10 +175,13 @@ def _counted_host_copies(counts: DispatchCounts):
         return made
 
     def moved(tensor, *args, **kwargs):
-        blocking = not kwargs.get("non_blocking")
-        if getattr(tensor, _HOST_MADE, False) and _device_given(args, kwargs) and blocking:
+        arriving = getattr(tensor, _HOST_MADE, False) and _device_given(args, kwargs)
+        if arriving and not kwargs.get("non_blocking"):
             counts.sync("to(device)")
-        return original_to(tensor, *args, **kwargs)
+        result = original_to(tensor, *args, **kwargs)
+        if arriving and result is tensor:  # on CPU the host tensor itself stands for the device's copy
+            delattr(result, _HOST_MADE)
+        return result
 
     wrapped = {"tensor": from_data("tensor"), "as_tensor": from_data("as_tensor")}
     wrapped |= {name: drawn(name) for name in RANDOM_FACTORIES}
