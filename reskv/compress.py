@@ -23,15 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reskv.config import ResidualConfig, budget_for
+from reskv.config import ResidualConfig, budget_for, residual_size
 from reskv.proxy import ValidationProxy, observation_split
-from reskv.residual import (
-    ResidualEntries,
-    RowGroup,
-    build_residual,
-    padded_groups,
-    residual_size,
-)
+from reskv.residual import ResidualEntries, RowGroup, build_residual, padded_groups
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
 from reskv.selection import gather_rows, padding_bias, prefix_ranks, select_main, token_rows, uploaded
 
@@ -73,7 +67,7 @@ def fixed_sizes(config: ResidualConfig, budgets: list[int], window: int) -> list
 def grid_level(grid: tuple[float, ...], size: int, budget: int) -> int:
     """The first ratio of ``grid`` (its index) whose residual size for a head of ``budget`` slots is
     ``size``, ``r = floor(ratio * b + 0.5)``: the candidate the proxy chose, since it skips a ratio
-    that repeats an earlier one's ``r`` (``reskv.proxy.candidate_sizes``); -1 for none."""
+    that repeats an earlier one's ``r`` (``reskv.config.candidate_sizes``); -1 for none."""
     return next((level for level, ratio in enumerate(grid) if residual_size(ratio, budget) == size), -1)
 
 

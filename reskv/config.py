@@ -6,6 +6,7 @@ The runner validates a configuration and answers ``--help`` from these before it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -93,3 +94,30 @@ def budget_for(seq_len: int, ratio: float) -> int:
         raise ValueError(f"compression ratio {ratio!r} must lie in [0, 1)")
     kept_num, den = (1 - exact).as_integer_ratio()
     return seq_len * kept_num // den
+
+
+def residual_size(ratio: float, budget: int) -> int:
+    """``r = floor(ratio * b + 0.5)`` (reskv.md): a share of a head's budget ``b`` rounded half up,
+    in float64 (host integers: the engine plans every shape before it launches work)."""
+    return math.floor(ratio * budget + 0.5)
+
+
+def candidate_sizes(
+    config: ResidualConfig, budgets: list[int], window: int, validation_count: int
+) -> list[list[int]]:
+    """Residual sizes per candidate ratio of the grid and head, 0 where the candidate is skipped.
+
+    ``r = floor(ratio * b + 0.5)`` with ``b`` the head's deployed budget; skipped when ``r`` is 0,
+    repeats an earlier candidate's ``r`` for that head, or leaves ``m' - |P'| < 0`` with
+    ``m' = b - r - validation_count`` (reskv.md). ``window`` is ``|P'|``.
+    """
+    sizes = []
+    for ratio in config.grid:
+        row = []
+        for budget in budgets:
+            size = residual_size(ratio, budget)
+            repeated = any(residual_size(earlier, budget) == size for earlier in config.grid[: len(sizes)])
+            skip = size == 0 or repeated or budget - size - validation_count < window
+            row.append(0 if skip else size)
+        sizes.append(row)
+    return sizes

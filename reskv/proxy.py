@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from reskv.attention import additive_mask, joint_attention, joint_bias
-from reskv.config import ResidualConfig
-from reskv.residual import ResidualEntries, cluster_rows, padded_groups, residual_size
+from reskv.config import ResidualConfig, candidate_sizes
+from reskv.residual import ResidualEntries, cluster_rows, padded_groups
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
 
@@ -53,27 +53,6 @@ def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[sl
 def grouped(queries: Tensor, num_kv_heads: int) -> Tensor:
     """``[H, n, d] -> [H_kv, G*n, d]``: query heads stacked per KV group."""
     return queries.reshape(num_kv_heads, -1, queries.shape[-1])
-
-
-def candidate_sizes(
-    config: ResidualConfig, budgets: list[int], window: int, validation_count: int
-) -> list[list[int]]:
-    """Residual sizes per candidate ratio of the grid and head, 0 where the candidate is skipped.
-
-    ``r = floor(ratio * b + 0.5)`` with ``b`` the head's deployed budget; skipped when ``r`` is 0,
-    repeats an earlier candidate's ``r`` for that head, or leaves ``m' - |P'| < 0`` with
-    ``m' = b - r - validation_count`` (reskv.md). ``window`` is ``|P'|``.
-    """
-    sizes = []
-    for ratio in config.grid:
-        row = []
-        for budget in budgets:
-            size = residual_size(ratio, budget)
-            repeated = any(residual_size(earlier, budget) == size for earlier in config.grid[: len(sizes)])
-            skip = size == 0 or repeated or budget - size - validation_count < window
-            row.append(0 if skip else size)
-        sizes.append(row)
-    return sizes
 
 
 @dataclass

@@ -81,12 +81,6 @@ def distance_width(num_centers: int, device: torch.device) -> int:
     return -(-num_centers // CPU_DISTANCE_WIDTH_MULTIPLE) * CPU_DISTANCE_WIDTH_MULTIPLE
 
 
-def residual_size(ratio: float, budget: int) -> int:
-    """``r = floor(ratio * b + 0.5)`` (reskv.md): a share of a head's budget ``b`` rounded half up,
-    in float64 (host integers: the engine plans every shape before it launches work)."""
-    return math.floor(ratio * budget + 0.5)
-
-
 @dataclass
 class ResidualEntries:
     """``r_max`` slots per KV head; a slot with ``log_counts == -inf`` is unused."""

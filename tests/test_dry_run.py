@@ -89,6 +89,43 @@ def test_the_estimate_counts_what_the_grid_runner_runs(tmp_path):
         assert whole == pytest.approx(seconds, rel=1e-12) and to_do == pytest.approx(seconds, rel=1e-12)
 
 
+def plain_kmeans_work(tokens: int, ratio: float) -> int:
+    """Points x centres a Lloyd step of a +ResKV construction computes per head, from reskv.md with the
+    paper's grid (0, 0.05, 0.1, 0.15, 0.2), 32 validation queries and a 64-token window: each candidate
+    ``r = floor(g b + 0.5) > 0`` that leaves ``b - r - 32 >= 64`` clusters the ``(s - 32) - (b - r - 32)``
+    prefix tokens it evicts, then the final cache its largest ``r`` over ``s - b + r`` tokens."""
+    budget = tokens * round((1 - ratio) * 10) // 10
+    sizes = []
+    for share in (0.05, 0.10, 0.15, 0.20):
+        size = int(share * budget + 0.5)
+        if size and size not in sizes and budget - size - 32 >= 64:
+            sizes.append(size)
+    largest = max(sizes, default=0)
+    return sum((tokens - budget + size) * size for size in sizes) + (tokens - budget + largest) * largest
+
+
+def test_a_methods_ratios_share_their_construction_and_each_ratio_pays_its_own_kmeans(tmp_path):
+    """SnapKV+ResKV at 0.6 and 0.9, query-aware, 4,066 tokens (vt at 4K): a rate of 1e-4 s a token
+    (independent of the ratio: counted once for the method) and 1e-7 s a token squared (its k-means),
+    measured at 0.9, so that 0.6 pays its k-means work over 0.9's: 2.9x, by hand from reskv.md."""
+    toy = json.loads(json.dumps(TOY_RATES))
+    reskv_rate = {"terms": ["s", "s2"], "coefficients": [1e-4, 1e-7], "ratio": 0.9}
+    toy["backbones"]["tiny-llama"]["construction"]["reskv"] = reskv_rate
+    (tmp_path / "toy.json").write_text(json.dumps(toy))
+    read = rates.read_rates(tmp_path / "toy.json", "tiny-llama")
+    grid = [*TINY[:2], "ratio=[0.6,0.9]", "setting=aware", "benchmark.length=4096", "method=snapkv+reskv"]
+    plan = compose_plan([*grid, "benchmark.tasks=[vt]", f"results_dir={tmp_path}"])
+    (task,) = workload.task_plans(plan)
+    tokens = 4096 - 30
+    scale = plain_kmeans_work(tokens, 0.6) / plain_kmeans_work(tokens, 0.9)
+    assert 2.8 < scale < 3.0
+    expected = 1e-4 * tokens + 1e-7 * tokens**2 * (1 + scale)
+    seconds = cost.sample_seconds(plan, task.workload, plan.grid, read)
+    assert seconds.construction == pytest.approx(expected, rel=1e-12)
+    alone = [cost.sample_seconds(plan, task.workload, [entry], read).construction for entry in plan.grid]
+    assert sum(alone) == pytest.approx(expected + 1e-4 * tokens, rel=1e-12)  # each pays the shared part
+
+
 def write_result(plan, task: str, entry, indices: list[int], total: int) -> None:
     """A result file of ``entry`` holding ``indices`` of ``total`` samples (closed: final if complete)."""
     result = ResultFile(

@@ -16,9 +16,9 @@ import torch
 
 from baselines import build_method, build_scorer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
+from reskv.config import residual_size
 from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
-from reskv.residual import residual_size
 from reskv.scoring import LayerObservation
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone

@@ -30,9 +30,9 @@ import reskv.method
 import reskv.residual
 from baselines import build_method
 from reskv.cache import ObservedLayer, ResKVCache
-from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, budget_for
+from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, budget_for, residual_size
 from reskv.method import LAYER_BATCH_BYTES
-from reskv.residual import DISTANCE_CHUNK_BYTES, residual_size
+from reskv.residual import DISTANCE_CHUNK_BYTES
 from scripts.bench.dispatch_counts import count_dispatch, count_parser
 
 LLAMA_ATTENTION = dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)

@@ -43,11 +43,11 @@ from rich.table import Table
 from baselines import build_method
 from reskv.attention import shared_softmax_attention
 from reskv.backbones import load_backbone
-from reskv.config import ResidualConfig, budget_for
+from reskv.config import ResidualConfig, budget_for, residual_size
 from reskv.decoding import static_cache
 from reskv.engine import Prefill
 from reskv.method import Method
-from reskv.residual import build_residual, residual_size
+from reskv.residual import build_residual
 from scripts.bench.construction_counts import COUNTED_METHODS, counts_table, launches_table
 from scripts.bench.decode_counts import DECODE_COUNTED_METHODS, decode_counts_table
 from scripts.measure import (

@@ -14,7 +14,8 @@ runs for each sample that some configuration still lacks:
   context when a configuration compresses query-aware (the full cache included), and one per
   query-agnostic configuration over its compressed cache;
 - **construction**: one compression per compressing configuration, of the whole prompt (aware) or
-  of the context (agnostic);
+  of the context (agnostic), a method's ratios in one setting sharing what does not depend on the
+  ratio, a +ResKV one's k-means grown or shrunk with its ratio (``cost.construction_seconds``);
 - **decode**: the task's generation length in steps for every batch of rows, the configurations
   cut into batches by the grid's own function (``reskv.batching.sample_batches``: ``decode`` and
   ``decode_batch`` resolved for the calibration's device, the memory rule with the device's memory,
@@ -37,7 +38,8 @@ the points each stage's rate is fitted to, or its coefficients, and says where e
         "prefill": RATE in s,                  the context prefill, s its tokens
         "question": RATE in n,                 one forward of n question tokens
         "prefill_with": {"<label>": RATE in s, ...}, the prefill's extra time with that method
-        "construction": {"<label>|<method>|base|reskv": RATE in s, ...}, s the compressed tokens
+        "construction": {"<label>|<method>|base|reskv": RATE in s, ...}, s the compressed tokens,
+                                               the RATE's "ratio" the one it was measured at
         "decode": {"eager"|"compiled": RATE in B, L}}}}   one step of B rows of L slots each
 
     RATE = {"terms": ["1", "s", "s2", ...], "points": [[x..., seconds], ...] or

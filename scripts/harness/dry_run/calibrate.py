@@ -163,7 +163,12 @@ def rates_entry(
     """The measured points as a calibration file's rates (``scripts.harness.dry_run.rates``)."""
     where = f"measured by dry_run=calibrate at {', '.join(map(str, lengths))} tokens"
     construction = {
-        label: {"terms": ["1", "s", "s2"], "points": found, "source": f"{where}, ratio {ratio:g}, aware"}
+        label: {
+            "terms": ["1", "s", "s2"],
+            "points": found,
+            "ratio": ratio,
+            "source": f"{where}, ratio {ratio:g}, aware",
+        }
         for label, found in points["construction"].items()
     }
     for group in ("base", "reskv"):
@@ -175,7 +180,8 @@ def rates_entry(
         ]
         if pooled:
             source = f"{where}: every {group} method of the calibrating grid pooled"
-            construction[group] = {"terms": ["1", "s", "s2"], "points": pooled, "source": source}
+            terms = ["1", "s", "s2"]
+            construction[group] = {"terms": terms, "points": pooled, "ratio": ratio, "source": source}
     batches = sorted({point[0] for point in points["decode"]})
     decode_terms = ["1", "B", "BL"] if len(batches) > 1 else ["1", "BL"]
     return {

@@ -1,5 +1,14 @@
 """A sample's device seconds per stage, counted as ``scripts.harness.grid`` runs it: its prefills, its
-constructions and its decode batches, the batches cut by the grid's own rule (``reskv.batching``)."""
+constructions and its decode batches, the batches cut by the grid's own rule (``reskv.batching``).
+
+A construction rate is measured on one configuration alone at one ratio (``Rate.ratio``); the grid
+constructs a method's ratios in one setting as one program sharing what does not depend on the ratio
+(``reskv.compress.SharedLayers``: scores, budgets, merged values, the validation proxy), and a
++ResKV configuration's k-means, the most of its work, grows with its ratio's budget (the residual
+sizes) and evicted tokens. So a construction's rate is split (``construction_seconds``): its
+``s2`` term, the k-means, counted per configuration and, for +ResKV, scaled from the rate's ratio to
+the configuration's by their k-means work (``kmeans_work``); its other terms once per method and
+setting, whatever its ratios."""
 
 from __future__ import annotations
 
@@ -8,7 +17,7 @@ from dataclasses import dataclass
 
 from baselines.registry import FULL_METHOD, RESIDUAL_SUFFIX
 from reskv import batching
-from reskv.config import DEFAULT_OBSERVATION_WINDOW
+from reskv.config import DEFAULT_OBSERVATION_WINDOW, ResidualConfig, budget_for, candidate_sizes
 from scripts.harness.dry_run.rates import Rates
 from scripts.harness.dry_run.workload import TaskPlan, Workload
 from scripts.harness.plan import GridEntry, Plan
@@ -96,6 +105,46 @@ def decode_batches(
     return [[stacked[row] for row in batch] for batch in batches] + [[e] for e in entries if not stacks(e)]
 
 
+# The protected window the k-means work is modelled with: SnapKV's, AdaKV's, CaM's and H2O's (TOVA's 1
+# and StreamingLLM's 0 change which candidates are admissible only where a budget is under ~100 slots).
+WORK_WINDOW = 64
+
+
+def kmeans_work(tokens: int, ratio: float, residual: ResidualConfig) -> int:
+    """Points x centres a Lloyd step of one +ResKV construction's k-means computes per KV head at
+    ``ratio`` (its FLOPs: this x 2 head dim x steps x heads): the validation proxy's candidates, each
+    admissible ``r`` of the grid (``reskv.config.candidate_sizes``) over the prefix tokens it evicts,
+    ``|E'| = β - m'`` with ``m' = b - r - |validation|`` and ``β = s - |validation|``, and the final
+    cache at the largest admissible ``r`` over ``|E| = s - b + r`` (an upper bound: the proxy may choose
+    less). Uniform budgets of ``b = floor(s (1 - ratio))``: AdaKV spreads as much work over its heads,
+    computed unpadded; ``WORK_WINDOW`` protected tokens."""
+    budget, validation = budget_for(tokens, ratio), residual.validation_queries
+    boundary = tokens - validation
+    sizes = [size for (size,) in candidate_sizes(residual, [budget], WORK_WINDOW, validation) if size]
+    candidates = sum((boundary - (budget - size - validation)) * size for size in sizes)
+    largest = max(sizes, default=0)
+    return candidates + (tokens - budget + largest) * largest
+
+
+def construction_seconds(entry: GridEntry, workload: Workload, rates: Rates) -> tuple[float, float]:
+    """A configuration's construction as (seconds independent of its ratio, which its method shares
+    in a setting; its own k-means seconds): the module docstring's split of its rate."""
+    rate = rates.construction_rate(entry)[0]
+    tokens = compressed_tokens(entry, workload)
+    terms = rate.term_seconds(s=tokens)
+    kmeans = terms.pop("s2", 0.0)
+    if entry.method.endswith(RESIDUAL_SUFFIX) and rate.ratio is not None and rate.ratio != entry.ratio:
+        measured = kmeans_work(tokens, rate.ratio, entry.residual)
+        kmeans *= kmeans_work(tokens, entry.ratio, entry.residual) / measured if measured else 1.0
+    return max(0.0, sum(terms.values())), max(0.0, kmeans)
+
+
+# How constructions are counted, printed under the estimate.
+CONSTRUCTION_MODEL = (
+    "Constructions: a rate's s2 term (the k-means) per configuration, a +ResKV one scaled from the ratio "
+    "it was measured at to the configuration's by their k-means work; its other terms once per method "
+    "and setting of a prefill (what a grid computes once for all its ratios)."
+)
 # What the estimate leaves out, printed under it.
 NOT_COUNTED = (
     "Every answer counted at its task's whole generation length (an upper bound).",
@@ -120,9 +169,15 @@ def sample_seconds(plan: Plan, workload: Workload, entries: Sequence[GridEntry],
     for entry in entries:
         if entry.setting == "agnostic":
             stages.prefill += question
-        if entry.method != FULL_METHOD:
-            rate = rates.construction_rate(entry)[0]
-            stages.construction += rate.seconds(s=compressed_tokens(entry, workload))
+    for served in prefills:  # the constructions of one prefill share their ratio-independent work
+        shared: dict[tuple[str | None, str], float] = {}
+        for entry in served:
+            if entry.method != FULL_METHOD:
+                once, own = construction_seconds(entry, workload, rates)
+                family = entry.setting, entry.label
+                shared[family] = max(shared.get(family, 0.0), once)
+                stages.construction += own
+        stages.construction += sum(shared.values())
     mode, _ = rates.decoding(plan)
     step = rates.decode_rate(mode)
     batches = decode_batches(plan, entries, workload, rates) if plan.share_prefill else [[e] for e in entries]

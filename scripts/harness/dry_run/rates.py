@@ -60,12 +60,15 @@ def fit(terms: Sequence[str], points: Sequence[Sequence[float]], variables: Sequ
 
 @dataclass(frozen=True)
 class Rate:
-    """Seconds as a sum of terms (``TERMS``) of a stage's variables, times ``scale``."""
+    """Seconds as a sum of terms (``TERMS``) of a stage's variables, times ``scale``; a construction's
+    measured at compression ratio ``ratio`` (``scripts.harness.dry_run.cost.construction_seconds``
+    scales its ``s2`` term to another ratio's k-means)."""
 
     terms: tuple[str, ...]
     coefficients: tuple[float, ...]
     scale: float = 1.0
     source: str = ""
+    ratio: float | None = None
 
     @classmethod
     def read(cls, entry: Mapping[str, Any], stage: str) -> Rate:
@@ -79,12 +82,20 @@ class Rate:
             coefficients = fit(terms, entry["points"], VARIABLES[stage])
         if len(coefficients) != len(terms):
             raise ValueError(f"{len(coefficients)} coefficients for the terms {list(terms)}")
-        return cls(terms, tuple(coefficients), entry.get("scale", 1.0), entry.get("source", ""))
+        return cls(
+            terms, tuple(coefficients), entry.get("scale", 1.0), entry.get("source", ""), entry.get("ratio")
+        )
+
+    def term_seconds(self, **variables: float) -> dict[str, float]:
+        """Each term's seconds (scaled), unclamped."""
+        return {
+            term: self.scale * c * TERMS[term](variables)
+            for c, term in zip(self.coefficients, self.terms, strict=True)
+        }
 
     def seconds(self, **variables: float) -> float:
         """Never below zero (a fit's intercept may be, far from its points)."""
-        value = sum(c * TERMS[term](variables) for c, term in zip(self.coefficients, self.terms, strict=True))
-        return max(0.0, self.scale * value)
+        return max(0.0, sum(self.term_seconds(**variables).values()))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from baselines.registry import FULL_METHOD
-from scripts.harness.dry_run.cost import NOT_COUNTED, STAGES, Stages, decode_batches, estimate, sample_seconds
+from scripts.harness.dry_run.cost import (
+    CONSTRUCTION_MODEL,
+    NOT_COUNTED,
+    STAGES,
+    Stages,
+    decode_batches,
+    estimate,
+    sample_seconds,
+)
 from scripts.harness.dry_run.rates import EstimateError, Rates
 from scripts.harness.dry_run.workload import TaskPlan, task_plans
 from scripts.harness.plan import Plan
@@ -184,6 +192,7 @@ def stage_table(plan: Plan, rates: Rates, estimates: dict[str, tuple[Stages, Sta
         if key != entry.label and entry.label not in borrowed.get(key, []):
             borrowed.setdefault(key, []).append(entry.label)
     notes = [
+        CONSTRUCTION_MODEL,
         *NOT_COUNTED,
         f"Rates: {shown(rates.path)}" + "".join(f"\n  {note}" for note in rates.notes),
     ]
