@@ -144,13 +144,14 @@ QUALITY_COLUMNS = (("LL gap", "answer_log_prob_gap", 2), ("KL", "kl", 3), ("attn
 
 
 def paired_text(plan: Plan, entry: GridEntry, results: dict, tasks: list[str]) -> str:
-    """A +ResKV entry against its baseline (same setting and ratio) on the samples both scored: the
-    difference of the task-average score, its 95% paired interval, the samples per task and the
-    direction it settles (scripts.report.statistics); "" for other entries or without shared samples."""
+    """A +ResKV entry against its baseline (same setting and ratio) on the samples both scored, as the
+    verdict reads it (``scripts.report.verdict.pair_gain``): the difference of the task-average score,
+    its 95% interval, the test's p-value, the samples per task and the direction it settles; "" for
+    other entries or without shared samples."""
     import pandas as pd
 
     from scripts.harness.store import ResultKey, scored
-    from scripts.report.statistics import NO_INFORMATION, direction, mean_of_means, score_differences
+    from scripts.report.verdict import pair_gain
 
     label = MethodLabel.parse(entry.label)
     if not label.residual:
@@ -167,16 +168,14 @@ def paired_text(plan: Plan, entry: GridEntry, results: dict, tasks: list[str]) -
                 found[task] = pd.Series({sample["index"]: sample["score"] for sample in samples}, dtype=float)
         return found
 
-    member = score_differences(scores(label.base), scores(entry.label))
-    difference = mean_of_means([member])
-    if difference is None:
+    gain = pair_gain(scores(label.base), scores(entry.label))
+    if gain is None:
         return ""
-    covered = "" if len(member) == len(tasks) else f", {len(member)} of {len(tasks)} tasks"
-    read = NO_INFORMATION if difference.no_information else direction(1.0, difference.low, difference.high)
-    return (
-        f"{difference.value:+.2f} {difference.interval_text('+')} "
-        f"(n={difference.samples_text}{covered}) {read}"
-    )
+    found = gain.estimate
+    covered = "" if gain.tasks == len(tasks) else f", {gain.tasks} of {len(tasks)} tasks"
+    tested = f", p {found.test.text}" if found.test.differing else ""
+    shown = f"{found.value:+.2f} {found.interval_text('+')}"
+    return f"{shown} (n={found.samples_text}{covered}{tested}) {gain.direction}"
 
 
 def result_table(plan: Plan, available_tasks: set[str]):
@@ -198,9 +197,10 @@ def result_table(plan: Plan, available_tasks: set[str]):
     if paired:
         title += (
             "\n+ResKV - base: task-average score difference to the baseline (points), 95% paired "
-            "interval, n shared samples per task; replicated: the interval lies above 0, reversed: "
-            "below, unresolved: it holds 0; no information: every sample tied (make tables: the verdict, "
-            "with the size against the paper's)"
+            "interval, n shared samples per task, p of the sign-flip test over samples; replicated: "
+            "p <= 0.05 above 0, reversed: below, unresolved: p > 0.05 (or too few samples differ for any "
+            "test); no information: every sample tied (make tables: the verdict, with the size against "
+            "the paper's)"
         )
     table = Table(title=title)
     table.add_column("configuration")

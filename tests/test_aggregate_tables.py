@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -211,18 +212,21 @@ def test_cli_writes_every_format(results_dir, tmp_path):
     assert len(results) == sum(len(tasks) for tasks in RUNS.values()) + 1
     adakv = [row for row in results if row["method"] == "adakv" and row["task"] == "niah_single_1"]
     assert [(row["score"], row["n_samples"], row["status"]) for row in adakv] == [("100.0", "2", "partial")]
-    # Each score's 95% interval (scripts.report.statistics): too few samples differ for the resampling
-    # to bound either, so both take the exact bound. [1, 1]: none of 2 departs from 100, Clopper-Pearson's
-    # upper limit 1 - 0.025^(1/2) = 0.8419 of the range below it: [15.81, 100]. [1, 0, 0, 0]: 1 of 4
-    # departs from 0, upper limit Beta(0.975; 2, 3) = 0.8059: [0, 80.59].
-    assert (adakv[0]["score_low"], adakv[0]["score_high"]) == ("15.81", "100.0")
+
+    # Each score's 95% interval (scripts.report.statistics): Wilson's for k of n answered, in points.
+    def wilson(k: int, n: int) -> tuple[str, str]:
+        z2 = 1.959963984540054**2
+        centre, half = (k + z2 / 2) / (n + z2), math.sqrt(z2) * math.sqrt(k * (n - k) / n + z2 / 4) / (n + z2)
+        return str(round(100 * (centre - half), 2)), str(round(100 * (centre + half), 2))
+
+    assert (adakv[0]["score_low"], adakv[0]["score_high"]) == wilson(2, 2) == ("34.24", "100.0")
     (snapkv,) = [
         row
         for row in results
         if (row["method"], row["task"], row["setting"], row["ratio"])
         == ("snapkv", "niah_single_1", "aware", "0.9")
     ]
-    assert (snapkv["score"], snapkv["score_low"], snapkv["score_high"]) == ("25.0", "0.0", "80.59")
+    assert (snapkv["score"], snapkv["score_low"], snapkv["score_high"]) == ("25.0", *wilson(1, 4))
     samples = list(csv.DictReader((tmp_path / "samples.csv").open()))
     assert len(samples) == sum(len(scores) for tasks in RUNS.values() for scores in tasks.values())
 

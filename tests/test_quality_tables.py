@@ -91,11 +91,11 @@ def test_pairs_count_samples_closer_to_full_and_tasks_scored_higher(tables):
     # attention error .08<.10, .05=.05 (tie), .10<.20 -> 2/3.
     # Means: |gap| 7/3 -> 5.5/3 (-21.4%), KL 1.7/3 -> 1.55/3 (-8.8%), error .35/3 -> .23/3 (-34.3%).
     counts, changes = ["1/2", "2/3", "2/3", "2/3"], ["-21.4", "-8.8", "-34.3"]
-    # Score difference: S-1 +100, 0 points (samples 0, 1), VT 0 (sample 0): (50 + 0) / 2 = 25. A draw
-    # misses S-1's differing sample 1 time in 4, too often for the draws to bound the mean: the exact
-    # bound, 1 of the 3 prompts differing, Clopper-Pearson's upper limit Beta(0.975; 2, 2) = 0.9057,
-    # times 100 points either way (each task's half of the range, 50, twice).
-    difference = ["25.00", "[-90.57, 90.57]"]
+    # Score difference: S-1 +100, 0 points (samples 0, 1), VT 0 (sample 0): (50 + 0) / 2 = 25. One
+    # prompt differs, too few for any test: the exact bound, 1 of the 3 prompts departing, Clopper-
+    # Pearson's upper limit Beta(0.975; 2, 2) = 0.9057 of 3 prompts, each reaching as far as VT's one
+    # prompt does (its task's half of the range, 50 points): 136 points, past the range: [-100, 100].
+    difference = ["25.00", "[-100.00, 100.00]"]
     assert row(pairs, "| 10% | q-Aware | SnapKV") == [
         "10%",
         "q-Aware",
@@ -114,7 +114,7 @@ def test_pair_summary_counts_configurations_and_mean_differences(tables):
     won, lost = ["1/2", "2/2", "2/2", "2/2"], ["0/2"] * 4  # VT ties on score
     # Paired: the mean score difference's interval as in the pairs table (VT's one configuration adds
     # 0); won 1 of the 1 configuration decided, the sign test's interval [0.025, 1] (0.025^1).
-    paired = ["[-90.57, 90.57]", "1.00", "[0.03, 1.00]"]
+    paired = ["[-100.00, 100.00]", "1.00", "[0.03, 1.00]"]
     expected = [*won, *lost, "25.00", "1.1250", "-0.0625", "-0.0550", *paired]
     assert row(summary, "| SnapKV | q-Aware")[2:] == expected
     assert row(summary, "|  | both")[2:] == expected

@@ -176,12 +176,13 @@ def test_end_table_shows_each_reskv_pairs_difference_on_shared_samples(tmp_path,
         for line in console.export_text().splitlines()
         if "snapkv" in line
     }
-    # On the 3 shared samples: +100, 0, 0 points, mean 33.33. A draw misses the differing sample with
-    # chance 8/27 > 2.5%, so the interval is the exact bound: 1 of 3 samples differing,
-    # Clopper-Pearson's upper limit Beta(0.975; 2, 2) = 0.9057, times 100 points either way: unresolved.
+    # On the 3 shared samples: +100, 0, 0 points, mean 33.33. One sample differs: the sign-flip test's
+    # p-value is 1 (both signs reach it), and no test can reach 0.05, so the interval is the exact
+    # bound: 1 of 3 samples departing, Clopper-Pearson's upper limit Beta(0.975; 2, 2) = 0.9057 of 3
+    # samples, each reaching 100 / 3 points: unresolved.
     assert rows == {
         "agnostic snapkv 0.9": "",
-        "agnostic snapkv+reskv 0.9": "+33.33 [-90.57, +90.57] (n=3) unresolved",
+        "agnostic snapkv+reskv 0.9": "+33.33 [-90.57, +90.57] (n=3, p 1.000) unresolved",
     }
 
 

@@ -56,6 +56,7 @@ class ResultIndex:
         self.slices = dict(list(slices.groupby(["backbone", "benchmark", "length", "setting", "ratio"])))
         self._tasks: dict[tuple, list[str]] = {}  # tasks() of each backbone, benchmark and length
         self._shared: dict[tuple, dict] = {}  # shared_scores() of each block
+        self._twins: dict[tuple, str] | None = None  # twins()
 
     def method_name(self, label: str, under_baseline: bool = False) -> str:
         """How tables and figures name ``label`` (``display_name``), read from its configurations'
@@ -197,6 +198,27 @@ class ResultIndex:
             return {}
         rows = rows[rows["label"] == label]
         return {task: group.set_index("index")[column].astype(float) for task, group in rows.groupby("task")}
+
+    def twins(self) -> dict[tuple, str]:
+        """Configurations whose outputs are identical to another's of the same backbone, benchmark,
+        length, setting and budget (the same prediction and score on every task and sample: with one KV
+        head, AdaKV's allocation has nothing to move and it is SnapKV), each mapped to the first label
+        of its group: ``(backbone, benchmark, length, setting, ratio, label) -> label``. Configurations
+        whose samples lack a prediction are never twins (there is nothing to compare)."""
+        if self._twins is None:
+            self._twins = {}
+            if "prediction" in self.samples.columns:
+                columns = ["task", "index", "prediction", "score"]
+                for where, rows in self.slices.items():
+                    groups: dict[tuple, list[str]] = {}
+                    for label, outputs in rows.groupby("label"):  # labels in sorted order
+                        if not outputs["prediction"].isna().any():
+                            ordered = outputs[columns].sort_values(["task", "index"])
+                            groups.setdefault(tuple(ordered.itertuples(index=False)), []).append(label)
+                    for labels in groups.values():
+                        if len(labels) > 1:
+                            self._twins |= {(*where, label): labels[0] for label in labels}
+        return self._twins
 
     def average(self, backbone, benchmark, length, task_cells: dict[str, Cell]) -> Cell:
         """Unweighted mean of the averaged tasks' cells, missing unless every one has a value."""

@@ -153,8 +153,8 @@ def closer(base: pd.Series, reskv: pd.Series, reading: str) -> pd.Series:
 CONFIGURATION = ["base", "setting", "ratio", "task"]  # a pair's configuration in a pairs frame
 SCORE_DIFFERENCE_NOTE = (
     "Score difference: +ResKV minus baseline, the mean over tasks (as the averages weight them) of the "
-    "mean over the pair's shared samples, with its 95% paired interval (studentized bootstrap over the "
-    "samples of each task, or the exact bound where too few differ; scripts/report/statistics.py)."
+    "mean over the pair's shared samples, with its 95% paired interval (the sign-flip test's over the "
+    "samples of each task, or the exact bound where fewer than 6 differ; scripts/report/statistics.py)."
 )
 COMPARED = (("score", "higher"), *((column, reading) for _, column, _, reading in MEASURES))
 
@@ -267,9 +267,9 @@ def pairs_summary_table(where: tuple, pairs: pd.DataFrame) -> Table:
         ],
         notes=[
             "A configuration's values are means over the samples both methods ran. " + NOTES[0],
-            "Difference 95% CI: of the mean score difference, a paired, studentized bootstrap (samples "
-            "resampled within each task, every configuration of a task on the same draw; the exact bound "
-            "where too few differ: scripts/report/statistics.py). "
+            "Difference 95% CI: of the mean score difference, the paired sign-flip test's (each sample's "
+            "whole contribution flipped within its task, every configuration of the sample with it; the "
+            "exact bound where fewer than 6 samples differ: scripts/report/statistics.py). "
             "Won / decided: the share of configurations with a higher score among those not tied, with "
             "the sign test's exact (Clopper-Pearson) interval.",
         ],

@@ -23,7 +23,7 @@ the quality measures ran, ``layers.csv`` (per layer; the quality tables are scri
 - ``ablation_<backbone>_<method>_<ratio>_<setting>`` (tab:ablation_main): ResKV and its three
   ablations per task with the drop from ResKV; bold on the best of each column.
 - ``verdict_claims_<backbone>``, ``verdict_pairs_<backbone>``, ``verdict_cells_<backbone>``: the
-  paper's claims, +ResKV pairs and numbers against the results (scripts.report.verdict).
+  paper's claims, +ResKV pairs and numbers against the results (scripts.report.verdict_tables).
 
 Rules every table follows: a configuration that was not run is shown as missing (``--``),
 never as 0; rows shown side by side (a baseline and its +ResKV, the CaM and ablation rows) are
@@ -61,7 +61,7 @@ from scripts.report.paper_tables import ablation_tables, averages_table, cam_tab
 from scripts.report.quality_tables import quality_tables
 from scripts.report.render import Table, write_tables
 from scripts.report.statistics import score_intervals
-from scripts.report.verdict import verdict_tables
+from scripts.report.verdict_tables import verdict_tables
 
 
 def averages_tables(index: ResultIndex) -> list[Table]:
