@@ -29,11 +29,11 @@ class H2O(TokenScorer):
         the validation proxy's fit queries over the prefix before validation, reskv.md)."""
         return accumulated_attention(queries, keys, positions, scaling)
 
-    def prompt_scores(self, obs: LayerObservation) -> Tensor:
+    def prompt_scores(self, obs: LayerObservation, num_layers: int = 1) -> Tensor:
         """The full statistic over every prompt query, captured during prefill; the window-only
         variant scores with its last ``window`` observed queries."""
         if self.window_only:
-            return super().prompt_scores(obs)
+            return super().prompt_scores(obs, num_layers)
         if obs.accumulated is None:
             raise ValueError(
                 "H2O needs the accumulated attention captured during prefill: list the method in "

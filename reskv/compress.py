@@ -27,7 +27,15 @@ from reskv.config import ResidualConfig, budget_for, residual_size
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import ResidualEntries, RowGroup, build_residual, padded_groups
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
-from reskv.selection import gather_rows, padding_bias, prefix_ranks, select_main, token_rows, uploaded
+from reskv.selection import (
+    gather_rows,
+    padding_bias,
+    prefix_ranks,
+    row_stride,
+    select_main,
+    token_rows,
+    uploaded,
+)
 
 
 @dataclass
@@ -148,12 +156,14 @@ class SharedLayers:
     the budgets' spread; ``ValidationProxy.choose`` takes the budgets). The families ``plan`` names are
     constructed together on first use (``construct``), each configuration kept for its compression to
     take. The values are those each compression computes alone, bit for bit; only the work is done
-    once."""
+    once. Layers whose keys and values are the first tokens of other ``SharedLayers``' (a context's, of
+    the whole prompt's) read those's stacked copy (``prefix_of``)."""
 
-    def __init__(self, observations: list[LayerObservation]):
+    def __init__(self, observations: list[LayerObservation], prefix_of: SharedLayers | None = None):
         self.observations = observations
+        self.prefix_of = prefix_of  # the same layers after a longer prompt starting with this one
         self.families: dict[Hashable, Family] = {}
-        self._scores: dict[Hashable, list[Tensor] | Tensor] = {}
+        self._scores: dict[Hashable, Tensor] = {}
         self._ranks: dict[Hashable, Tensor] = {}
         self._budgets: dict[Hashable, list[list[int]]] = {}
         self._stacked: LayerObservation | None = None
@@ -169,18 +179,15 @@ class SharedLayers:
         """Construct ``families`` together the first time one of their configurations is asked for."""
         self.families |= {family.key: family for family in families}
 
-    def scores(self, scorer: TokenScorer) -> list[Tensor]:
-        """``scorer.prompt_scores`` of each layer."""
+    def stacked_scores(self, scorer: TokenScorer) -> Tensor:
+        """``scorer.prompt_scores`` of every layer as one ``[L * H_kv, s]`` tensor, layer-major
+        (``stack_layers``): of the stacked copy where one was made, else layer by layer."""
         key = scorer.scores_key()
         if key not in self._scores:
-            self._scores[key] = [scorer.prompt_scores(obs) for obs in self.observations]
-        return self._scores[key]
-
-    def stacked_scores(self, scorer: TokenScorer) -> Tensor:
-        """``scores`` of every layer as one ``[L * H_kv, s]`` tensor, layer-major (``stack_layers``)."""
-        key = scorer.scores_key(), "stacked"
-        if key not in self._scores:
-            self._scores[key] = torch.cat(self.scores(scorer))
+            if self._stacked is not None or len(self.observations) == 1:
+                self._scores[key] = scorer.prompt_scores(self.stacked(), len(self.observations))
+            else:
+                self._scores[key] = torch.cat([scorer.prompt_scores(obs) for obs in self.observations])
         return self._scores[key]
 
     def ranks(self, scorer: TokenScorer) -> Tensor:
@@ -213,9 +220,10 @@ class SharedLayers:
 
     def stacked(self) -> LayerObservation:
         """The layers as one observation (``stack_layers``): one copy, for ResKV's work and the grid's
-        gathers."""
+        gathers; none where they are a prefix of other layers' (``prefix_of``), whose copy they view."""
         if self._stacked is None:
-            self._stacked = stack_layers(self.observations)
+            longer = None if self.prefix_of is None else self.prefix_of.stacked()
+            self._stacked = stack_layers(self.observations, longer)
         return self._stacked
 
     def values(self, scorer: TokenScorer) -> Tensor:
@@ -271,15 +279,20 @@ class SharedLayers:
         positions = kept_positions(construction.kept, max(counts))
         if self._stacked is not None or len(observations) == 1:
             stacked = self.stacked()
-            rows = token_rows(torch.arange(len(counts), device=positions.device), positions, seq_len)
-            all_keys, all_values = gather_rows(stacked.keys, rows), gather_rows(self.values(scorer), rows)
+            heads, values = torch.arange(len(counts), device=positions.device), self.values(scorer)
+            rows = token_rows(heads, positions, stacked.keys)
+            if row_stride(values) != row_stride(stacked.keys):  # merged values: a tensor of their own
+                rows_of_values = token_rows(heads, positions, values)
+            else:
+                rows_of_values = rows
+            all_keys, all_values = gather_rows(stacked.keys, rows), gather_rows(values, rows_of_values)
             main = [slice(layer * num_heads, (layer + 1) * num_heads) for layer in range(len(observations))]
             gathered = [(all_keys[rows_of], all_values[rows_of]) for rows_of in main]
         else:
             heads = torch.arange(num_heads, device=positions.device)
             gathered = []
             for layer, obs in enumerate(observations):
-                rows = token_rows(heads, positions[layer * num_heads : (layer + 1) * num_heads], seq_len)
+                rows = token_rows(heads, positions[layer * num_heads : (layer + 1) * num_heads], obs.keys)
                 gathered.append((gather_rows(obs.keys, rows), gather_rows(scorer.adjust_values(obs), rows)))
         # Every layer's padding from one bias over all rows, each layer's a view of it.
         all_bias = padding_bias(counts, positions.device)
@@ -329,8 +342,8 @@ def construct(
         for ratio in family.ratios
         if 1 <= (budget := budget_for(seq_len, ratio)) < seq_len
     ]
-    if len(wanted) > 1:  # a grid's: the gathers read one stacked copy
-        shared.stacked()
+    if len(wanted) > 1 or any(family.residual is not None for family, _, _ in wanted):
+        shared.stacked()  # a grid's, or ResKV's: the scores and the gathers read one stacked copy
     rules = {scorer_key(family.scorer): family.scorer for family, _, _ in wanted}
     for key, scorer in rules.items():
         shared.head_budgets(
@@ -411,12 +424,12 @@ def compress_layers(
     compressions of the same layers what does not depend on the ratio, and are constructed with the
     families it plans (``SharedLayers.construction``).
 
-    Each layer is scored on its own, as the base method does; the heads' budgets are then allotted
-    for the layers together (``TokenScorer.stacked_head_budgets``), every head selected as a row of
+    The layers are scored together where they are stacked (a grid's, ResKV's: ``stack_layers``; each
+    head's scores as its layer alone gives them), else each on its own; the heads' budgets are then
+    allotted for the layers together (``TokenScorer.host_budgets``), every head selected as a row of
     one stack (each row as alone), and each layer's kept tokens gathered from its keys and values.
-    What ResKV adds runs once for all the layers given, stacked along the heads (``stack_layers``):
-    the validation proxy and the k-means of the final entries. Every shape is planned from host
-    integers (``construct``).
+    What ResKV adds runs once for all the layers given, stacked along the heads: the validation proxy
+    and the k-means of the final entries. Every shape is planned from host integers (``construct``).
     """
     shared = layers if isinstance(layers, SharedLayers) else SharedLayers(layers)
     seq_len = shared.observations[0].seq_len

@@ -214,13 +214,7 @@ class Prefill:
         seq_len = len(self.prompt_ids) if setting == "aware" else self.context_length
         if self.retain == "full":
             cache = self.prefilled(setting).cache
-            shared = None
-            if self._shared is not None:
-                if setting not in self._shared:
-                    self._shared[setting] = shared_batches(cache, self.scaling)
-                    for batch in self._shared[setting]:
-                        batch.plan(self._families.get(setting, ()))
-                shared = self._shared[setting]
+            shared = None if self._shared is None else self.shared_batches(setting)
             layers = method.compressed_layers(cache, self.scaling, shared)
         else:
             if method.scorer is None:
@@ -249,6 +243,20 @@ class Prefill:
         layers, stats = self.compressed_layers(method, setting)
         cache, _ = method.assemble(layers, stats["compressed_tokens"])
         return cache, stats
+
+    def shared_batches(self, setting: str) -> list[SharedLayers]:
+        """A setting's layers as ``sharing_construction`` shares them, made on first use and planned with
+        its families. The query-agnostic layers (the context's) of a grid that compresses query-aware
+        too read the query-aware stacked copy, whose first tokens they are: one copy for both."""
+        if setting not in self._shared:
+            longer = None
+            if setting == "agnostic" and "aware" in self._families:
+                longer = self.shared_batches("aware")
+            cache = self.prefilled(setting).cache
+            self._shared[setting] = shared_batches(cache, self.scaling, longer)
+            for batch in self._shared[setting]:
+                batch.plan(self._families.get(setting, ()))
+        return self._shared[setting]
 
     @contextlib.contextmanager
     def sharing_construction(self, requests: Sequence[tuple[Method, str]] = ()) -> Iterator[None]:

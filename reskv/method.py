@@ -162,13 +162,23 @@ def retained_shares(
     }
 
 
-def shared_batches(cache: ResKVCache, scaling: float) -> list[SharedLayers]:
+def shared_batches(
+    cache: ResKVCache, scaling: float, prefix_of: list[SharedLayers] | None = None
+) -> list[SharedLayers]:
     """A prefilled cache's compressed (full-attention) layers in ``layer_batches``, each ready to be
     shared by compressions. An observation's ``layer_idx`` is the layer's index among them: the layer
-    schedules (PyramidKV) and per-layer seeds (CaM) run over the compressed layers only."""
+    schedules (PyramidKV) and per-layer seeds (CaM) run over the compressed layers only. With
+    ``prefix_of``, the batches of a cache that extends this one (the query-aware cache extends the
+    context's), the layers are batched as those and read their stacked copy (``SharedLayers``)."""
     compressed = [layer for layer in cache.layers if not isinstance(layer, WindowedLayer)]
     observations = [layer.observation(index, scaling) for index, layer in enumerate(compressed)]
-    return [SharedLayers(batch) for batch in layer_batches(observations)]
+    if prefix_of is None:
+        return [SharedLayers(batch) for batch in layer_batches(observations)]
+    starts = [batch.observations[0].layer_idx for batch in prefix_of]
+    return [
+        SharedLayers(observations[start : start + len(longer.observations)], longer)
+        for start, longer in zip(starts, prefix_of, strict=True)
+    ]
 
 
 def layer_batches(observations: list[LayerObservation]) -> list[list[LayerObservation]]:

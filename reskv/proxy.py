@@ -161,7 +161,7 @@ class ValidationProxy:
             groups,
             self.config.kmeans_iterations,
         )
-        main_rows = token_rows(heads_t, positions, keys.shape[1])  # one index for both gathers
+        main_rows = token_rows(heads_t, positions, keys)  # one index for both gathers
         return CandidateCaches(
             heads_t,
             gather_rows(keys, main_rows),

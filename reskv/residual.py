@@ -28,12 +28,19 @@ DISTANCE_CHUNK_BYTES = 4 << 20
 # On CUDA the block is ``reskv.config.DEVICE_MEMORY_SHARE`` of the device's memory.
 
 
-# Rows of different sizes clustered in one call are padded to the largest size and point count. On
-# CPU, where distance FLOPs cost the time, rows are split into groups whose padded distances stay
-# within this factor of their own (AdaKV's ragged heads padded into one group per grid level would
-# compute mostly padding). On CUDA, where each call costs host time whatever its size, a level is
-# one group.
+# Rows of different sizes clustered in one call are padded to the largest size and point count
+# (``pads_within``). On CPU, where distance FLOPs cost the time, rows are split into groups whose
+# padded distances stay within this factor of their own (AdaKV's ragged heads padded into one group
+# per grid level would compute mostly padding).
 CPU_PADDING_TOLERANCE = 1.25
+# On CUDA a group costs the host its launches whatever its size (about 45: four Lloyd steps of the
+# nearest-centre kernel, the sums, counts and update, and the gathers; ~20 us each) and the device its
+# padded distances. A group takes rows while the distances they pad (points x centres) stay under
+# what a group's launches cost: 45 x 20 us at the nearest-centre kernel's 24.6 TFLOP/s
+# (results/gpu/README.md) is ~2.2e10 FLOP, 2e7 points x centres at a head dim of 128 over 4 Lloyd
+# steps (2 x 128 x 4 FLOP each). AdaKV's ragged levels then cost their own FLOPs within ~2e10, where
+# one group per level padded them by 1.5x (results/README.md); a uniform level stays one group.
+CUDA_PADDING_SLACK = 20_000_000
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
 CPU_VECTORISED_ARGMIN = True
@@ -60,9 +67,13 @@ CPU_DISTANCE_WIDTH_MULTIPLE = 8
 CPU_NARROWEST_PADDED_WIDTH = 12
 
 
-def padding_tolerance(device: torch.device) -> float:
-    """How many times its rows' own distance FLOPs a padded k-means group may compute on ``device``."""
-    return math.inf if device.type == "cuda" else CPU_PADDING_TOLERANCE
+def pads_within(padded: int, own: int, device: torch.device) -> bool:
+    """Whether a k-means group whose rows hold ``own`` points x centres may run padded to ``padded`` on
+    ``device``: on CPU within ``CPU_PADDING_TOLERANCE`` times its own, on CUDA within
+    ``CUDA_PADDING_SLACK`` more."""
+    if device.type == "cuda":
+        return padded - own <= CUDA_PADDING_SLACK
+    return padded <= CPU_PADDING_TOLERANCE * own
 
 
 def distance_block_bytes(device: torch.device) -> int:
@@ -305,10 +316,9 @@ def padded_groups(
     rows: list[int], sizes: list[int], point_counts: list[int], device: torch.device
 ) -> list[RowGroup]:
     """``rows`` (host ints, each with entries: ``0 < sizes[i] <= point_counts[i]``) as few k-means
-    groups as keep each group's padded distances (rows x largest size x most points) within
-    ``padding_tolerance(device)`` times its rows' own; rows are taken largest size first. On CPU a row
-    of fewer than ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
-    tolerance = padding_tolerance(device)
+    groups as keep each group's padded distances (rows x largest size x most points) within what
+    ``pads_within`` allows on ``device``; rows are taken largest size first. On CPU a row of fewer
+    than ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
     narrow = 0 if device.type == "cuda" else CPU_NARROWEST_PADDED_WIDTH
     groups, current = [], []
     for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
@@ -316,7 +326,7 @@ def padded_groups(
         padded = len(grown) * sizes[grown[0]] * max(point_counts[member] for member in grown)
         own = sum(sizes[member] * point_counts[member] for member in grown)
         narrow_beside_wider = sizes[row] < narrow and sizes[row] != sizes[grown[0]]
-        if current and (narrow_beside_wider or padded > tolerance * own):
+        if current and (narrow_beside_wider or not pads_within(padded, own, device)):
             groups.append(current)
             grown = [row]
         current = grown
@@ -405,7 +415,7 @@ def _cluster(
     if not group.equal_sizes:
         unused = torch.arange(group.max_size, device=keys.device)[None, :] >= sizes[:, None]
         center_bias = torch.zeros(unused.shape, device=keys.device).masked_fill_(unused, float("inf"))
-    rows = token_rows(heads, positions, keys.shape[1])  # one index for the keys' and the values' gathers
+    rows = token_rows(heads, positions, keys)  # one index for the keys' and the values' gathers
     point_keys = gather_rows(keys, rows).float().mul_(weights[..., None])
     centers = point_keys[:, : group.max_size]
     flat_index, key_sums, counts = lloyd_assignments(

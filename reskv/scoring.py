@@ -53,24 +53,31 @@ class LayerObservation:
         return range(self.seq_len - self.queries.shape[1], self.seq_len)
 
 
-def stack_layers(observations: list[LayerObservation]) -> LayerObservation:
+def stack_layers(
+    observations: list[LayerObservation], prefix_of: LayerObservation | None = None
+) -> LayerObservation:
     """``L`` layers of one prompt as one observation with ``L * H_kv`` KV heads (and ``L * H`` query
     heads), layer-major: query head ``h`` still belongs to KV head ``h // G``, so every rule whose
     heads are independent scores the stack as it scores each layer. The stack is a copy of the
-    layers' tensors: one op for many, since a GPU's host pays per op whatever its size."""
+    layers' tensors: one op for many, since a GPU's host pays per op whatever its size. With
+    ``prefix_of``, the stack of the same layers after a longer prompt whose first ``s`` tokens are
+    these (the query-aware cache extends the context's), the keys and values are views of its first
+    ``s`` tokens: no second copy. One layer is its own stack."""
     if len(observations) == 1:
         return observations[0]
+    first, seq_len = observations[0], observations[0].seq_len
     accumulated = None
-    if observations[0].accumulated is not None:
+    if first.accumulated is not None:
         accumulated = torch.cat([obs.accumulated for obs in observations])
-    return LayerObservation(
-        observations[0].layer_idx,
-        torch.cat([obs.keys for obs in observations]),
-        torch.cat([obs.values for obs in observations]),
-        torch.cat([obs.queries for obs in observations]),
-        accumulated,
-        observations[0].scaling,
-    )
+    if prefix_of is None:
+        keys, values = (
+            torch.cat([obs.keys for obs in observations]),
+            torch.cat([obs.values for obs in observations]),
+        )
+    else:
+        keys, values = prefix_of.keys[:, :seq_len], prefix_of.values[:, :seq_len]
+    queries = torch.cat([obs.queries for obs in observations])
+    return LayerObservation(first.layer_idx, keys, values, queries, accumulated, first.scaling)
 
 
 def group_mean(per_query_head: Tensor, num_kv_heads: int) -> Tensor:
@@ -166,11 +173,12 @@ class TokenScorer:
         (TOVA) overrides this."""
         return self.score(keys, queries, positions, scaling)
 
-    def prompt_scores(self, obs: LayerObservation) -> Tensor:
+    def prompt_scores(self, obs: LayerObservation, num_layers: int = 1) -> Tensor:
         """Scores for the deployed cache: the rule on the whole prompt with the method's own
-        window of observed queries (its last ``window`` queries; TOVA: the last one)."""
+        window of observed queries (its last ``window`` queries; TOVA: the last one). ``obs`` may
+        stack ``num_layers`` layers along its heads (``stack_layers``: ``stacked_score``)."""
         queries, positions = observation_queries(obs, self.window)
-        return self.score(obs.keys, queries, positions, obs.scaling)
+        return self.stacked_score(obs.keys, queries, positions, obs.scaling, num_layers)
 
     def scores_key(self) -> Hashable:
         """What decides this rule's scores (``score``, ``stacked_score``, ``prompt_scores``) and its

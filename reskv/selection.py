@@ -78,14 +78,33 @@ def select_main(scores: Tensor, window: int, main_sizes: Tensor, ranks: Tensor |
     return window_kept
 
 
-def token_rows(heads: Tensor, positions: Tensor, seq_len: int) -> Tensor:
-    """``gather_rows``'s index ``[R, n]``: token ``positions[r]`` of head ``heads[r]`` as a row of the
-    ``[H * s, d]`` flattened states. Built once, it serves the keys' and the values' gathers."""
-    return heads[:, None] * seq_len + positions
+def row_stride(states: Tensor) -> int:
+    """Rows of ``[H, s, d]`` states' storage from one head to the next: ``s``, or a longer prompt's
+    length when the states are its first ``s`` tokens (a view: ``reskv.scoring.stack_layers``)."""
+    heads, seq_len, dim = states.shape
+    if states.stride()[1:] == (dim, 1) and states.stride(0) % dim == 0:
+        return states.stride(0) // dim
+    return seq_len  # any other layout is gathered from a contiguous copy (``storage_rows``)
+
+
+def storage_rows(states: Tensor) -> Tensor:
+    """``[H, s, d]`` states as rows ``[N, d]`` of their storage, head ``h``'s token ``t`` at row
+    ``h * row_stride(states) + t``: a view, the states contiguous or a prefix of longer ones."""
+    heads, seq_len, dim = states.shape
+    stride = row_stride(states)
+    if stride == seq_len:
+        return states.reshape(-1, dim)
+    return states.as_strided(((heads - 1) * stride + seq_len, dim), (dim, 1))
+
+
+def token_rows(heads: Tensor, positions: Tensor, states: Tensor) -> Tensor:
+    """``gather_rows``'s index ``[R, n]`` into ``states``: token ``positions[r]`` of head ``heads[r]`` as
+    a row of ``storage_rows(states)``. Built once, it serves the gathers of every tensor laid out as
+    ``states`` (a layer's keys and its values)."""
+    return heads[:, None] * row_stride(states) + positions
 
 
 def gather_rows(states: Tensor, rows: Tensor) -> Tensor:
-    """``[R, n, d]``: the rows ``rows`` (``token_rows``) of ``[H, s, d]`` states flattened to
-    ``[H * s, d]``."""
+    """``[R, n, d]``: the rows ``rows`` (``token_rows``) of ``[H, s, d]`` states (``storage_rows``)."""
     head_dim = states.shape[-1]
-    return states.reshape(-1, head_dim).index_select(0, rows.reshape(-1)).reshape(*rows.shape, head_dim)
+    return storage_rows(states).index_select(0, rows.reshape(-1)).reshape(*rows.shape, head_dim)

@@ -118,7 +118,7 @@ def test_stacked_construction_equals_the_plain_per_head_loop(observations, base,
 @pytest.mark.parametrize("tolerance", [1.0, math.inf], ids=["equal-sizes-only", "one-group-per-level"])
 def test_how_ragged_rows_are_grouped_changes_no_bit(observations, tolerance, monkeypatch):
     """AdaKV's ragged heads clustered one group per size (tolerance 1) or all rows of a grid level
-    padded into one group (as on CUDA) give the plain loop's entries alike."""
+    padded into one group give the plain loop's entries alike."""
     monkeypatch.setattr(reskv.residual, "CPU_PADDING_TOLERANCE", tolerance)
     scorer, config = build_scorer("adakv"), ResidualConfig()
     states = compress_layers(observations, scorer, 0.5, config)
@@ -209,8 +209,8 @@ def test_rows_of_a_few_centres_beside_wider_ones_equal_the_plain_loop(sizes, see
 
 def test_padded_groups_keep_rows_of_a_few_centres_with_their_own_size_on_cpu():
     """Sizes 20 and 18 pad together (2 x 20 x 100 slots for 3,800 distances: within 1.25); 11, 10 and 9
-    are below ``CPU_NARROWEST_PADDED_WIDTH``, so each size is a group of its own on CPU. On CUDA a
-    level is one group whatever its sizes."""
+    are below ``CPU_NARROWEST_PADDED_WIDTH``, so each size is a group of its own on CPU. On CUDA rows
+    this small pad far less than ``CUDA_PADDING_SLACK``: one group."""
     sizes, points = [10, 20, 9, 11, 18, 10], [100] * 6
     cpu = reskv.residual.padded_groups(list(range(6)), sizes, points, torch.device("cpu"))
     assert [group.rows for group in cpu] == [[1, 4], [3], [0, 5], [2]]
@@ -222,3 +222,12 @@ def test_padded_groups_keep_rows_of_a_few_centres_with_their_own_size_on_cpu():
     ]
     cuda = reskv.residual.padded_groups(list(range(6)), sizes, points, torch.device("cuda"))
     assert [group.rows for group in cuda] == [[1, 4, 3, 0, 5, 2]]
+
+
+@pytest.mark.parametrize(("narrow", "groups"), [(100, [[0, 1]]), (99, [[0], [1]])])
+def test_padded_groups_on_cuda_pad_at_most_the_slack(narrow, groups):
+    """On CUDA a group pads at most ``CUDA_PADDING_SLACK`` (2e7) points x centres: rows of 600 and 100
+    centres over 40,000 points each pad 2 x 600 x 40,000 - (600 + 100) x 40,000 = 2e7, one group; 600
+    and 99 pad 2.004e7, two."""
+    found = reskv.residual.padded_groups([0, 1], [600, narrow], [40_000] * 2, torch.device("cuda"))
+    assert [group.rows for group in found] == groups

@@ -49,13 +49,16 @@ def forced_logits(prefill: Prefill, cache, step) -> torch.Tensor:
 @pytest.mark.parametrize("name", DECODED_METHODS)
 def test_a_decode_step_reads_nothing_back_from_the_device(prefill, name):
     """Every layer is a static ``CompressedLayer`` (the full method's too) and one eager decode step
-    makes no host-device sync: the slot it writes is a device-side position."""
+    reads nothing back from the device: the slot it writes is a device-side position. Its one wait is
+    the fed token's copy to the device (not ``non_blocking``: a sync on CUDA,
+    ``scripts.bench.dispatch_counts``)."""
     cache = decode_cache(prefill, name)
     assert all(isinstance(layer, CompressedLayer) for layer in cache.layers)
     prefill.next_logits([FORCED[0]], cache)
     with count_dispatch() as counts:
         prefill.next_logits([FORCED[1]], cache)
-    assert counts.syncs == 0 and counts.by_op["index_copy_"] == 2 * len(cache.layers)
+    assert counts.syncs_by_op == {"tensor(device=)": 1}
+    assert counts.by_op["index_copy_"] == 2 * len(cache.layers)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 import reskv.compress
 from baselines import build_method
 from baselines.cam import CaM
-from reskv.config import ResidualConfig
+from reskv.config import SETTINGS, ResidualConfig
 from reskv.engine import Prefill
 from reskv.method import shared_batches
 from reskv.scoring import TokenScorer
@@ -55,12 +55,18 @@ def tensors(cache) -> list[torch.Tensor]:
 @pytest.mark.parametrize("planned", [False, True], ids=["shared", "planned"])
 @pytest.mark.parametrize("setting", ["aware", "agnostic"])
 def test_each_configuration_of_a_shared_grid_equals_its_compression_alone(prefill, setting, planned):
-    """Sharing what the configurations compute alike, and (planned, as a grid runs) constructing them
-    all together the first time one is asked for, gives each its compression alone, bit for bit."""
+    """Sharing what the configurations compute alike, and (planned, as a grid runs, in both settings)
+    constructing a setting's all together the first time one is asked for, the context's layers read
+    as the first tokens of the whole prompt's stacked copy, gives each its compression alone, bit for
+    bit."""
     methods = grid_methods()
     alone = [prefill.compressed(method, setting) for method in methods]
-    with prefill.sharing_construction([(method, setting) for method in methods] if planned else ()):
+    requests = [(method, planned_setting) for planned_setting in SETTINGS for method in methods]
+    with prefill.sharing_construction(requests if planned else ()):
         shared = [prefill.compressed(method, setting) for method in methods]
+        if planned and setting == "agnostic":  # the context's stacked keys view the whole prompt's
+            (agnostic,), (aware,) = prefill.shared_batches("agnostic"), prefill.shared_batches("aware")
+            assert agnostic.stacked().keys.data_ptr() == aware.stacked().keys.data_ptr()
     assert any(sum(map(sum, stats["residual_entries"])) for _, stats in alone)  # entries were built
     for (alone_cache, alone_stats), (shared_cache, shared_stats) in zip(alone, shared, strict=True):
         assert shared_stats == alone_stats
@@ -72,15 +78,15 @@ def test_a_grid_scores_each_layer_once_per_score_and_builds_one_proxy_per_score_
     prefill, monkeypatch
 ):
     """Twelve configurations of three rules that score alike (SnapKV, AdaKV, CaM: 2 ratios, SnapKV and
-    AdaKV with and without ResKV) score each layer once in all, where alone they scored it twelve
-    times; one validation proxy serves SnapKV+ResKV and AdaKV+ResKV; CaM merges its values once for
-    its two ratios."""
+    AdaKV with and without ResKV) score the stacked layers once in all, where alone each scored them;
+    one validation proxy serves SnapKV+ResKV and AdaKV+ResKV; CaM merges its values once for its two
+    ratios."""
     calls = []
     prompt_scores, merge = TokenScorer.prompt_scores, CaM.adjust_values
 
-    def counted(scorer, obs):
+    def counted(scorer, obs, num_layers=1):
         calls.append(type(scorer).__name__)
-        return prompt_scores(scorer, obs)
+        return prompt_scores(scorer, obs, num_layers)
 
     def merged(scorer, obs, num_layers=1):
         calls.append("merge")
@@ -99,11 +105,13 @@ def test_a_grid_scores_each_layer_once_per_score_and_builds_one_proxy_per_score_
     with prefill.sharing_construction([(method, "agnostic") for method in methods]):
         for method in methods:
             prefill.compressed(method, "agnostic")
-    assert sorted(calls) == ["SnapKV"] * layers + ["merge", "proxy"]
+    assert sorted(calls) == ["SnapKV", "merge", "proxy"]  # the layers stacked: one call each
     calls.clear()
     for method in methods:
         prefill.compressed(method, "agnostic")
-    assert len(calls) == 10 * layers + 4 + 2 * layers  # CaM alone merges each layer (one batch a layer)
+    # Alone, at each of 2 ratios: SnapKV, AdaKV and CaM score each layer, and CaM merges each; with
+    # ResKV SnapKV and AdaKV score the stack and build a proxy.
+    assert len(calls) == 2 * (3 * layers + layers) + 2 * 2 * (1 + 1)
 
 
 def test_a_planned_setting_reads_the_device_three_times(prefill):

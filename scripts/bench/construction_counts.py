@@ -7,7 +7,7 @@ random keys, values and observed queries of the shape the 8B model's prefill lea
 32 query heads, 8 KV heads, head dim 128, bf16), so no model forward is needed and 32K tokens fit a
 CPU. The counts do not depend on the weights, only on the shapes the data decides (budgets, chosen
 residual sizes). The work is laid out as on an 80 GB GPU (``gpu_layout``: the k-means' distance
-block, rows padded into one group per grid level, ``argmin``, layers stacked), so the launches
+block, k-means groups padded as on CUDA, ``argmin``, layers stacked), so the launches
 counted are a GPU's: the CPU's 4 MiB blocks, FLOP-saving groups, vectorised argmin and one-layer
 batches would add thousands that a GPU never makes. A second table
 models those launches per Lloyd step at 131K tokens, where counting for real would take hours of CPU.
@@ -19,7 +19,6 @@ per distance block.
 from __future__ import annotations
 
 import contextlib
-import math
 from unittest import mock
 
 import torch
@@ -39,6 +38,7 @@ LLAMA_ATTENTION = dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128
 COUNTED_METHODS = ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv", "tova", "tova+reskv", "h2o", "h2o+reskv")
 OBSERVED_QUERIES = 128
 H100_BLOCK_BYTES = (80 << 30) // DEVICE_MEMORY_SHARE
+PADS_WITHIN = reskv.residual.pads_within
 
 
 def synthetic_prefilled_cache(
@@ -65,15 +65,20 @@ def synthetic_prefilled_cache(
     return ResKVCache(layers)
 
 
+def pads_within_on_cuda(padded: int, own: int, device: torch.device) -> bool:
+    """``reskv.residual.pads_within`` as on CUDA, whatever ``device``."""
+    return PADS_WITHIN(padded, own, torch.device("cuda"))
+
+
 @contextlib.contextmanager
 def gpu_layout():
-    """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks, one padded k-means
-    group per grid level, distances at the centres' own width, ``argmin`` for the nearest centre
-    (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
+    """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks, k-means groups padded
+    as on CUDA (``reskv.residual.pads_within``), distances at the centres' own width, ``argmin`` for the
+    nearest centre (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
     with contextlib.ExitStack() as stack:
         for module, name, value in (
             (reskv.residual, "DISTANCE_CHUNK_BYTES", H100_BLOCK_BYTES),
-            (reskv.residual, "CPU_PADDING_TOLERANCE", math.inf),
+            (reskv.residual, "pads_within", pads_within_on_cuda),
             (reskv.residual, "CPU_NARROWEST_PADDED_WIDTH", 0),
             (reskv.residual, "CPU_DISTANCE_WIDTH_MULTIPLE", 1),
             (reskv.residual, "CPU_VECTORISED_ARGMIN", False),

@@ -5,16 +5,16 @@ fp32 bytes, counted on CPU as a GPU would run them.
 
 The 72 compressed configurations of ``configs/grid/paper_ruler.yaml`` (``grid_gpu.paper_ruler_requests``:
 H2O, TOVA, SnapKV, AdaKV and each +ResKV, CaM, at ratios 0.6-0.9, both settings; the full cache, the
-73rd, constructs nothing) are constructed as the grid constructs them (``Prefill.sharing_construction``),
-one after another in the plan's order, on one prompt prefilled by the 32-layer 8B attention shape
-(``decode_counts.narrow_llama_8b_attention``: random weights, bf16) and laid out as on an 80 GB GPU
-(``construction_counts.gpu_layout``). Nothing is decoded. Per (method, setting), its four ratios
-together:
+73rd, constructs nothing) are constructed as the grid constructs them (``Prefill.sharing_construction``
+of the 72 requests), one after another in the plan's order, on one prompt prefilled by the 32-layer
+8B attention shape (``decode_counts.narrow_llama_8b_attention``: random weights, bf16) and laid out
+as on an 80 GB GPU (``construction_counts.gpu_layout``). Nothing is decoded. For the grid, and for
+each (method, setting)'s four ratios constructed as a grid of their own (what it shares with other
+methods in the whole grid then counted as its own):
 
 - **syncs**: every wait of the host on the device (``dispatch_counts``: reads, and host->device copies
   that are not ``non_blocking``);
-- **ops**: launching aten ops (work a (method, setting) shares with another is counted where it runs
-  first, in the plan's order);
+- **ops**: launching aten ops;
 - **k-means FLOPs over the unpadded formula**: the nearest-centre products the k-means launches
   (rows x padded points x padded centres x 2 d a Lloyd step, what the GPU's kernel computes) over
   ``2 d |E| r`` a step summed over its rows, each with its own point count and residual size;
@@ -104,44 +104,56 @@ def probed(work: dict[str, KmeansWork]):
         yield
 
 
-def count_constructions(length: int) -> tuple[DispatchCounts, dict[str, KmeansWork], float]:
-    """The counts of one sample's 72 constructions at ``length`` tokens (module docstring), its k-means
-    work per (method, setting), and every construction matmul's GFLOP (``FlopCounterMode``)."""
+def counted(prefill: Prefill, requests: list) -> tuple[DispatchCounts, dict[str, KmeansWork]]:
+    """The counts of ``requests``' constructions, shared and planned as a grid's (module docstring),
+    and their k-means work per (method, setting)."""
+    work: dict[str, KmeansWork] = defaultdict(KmeansWork)
+    with probed(work), count_dispatch() as counts, prefill.sharing_construction(requests):
+        for method, setting in requests:
+            prefill.compressed_layers(method, setting)
+    return counts, work
+
+
+def count_constructions(length: int) -> dict:
+    """The figures (``figures``) of one sample's 72 constructions at ``length`` tokens: the grid's, and
+    each (method, setting)'s four ratios constructed as a grid of their own (work it shares with other
+    methods in the whole grid is then its own); and every construction matmul's GFLOP
+    (``FlopCounterMode``) in the grid."""
     backbone = narrow_llama_8b_attention()
     prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
     requests = [(method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None]
-    work: dict[str, KmeansWork] = defaultdict(KmeansWork)
+    families = defaultdict(list)
+    for method, setting in requests:
+        families[f"{method.name} {setting}"].append((method, setting))
     with torch.inference_mode(), gpu_layout():
         prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
         prefill.prefilled("aware")
-        with (
-            probed(work),
-            count_dispatch() as counts,
-            FlopCounterMode(display=False) as flops,
-            prefill.sharing_construction(),
-        ):
-            for method, setting in requests:
-                prefill.compressed_layers(method, setting)
-    return counts, work, flops.get_total_flops() / 1e9
+        with FlopCounterMode(display=False) as flops:
+            grid = figures(*counted(prefill, requests))
+        alone = {name: figures(*counted(prefill, family)) for name, family in sorted(families.items())}
+    return {
+        "grid": grid,
+        "per_method_setting": alone,
+        "construction_matmul_gflop": flops.get_total_flops() / 1e9,
+    }
 
 
 def figures(counts: DispatchCounts, work: dict[str, KmeansWork]) -> dict:
-    """Per (method, setting) and for the grid: syncs, ops, k-means FLOPs as launched and by formula,
-    fp32 bytes written apart from the nearest-centre step's and by it."""
-    names = sorted({name.removesuffix(NEAREST) for name in counts.ops_by_stage} - {"other"})
-    rows = {}
-    for name in names:
-        formula = work[name].formula() if name in work else 0.0
-        rows[name] = {
-            "syncs": counts.syncs_by_stage[name] + counts.syncs_by_stage[name + NEAREST],
-            "ops": counts.ops_by_stage[name] + counts.ops_by_stage[name + NEAREST],
-            "kmeans_gflop_launched": work[name].launched / 1e9 if name in work else 0.0,
-            "kmeans_gflop_formula": formula / 1e9,
-            "fp32_gb": counts.fp32_bytes_by_stage[name] / 1e9,
-            "nearest_fp32_gb": counts.fp32_bytes_by_stage[name + NEAREST] / 1e9,
-        }
-    grid = {key: sum(row[key] for row in rows.values()) for key in next(iter(rows.values()))}
-    return {"per_method_setting": rows, "grid": grid, "syncs_by_op": dict(counts.syncs_by_op)}
+    """Syncs, ops, k-means FLOPs as launched and by formula, fp32 bytes written apart from the
+    nearest-centre step's and by it, of every stage counted together; and the syncs by kind and the
+    largest fp32 result."""
+    names = {name.removesuffix(NEAREST) for name in counts.ops_by_stage}
+    stages = [*names, *(name + NEAREST for name in names)]
+    return {
+        "syncs": sum(counts.syncs_by_stage[name] for name in stages),
+        "ops": sum(counts.ops_by_stage[name] for name in stages),
+        "kmeans_gflop_launched": sum(found.launched for found in work.values()) / 1e9,
+        "kmeans_gflop_formula": sum(found.formula() for found in work.values()) / 1e9,
+        "fp32_gb": sum(counts.fp32_bytes_by_stage[name] for name in names) / 1e9,
+        "nearest_fp32_gb": sum(counts.fp32_bytes_by_stage[name + NEAREST] for name in names) / 1e9,
+        "largest_fp32_gb": counts.largest_fp32_bytes / 1e9,
+        "syncs_by_op": dict(counts.syncs_by_op),
+    }
 
 
 def ratio(row: dict) -> str:
@@ -152,7 +164,7 @@ def ratio(row: dict) -> str:
 def figures_table(found: dict, length: int) -> Table:
     table = Table(
         title=f"One sample's paper RULER grid, its 72 constructions at {length} tokens, 8B attention shape, "
-        "GPU layout (four ratios per row)"
+        "GPU layout: each (method, setting)'s four ratios as a grid of their own, then the whole grid"
     )
     columns = ("method, setting", "syncs", "ops", "k-means GFLOP", "/ unpadded", "fp32 GB", "+ distances GB")
     for column in columns:
@@ -177,18 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    counts, work, matmul_gflop = count_constructions(args.length)
-    found = figures(counts, work) | {
-        "length": args.length,
-        "construction_matmul_gflop": matmul_gflop,
-        "largest_fp32_gb": counts.largest_fp32_bytes / 1e9,
-        "machine": machine(),
-    }
+    found = count_constructions(args.length) | {"length": args.length, "machine": machine()}
+    grid = found["grid"]
     console = Console(width=200)
     console.print(figures_table(found, args.length))
     console.print(
-        f"syncs by kind: {found['syncs_by_op']}; every construction matmul: {matmul_gflop:,.1f} GFLOP; "
-        f"the largest fp32 result: {found['largest_fp32_gb']:.2f} GB"
+        f"the grid's syncs by kind: {grid['syncs_by_op']}; every construction matmul: "
+        f"{found['construction_matmul_gflop']:,.1f} GFLOP; the largest fp32 result: "
+        f"{grid['largest_fp32_gb']:.2f} GB"
     )
     if args.out is not None:
         args.out.write_text(json.dumps(found, indent=1) + "\n")
