@@ -335,7 +335,7 @@ def construct(
     residual sizes every validation proxy chose read back together, then the main selections and the
     final entries, whose survivors are read back together (the module docstring's three reads)."""
     observations = shared.observations
-    seq_len, num_layers, num_heads = observations[0].seq_len, len(observations), shared.num_kv_heads
+    seq_len, num_heads = observations[0].seq_len, shared.num_kv_heads
     wanted = [
         (family, ratio, budget)
         for family in families
@@ -349,24 +349,18 @@ def construct(
         shared.head_budgets(
             scorer, sorted({budget for f, _, budget in wanted if f.key[0] == key}), model_layers
         )
-    sizes, choices = {}, []
+    sizes, choices = {}, {}
     for family, ratio, budget in wanted:
-        scorer, residual = family.scorer, family.residual
+        scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
         budgets = shared.budgets_of(scorer, budget, model_layers)
-        window = min(scorer.window, seq_len)
-        sizes[family.key, ratio] = [[0] * num_heads for _ in observations]
+        sizes[key] = [[0] * num_heads for _ in observations]
         if residual is not None and not residual.validate:
-            sizes[family.key, ratio] = [
-                fixed_sizes(residual, layer_budgets, window) for layer_budgets in budgets
-            ]
+            window = min(scorer.window, seq_len)
+            sizes[key] = [fixed_sizes(residual, layer_budgets, window) for layer_budgets in budgets]
         elif residual is not None and (proxy := shared.proxy(scorer, residual)) is not None:
-            choices.append(((family.key, ratio), proxy.choose(sum(budgets, []))))
-    if choices:
-        chosen = torch.cat([choice for _, choice in choices]).tolist()
-        for number, (key, _) in enumerate(choices):
-            flat = chosen[number * num_layers * num_heads : (number + 1) * num_layers * num_heads]
-            sizes[key] = [flat[layer * num_heads : (layer + 1) * num_heads] for layer in range(num_layers)]
-    built, surviving = {}, []
+            choices[key] = proxy.choose(sum(budgets, []))
+    sizes |= read_together(choices, num_heads)
+    built, surviving = {}, {}
     for family, ratio, budget in wanted:
         scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
         budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
@@ -385,19 +379,25 @@ def construct(
             entries, entry_counts = final_entries(
                 shared.stacked(), kept, all_scores, layer_sizes, main_counts, budgets, residual
             )
-            surviving.append((key, entry_counts))
+            surviving[key] = entry_counts
         else:
             entries = [ResidualEntries.empty(num_heads, obs.keys) for obs in observations]
         none = [[0] * num_heads for _ in observations]
         built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
-    if surviving:
-        counts = torch.cat([count for _, count in surviving]).tolist()
-        for number, (key, _) in enumerate(surviving):
-            flat = counts[number * num_layers * num_heads : (number + 1) * num_layers * num_heads]
-            built[key].entry_counts = [
-                flat[layer * num_heads : (layer + 1) * num_heads] for layer in range(num_layers)
-            ]
+    for key, entry_counts in read_together(surviving, num_heads).items():
+        built[key].entry_counts = entry_counts
     return built
+
+
+def read_together(found: dict[Hashable, Tensor], num_heads: int) -> dict[Hashable, list[list[int]]]:
+    """Each of ``found``'s ``[L * H_kv]`` tensors as host integers ``[L][H_kv]``, all read back from the
+    device at once (nothing read when there are none)."""
+    if not found:
+        return {}
+    values = torch.cat(list(found.values())).tolist()
+    rows = [values[start : start + num_heads] for start in range(0, len(values), num_heads)]
+    layers = len(rows) // len(found)
+    return {key: rows[number * layers : (number + 1) * layers] for number, key in enumerate(found)}
 
 
 def compress_layer(
