@@ -81,8 +81,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-CONFIDENCE = 0.95
-ALPHA = 1 - CONFIDENCE
+ALPHA = 0.05  # exactly: a p-value of 0.05 rejects
+CONFIDENCE = 1 - ALPHA
 POWER = 0.8
 EXACT_LIMIT = 20  # differing prompts up to which every sign pattern is enumerated (2^20 sums)
 DRAWS = 99_999  # Monte Carlo sign patterns beyond it: (DRAWS + 1) * ALPHA is whole
@@ -584,10 +584,12 @@ def direction(paper: float, value: float, p_value: float | None) -> str:
     is at most 5% and the estimate lies on the paper's side of 0 (a paper value of 0 counts as the
     positive side), ``reversed`` when on the other side, ``unresolved`` otherwise, and always for a test
     that cannot reach 5% (``p_value`` None) or an estimate of exactly 0."""
-    if p_value is None or p_value > ALPHA or value == 0:
+    if p_value is None or p_value > ALPHA:
         return UNRESOLVED
     side = 1 if paper >= 0 else -1
-    return REPLICATED if side * value > 0 else REVERSED
+    if side * value > 0:
+        return REPLICATED
+    return REVERSED if side * value < 0 else UNRESOLVED
 
 
 def size(paper: float, low: float, high: float) -> str:
