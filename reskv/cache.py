@@ -839,6 +839,34 @@ class ResKVCache(Cache):
         return counts
 
 
+# What a model may pass the attention function besides the tensors that no form of it needs: they
+# describe the positions or the call, which the cache already knows (transformers' model code passes
+# ``position_ids`` and ``use_cache`` through; ``is_causal`` and ``output_attentions`` at their values
+# here). Every other argument changes the attention and is read below or refused (``refused_arguments``).
+INERT_ARGUMENTS = {
+    "position_ids": None,
+    "use_cache": None,
+    "cache_position": None,
+    "is_causal": True,
+    "output_attentions": False,
+}
+
+
+def refused_arguments(dropout: float, kwargs: dict) -> list[str]:
+    """``name=value`` of each argument a model passes the attention function that no form of it
+    implements (``reskv_attention``): a dropout above 0, and any argument other than the cache, the
+    layer's ``sliding_window`` and ``INERT_ARGUMENTS`` at an inert value, whose value is not ``None``
+    (Gemma 2's ``softcap``, the attention sinks ``s_aux``, ...)."""
+    refused = [f"dropout={dropout!r}"] if dropout else []
+    for name, given in kwargs.items():
+        if name in (CACHE_KWARG, "sliding_window") or given is None:
+            continue
+        if name in INERT_ARGUMENTS and INERT_ARGUMENTS[name] in (None, given):
+            continue
+        refused.append(f"{name}={given!r}")
+    return refused
+
+
 def reskv_attention(
     module,
     query: Tensor,
@@ -853,7 +881,18 @@ def reskv_attention(
 
     The model's own ``sliding_window`` for the layer (transformers passes it to every attention
     function of a windowed model) must be the cache layer's ``window``: a layer attended with the
-    wrong kind is an error, never a silently different model."""
+    wrong kind is an error, never a silently different model. So is an argument that changes the
+    attention and that no form here implements (``refused_arguments``: Gemma 2's logit soft-capping,
+    ``softcap``): refused, never dropped, in every form, since every form is reached through this
+    function; a backbone's load runs it (``reskv.decoding.check_full_cache``), so such a model is
+    refused at load."""
+    refused = refused_arguments(dropout, kwargs)
+    if refused:
+        raise ValueError(
+            f"layer {module.layer_idx} of {type(module).__name__} passes its attention {', '.join(refused)}, "
+            "which the ResKV attention does not implement (every form: prefill, decode, views, the "
+            "kernels); a model that needs it cannot run on this engine"
+        )
     scaling = module.head_dim**-0.5 if scaling is None else scaling
     cache = kwargs.get(CACHE_KWARG)
     window = kwargs.get("sliding_window")

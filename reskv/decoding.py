@@ -164,24 +164,27 @@ def check_full_cache(backbone: Backbone) -> None:
     than every sliding window, prefilled, then ``CHECK_DECODE_STEPS`` tokens decoded one at a time from
     the static cache every generation decodes from (``static_cache``), compared at every position.
     Cheap (one prompt of a window's length), and run once per backbone at load, so that a layer kind
-    run wrongly (a window ignored, attention sinks, soft-capping) cannot go unnoticed."""
+    run wrongly (a window ignored, attention sinks, soft-capping) cannot go unnoticed; an attention
+    argument the engine does not implement is refused by its own forward, which runs first."""
     model = backbone.model
     windows = [window for window in backbone.windows if window is not None]
     length = min(max(windows, default=0) + 2 * CHECK_DECODE_STEPS, model.config.max_position_embeddings)
     generator = torch.Generator().manual_seed(0)
     token_ids = torch.randint(model.config.vocab_size, (1, length), generator=generator).to(backbone.device)
-    implementation = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        reference = model(input_ids=token_ids, use_cache=False).logits[0].float()
-    finally:
-        model.set_attn_implementation(implementation)
+    # The engine's forward first: an attention argument it does not implement is refused there
+    # (``reskv.cache.refused_arguments``), before transformers' own forward is asked for.
     prefilled = length - CHECK_DECODE_STEPS
     cache = ResKVCache.for_prefill(backbone.windows, 0, False)
     logits = [forward(backbone, token_ids[:, :prefilled], cache, every_position=True)[0]]
     cache = static_cache(cache, CHECK_DECODE_STEPS)
     for position in range(prefilled, length):
         logits.append(forward(backbone, token_ids[:, position : position + 1], cache)[0])
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        reference = model(input_ids=token_ids, use_cache=False).logits[0].float()
+    finally:
+        model.set_attn_implementation(implementation)
     difference = float((torch.cat(logits).float() - reference).abs().max() / reference.abs().max())
     tolerance = CHECK_TOLERANCE.get(model.dtype, CHECK_TOLERANCE_HALF)
     if not difference <= tolerance:

@@ -180,3 +180,31 @@ def test_the_runner_decodes_compiled_when_asked_and_records_it(tmp_path):
             assert result["provenance"]["machine"]["decode"] == mode
             answers.setdefault(mode, []).append([sample["prediction"] for sample in result["samples"]])
     assert len(answers["eager"]) == 2 and answers["compiled"] == answers["eager"]
+
+
+def test_an_attention_argument_no_form_implements_refuses_the_model_at_load():
+    """Gemma 2 soft-caps its attention logits (``softcap``, passed to the attention function): the
+    engine's forms do not, so the model is refused at load (the load's check runs the engine's forward
+    first), naming the argument and its value, rather than run with the argument dropped. With
+    ``attn_logit_softcapping`` unset the argument is ``None`` and nothing is refused there."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
+
+    from reskv.backbones import _finish, embedded_model_dir
+    from reskv.cache import refused_arguments
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=16,
+        attn_logit_softcapping=50.0, max_position_embeddings=4096,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"layer 0 of Gemma2Attention passes its attention softcap=50.0, which"
+    ):
+        _finish("tiny-gemma2", Gemma2ForCausalLM(config).float(), tokenizer)
+    assert refused_arguments(0.0, {"softcap": None, "position_ids": torch.zeros(1), "use_cache": True}) == []
+    assert refused_arguments(0.1, {"s_aux": 1.0, "is_causal": False}) == [
+        "dropout=0.1",
+        "s_aux=1.0",
+        "is_causal=False",
+    ]
