@@ -1,43 +1,42 @@
-"""How a sample's grid is cut into decode batches, and how much of a device's memory they may take,
-without torch: the engine decodes by it (``reskv.grid``), and a dry run estimates a grid's device
-hours by it (``scripts.harness.dry_run``), one rule for both.
+"""How a sample's grid is cut into decode batches of views (``reskv.views``), and how much of a
+device's memory they take, without torch: the engine decodes by it (``reskv.grid``), and a dry run
+estimates a grid's device hours by it (``scripts.harness.dry_run``), one rule for both.
 
-The memory rule: what a batch's compressed states and stacked cache may take (``memory_limit``) is
-``MEMORY_SHARE`` of what the device can still give, the caching allocator's reserved but unused
-bytes included (``DeviceMemory.available``), less what the sample's construction holds meanwhile
-(``ModelShape.construction_bytes``).
+A batch's rows are views of the prefilled cache the prefill already holds, so what a batch adds is
+the views' layout (``view_batch_bytes``): per row and layer a keep mask over the shared slots, its
+residual entries (the largest the proxy may choose, ``ViewRow.planned``), its appended slots; one
+adjusted values tensor per method and setting that adjusts values (CaM); and a step's fp32 logits
+over the shared slots and the entries, one layer at a time. The memory rule: a batch's layout may take
+(``memory_limit``) ``MEMORY_SHARE`` of what the device can still give, the caching allocator's
+reserved but unused bytes included (``DeviceMemory.available``), less what the sample's construction
+holds meanwhile (``ModelShape.construction_bytes``). The paper grid at 32K on an H200 is one batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from reskv.config import AUTO, DECODE_CHOICES, DEVICE_MEMORY_SHARE, budget_for
+from reskv.config import AUTO, DECODE_CHOICES, DEVICE_MEMORY_SHARE, budget_for, residual_size
 
 # The share of what a device can still give (its construction's bytes set aside) that a batch's
-# compressed states and stacked cache may take together; the rest is left to one step's activations
-# (their attention logits, the logits over the vocabulary) and to the allocator's slack.
+# views may take; the rest is left to one step's other activations (the logits over the vocabulary)
+# and to the allocator's slack.
 MEMORY_SHARE = 0.8
-# The bytes of an fp32 element: the construction's k-means points and a stacked cache's bias.
+# The bytes of an fp32 element: the construction's k-means points, the entries' bias, a step's logits.
 FP32_BYTES = 4
-
-# The most a batch pads its rows, as a multiple of the slots they hold: a padded slot costs a step its
-# memory traffic and its share of the attention, and rows of a grid hold from a tenth of the prompt
-# (ratio 0.9) to all of it (the full cache), which would then pad the others tenfold. Twice keeps the
-# paper grid's compressed rows (10% to 40% of the prompt) in one batch and the full cache apart; the
-# value is this project's choice, not a measurement.
-PADDING = 2
 
 
 def grid_decoding(decode: str, decode_batch: int | str, device_type: str) -> tuple[str, int | None]:
-    """The decode mode and the most rows a batch holds (``None``: as many as ``decode_batches``
-    allows) that ``decode`` (``DECODE_CHOICES``) and ``decode_batch`` (``check_decode_batch``'s: a
-    positive integer or ``"auto"``) ask for on a device of ``device_type`` ("cuda", "cpu", ...).
-    ``"auto"``: on CUDA the compiled step (CUDA graphs, no host cost per op) and every configuration
-    of a sample in as few batches as the padding and the memory allow (one forward a step, the
-    weights read once for all); elsewhere eager decoding, each configuration alone (bit for bit what
-    the committed results decoded)."""
+    """The decode mode and the most rows a batch holds (``None``: as many as ``view_batches`` allows)
+    that ``decode`` (``DECODE_CHOICES``) and ``decode_batch`` (``check_decode_batch``'s: a positive
+    integer or ``"auto"``) ask for on a device of ``device_type`` ("cuda", "cpu", ...). This is where
+    the device decides whether a grid decodes as views of its prefilled cache (``reskv.views``; the
+    rule decides which rows may: ``DecodeRule.batches``): more than one row a batch. ``"auto"``: on
+    CUDA the compiled step (CUDA graphs, no host cost per op) and every configuration of a sample in
+    one batch of views (one forward a step, the weights and the shared cache read once for all);
+    elsewhere eager decoding, each configuration alone (bit for bit what the committed results
+    decoded)."""
     if decode not in DECODE_CHOICES:
         raise ValueError(f"unknown decode mode {decode!r}; choose one of {list(DECODE_CHOICES)}")
     cuda = device_type == "cuda"
@@ -57,8 +56,7 @@ def check_decode_batch(decode_batch: object) -> int | str:
     ):
         raise ValueError(
             f"decode_batch {decode_batch!r} must be a positive integer (1: each configuration alone) or "
-            f"{AUTO!r} (on CUDA every configuration of a sample in as few batches as the memory allows, "
-            "elsewhere 1)"
+            f"{AUTO!r} (on CUDA every configuration of a sample in one batch of views, elsewhere 1)"
         )
     return decode_batch
 
@@ -96,10 +94,9 @@ class ModelShape:
     dtype_bytes: int  # of the model's keys and values
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes one slot of one row takes over every layer of a stacked cache: its keys and values in
-        the model's dtype, its fp32 bias and its entry mark."""
-        return self.layers * self.kv_heads * (2 * self.head_dim * self.dtype_bytes + FP32_BYTES + 1)
+    def kv_slot_bytes(self) -> int:
+        """Bytes of one slot's keys and values at one layer and KV head."""
+        return 2 * self.head_dim * self.dtype_bytes
 
     def construction_bytes(
         self, prompt_tokens: int, settings: int, observed_queries: int, distances: int
@@ -122,7 +119,7 @@ class ModelShape:
 
 
 def memory_limit(memory: DeviceMemory | None, construction: int) -> int | None:
-    """Bytes a batch's compressed states and stacked cache may take: ``MEMORY_SHARE`` of what
+    """Bytes a batch's views may take (``view_batch_bytes``): ``MEMORY_SHARE`` of what
     ``memory`` can still give less ``construction`` (``ModelShape.construction_bytes``); ``None``
     (no limit) without a device memory, where ``max_rows`` bounds a batch."""
     if memory is None:
@@ -145,59 +142,97 @@ def sample_memory_limit(
     )
 
 
-def predicted_slots(
-    prompt_tokens: int, context_tokens: int, ratio: float | None, setting: str, feeds: int
+@dataclass(frozen=True)
+class ViewRow:
+    """A row of a batch of views as the memory rule plans it: the slots of its entries per layer and KV
+    head (an upper bound), and what its main values are where its method adjusts them (one tensor per
+    key: ``reskv.views.RowView``; ``None`` for the shared values)."""
+
+    entry_slots: int = 0
+    values_key: Hashable | None = None
+
+    @classmethod
+    def planned(
+        cls,
+        compressed_tokens: int,
+        ratio: float | None,
+        residual_shares: Sequence[float] = (),
+        values_key: Hashable | None = None,
+    ) -> ViewRow:
+        """A request compressing ``compressed_tokens`` at ``ratio`` (``None``: the full cache) whose
+        residual may take ``residual_shares`` of a head's budget (its proxy's grid and fixed ratio; none
+        without a residual): at most the largest share's ``r = floor(share * b + 0.5)`` entries
+        (``reskv.config.residual_size``) where the budget compresses. A ragged method's head (AdaKV)
+        may take more."""
+        if ratio is None or not residual_shares:
+            return cls(0, values_key)
+        budget = budget_for(compressed_tokens, ratio)
+        if budget >= compressed_tokens:
+            return cls(0, values_key)
+        return cls(residual_size(max(residual_shares), budget), values_key)
+
+
+def view_batch_bytes(
+    rows: Sequence[ViewRow], shape: ModelShape, shared_slots: int, appended_slots: int
 ) -> int:
-    """The slots a request's row takes in a stacked cache before it is compressed: its prompt's budget
-    (``b`` per head of what it compresses, the whole prompt when aware, the context when agnostic;
-    all of it for the full cache, ``ratio`` None; a ragged method's longest head may hold more,
-    counted once compressed), the question's slots (a stacked cache feeds it to its agnostic rows
-    and keeps its slots, masked, in the others) and ``feeds`` fed tokens."""
-    compressed = prompt_tokens if setting == "aware" else context_tokens
-    kept = compressed if ratio is None else min(compressed, budget_for(compressed, ratio))
-    return kept + prompt_tokens - context_tokens + feeds
+    """Bytes a batch of ``rows`` adds to the prefilled cache it views (``shared_slots`` a layer and KV
+    head), every row appending ``appended_slots``: per layer and KV head each row's keep mask (a byte a
+    slot), entries (keys, values, an fp32 bias) and appended keys and values; each row's appended bias;
+    one adjusted values tensor per ``values_key``; and a step's fp32 logits over the shared slots and
+    the entries, one layer at a time, for every query head of every row."""
+    heads = shape.layers * shape.kv_heads
+    masks = len(rows) * shared_slots * heads
+    entries = sum(row.entry_slots for row in rows) * heads * (shape.kv_slot_bytes + FP32_BYTES)
+    appended = len(rows) * appended_slots * (heads * shape.kv_slot_bytes + shape.layers * FP32_BYTES)
+    sources = len({row.values_key for row in rows} - {None})
+    adjusted = sources * heads * shared_slots * shape.head_dim * shape.dtype_bytes
+    pooled = shared_slots + sum(row.entry_slots for row in rows)
+    logits = len(rows) * shape.query_heads * pooled * FP32_BYTES
+    return masks + entries + appended + adjusted + logits
 
 
-def decode_batches(
-    slots: Sequence[int], row_slot_bytes: int, limit: int | None, max_rows: int | None, state_copies: int = 1
-) -> list[list[int]]:
-    """Rows (indices into ``slots``, each row's slot count) cut into batches, in ascending order of
-    slots: a row joins the current batch while the batch holds at most ``max_rows`` rows, pads its
-    rows to at most ``PADDING`` times the slots they hold (rows x longest <= PADDING x their sum), and
-    its stacked cache and its rows' compressed states (``state_copies`` of each: 2 where the quality
-    measures keep a row's cache before the question), ``(rows x longest + copies x their sum) x
-    row_slot_bytes``, stay within ``limit`` bytes (``None``: no limit); a row beyond the limit on its
-    own decodes alone."""
-    order = sorted(range(len(slots)), key=lambda row: slots[row])
-    batches: list[list[int]] = []
-    for row in order:
-        batch = batches[-1] if batches else None
-        if batch is not None and (max_rows is None or len(batch) < max_rows):
-            padded = (len(batch) + 1) * slots[row]
-            held = sum(slots[other] for other in batch) + slots[row]
-            fits = limit is None or (padded + state_copies * held) * row_slot_bytes <= limit
-            if padded <= PADDING * held and fits:
-                batch.append(row)
-                continue
-        batches.append([row])
-    return batches
-
-
-def sample_batches(
-    slots: Sequence[int],
-    shape: ModelShape | None,
-    memory: DeviceMemory | None,
-    prompt_tokens: int,
-    settings: int,
-    observed_queries: int,
+def view_batches(
+    rows: Sequence[ViewRow],
+    shape: ModelShape,
+    limit: int | None,
+    shared_slots: int,
+    appended_slots: int,
     max_rows: int | None,
-    state_copies: int = 1,
-) -> tuple[list[list[int]], int | None]:
-    """A sample's rows of ``slots`` (``predicted_slots``) cut into batches (``decode_batches``) within
-    the memory a device gives them (``sample_memory_limit``), and that limit: the grid decodes by them
-    (``reskv.grid.decode_grid``), the dry run counts them. Without a ``memory`` or a ``shape`` (a dry
-    run's calibration that gives neither), no limit."""
-    if memory is None or shape is None:
-        return decode_batches(slots, 0, None, max_rows, state_copies), None
-    limit = sample_memory_limit(shape, memory, prompt_tokens, settings, observed_queries)
-    return decode_batches(slots, shape.slot_bytes, limit, max_rows, state_copies), limit
+) -> list[list[int]]:
+    """``rows`` (indices) in the fewest batches of consecutive rows, as equal as can be, each of at most
+    ``max_rows`` rows (``None``: any number) whose ``view_batch_bytes`` stay within ``limit`` (``None``:
+    no limit); a row beyond the limit on its own decodes alone. Rows whose values are adjusted alike go
+    together (an adjusted values tensor is read once a batch)."""
+    order = values_order([row.values_key for row in rows])
+    count = len(order)
+    if not count:
+        return []
+    batches = max(1, -(-count // max_rows)) if max_rows else 1
+    while True:
+        size = -(-count // batches)
+        cut = [order[start : start + size] for start in range(0, count, size)]
+        fits = limit is None or all(
+            view_batch_bytes([rows[row] for row in batch], shape, shared_slots, appended_slots) <= limit
+            for batch in cut
+        )
+        if fits or size == 1:
+            return cut
+        batches += 1
+
+
+def values_order(keys: Sequence[Hashable | None]) -> list[int]:
+    """Indices of rows whose values keys are ``keys`` (``ViewRow.values_key``), reordered so that equal
+    keys are consecutive: the shared values' rows (``None``) first, the others by first appearance."""
+    first: dict[Hashable | None, int] = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, -1 if key is None else index)
+    return sorted(range(len(keys)), key=lambda index: first[keys[index]])
+
+
+def view_step_slots(rows: Sequence[ViewRow], shared_slots: int, appended_slots: int) -> float:
+    """Slots a decode step of a batch of ``rows`` reads per layer and KV head, a slot being one
+    position's key and value: the shared slots once for every row, their values again for each adjusted
+    values tensor (half a slot each), and each row's entries and appended slots."""
+    sources = len({row.values_key for row in rows} - {None})
+    own = sum(row.entry_slots for row in rows) + len(rows) * appended_slots
+    return shared_slots * (1 + sources / 2) + own

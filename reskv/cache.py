@@ -10,15 +10,16 @@
   forward and then drops its full keys and values (``Prefill(..., retain="compressed")``);
 - ``CompressedLayer``: the exact main cache (ragged heads padded with masked slots) plus the
   residual entries, attended with the shared-softmax rule of ``reskv.attention``; or
-- ``StackedLayer``: compressed layers of several generations of one prompt as one batch;
-- ``WindowedLayer`` / ``StaticWindowedLayer``: a sliding-window layer of a hybrid model (Gemma 3),
-  exact and never compressed, growing or in static-capacity buffers of one or several rows; or
+- ``WindowedLayer``: a sliding-window layer of a hybrid model (Gemma 3), exact and never compressed;
+- ``StaticSlotsLayer``: rows of one batch in static-capacity buffers, ``StaticWindowedLayer`` (the
+  sliding-window layers of one generation or of several) or ``reskv.views.ViewLayer`` (a grid's rows
+  as views of the prefilled cache); or
 - ``reskv.quality.ProbeLayer``: a full layer and a method's, fed the same tokens, compared.
 
 The attention function registered as ``"reskv"`` with transformers' ``AttentionInterface``
 hands every call to the layer that holds the state; the model code is used unchanged. Masks
 are built here, not by transformers: a custom attention name gets ``attention_mask=None``.
-Batch size 1 throughout, but for ``StackedLayer``: each prompt is compressed on its own, and the
+Batch size 1 throughout, but for a ``StaticSlotsLayer``: each prompt is compressed on its own, and the
 generations of one prompt may then decode together, one row each.
 """
 
@@ -29,7 +30,6 @@ import copy
 import importlib.util
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,7 +43,6 @@ from reskv.attention import (
     additive_mask,
     joint_attention,
     joint_buffers,
-    population_bias,
     shared_softmax_attention,
     stacked_shared_softmax_attention,
 )
@@ -432,49 +431,14 @@ class CompressedLayer(AttendingLayer):
         return self._ungrouped(output, query), residual_share
 
 
-@dataclass
-class StackedRow:
-    """One row of a ``StackedLayer``: its slots as parts laid end to end (keys and values ``[H_kv, n, d]``,
-    bias ``[H_kv, 1, n]`` or ``None`` for 0), the first ``entry_slots`` of them residual entries, and
-    the rule its attention follows."""
-
-    parts: list[tuple[Tensor, Tensor, Tensor | None]]
-    entry_slots: int
-    rule: DecodeRule
-
-    @property
-    def slots(self) -> int:
-        return sum(keys.shape[1] for keys, _, _ in self.parts)
-
-    @classmethod
-    def of(
-        cls, layer: CompressedLayerState | CompressedLayer | ObservedLayer, rule: DecodeRule
-    ) -> StackedRow:
-        """A method's layer as a row: a compressed state (its entries, with their population bias, then
-        its main part), a compressed layer's written slots, or every token of an exact layer."""
-        if isinstance(layer, CompressedLayerState):
-            residual = layer.residual
-            population = population_bias(residual.log_counts, rule)[:, None, :]
-            entries = (residual.keys, residual.values, population)
-            return cls(
-                [entries, (layer.main_keys, layer.main_values, layer.main_bias)], residual.keys.shape[1], rule
-            )
-        if isinstance(layer, CompressedLayer):
-            written = slice(0, layer.filled)
-            part = (layer._keys[0, :, written], layer._values[0, :, written], layer._bias[..., written])
-            return cls([part], layer.residual_slots, layer.rule)
-        return cls([(layer.keys[0], layer.values[0], None)], 0, NO_RESIDUAL_RULE)
-
-
 class StaticSlotsLayer(AttendingLayer):
     """Rows of one batch in static-capacity buffers that a compiled step writes in place (as
-    ``CompressedLayer`` does for one): each row's slots first, ``-inf`` bias up to the longest row's,
-    then the spare slots that every row fills at the same slot, one per fed token, at a device-side
-    ``position``; the buffers never grow. ``feed_bias`` is the bias new slots get per row: 0, or ``-inf``
-    for a row that a forward only passes through (a query-aware row while the query-agnostic rows are
-    fed the question). ``rewind`` forgets the slots written since ``mark`` (teacher forcing from the
-    prompt). A subclass builds ``_keys``, ``_values``, ``_bias``, ``feed_bias``, ``position``,
-    ``filled``, ``seq_len`` and ``capacity``, and attends."""
+    ``CompressedLayer`` does for one): the spare slots that every row fills at the same slot, one per
+    fed token, at a device-side ``position``, after what each row holds; the buffers never grow.
+    ``feed_bias`` is the bias new slots get per row: 0, or ``-inf`` for a row that a forward only
+    passes through (a query-aware row while the query-agnostic rows are fed the question). A subclass
+    builds ``_keys``, ``_values``, ``_bias``, ``feed_bias``, ``position``, ``filled``, ``seq_len`` and
+    ``capacity``, and attends."""
 
     is_compileable = True
     kind = "static"  # what the layer is called in its errors
@@ -487,16 +451,6 @@ class StaticSlotsLayer(AttendingLayer):
             )
         self.filled += tokens
         self.seq_len += tokens
-
-    def mark(self) -> None:
-        """Remember the slots written so far, for ``rewind``."""
-        self._marked = self.filled, self.seq_len
-
-    def rewind(self) -> None:
-        """Forget every slot written since ``mark``, and continue from there."""
-        self.filled, self.seq_len = self._marked
-        self._bias[..., self.filled :] = float("-inf")
-        self.position.fill_(self.filled)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         raise RuntimeError(f"a {self.kind} layer is built from other layers' states, never lazily")
@@ -520,76 +474,6 @@ class StaticSlotsLayer(AttendingLayer):
 
     def get_max_length(self) -> int:
         return -1
-
-
-class StackedLayer(StaticSlotsLayer):
-    """One layer of several generations of one prompt decoded together as one batch, in static-capacity
-    buffers that a compiled step writes in place (as ``CompressedLayer`` does for one).
-
-    Each row (``StackedRow``: any method's compressed layer, or the full cache's exact one) is copied
-    into ``[B, H_kv, capacity, d]`` buffers: its slots first, ``-inf`` bias up to the longest row's,
-    then ``spare_slots`` that every row fills at the same slot, one per fed token, at a device-side
-    ``position``. Every row continues at the same position, so one forward of ``B`` tokens decodes
-    them all; attention is ``reskv.attention.stacked_shared_softmax_attention`` over every slot (the
-    unwritten ones weigh 0), with each row's rule, and several tokens fed together see each other
-    causally. A row that has stopped stays (it is fed a token whose output nobody reads), so shapes
-    never change (``StaticSlotsLayer``: its slots, ``feed_bias``, ``mark`` and ``rewind``).
-    """
-
-    is_sliding = False
-    kind = "stacked"
-
-    def __init__(self, rows: Sequence[StackedRow], seq_len: int, spare_slots: int):
-        super().__init__()
-        if any(not row.rule.batches for row in rows):
-            raise ValueError("a layer without the shared softmax (joint_attention's ablation) decodes alone")
-        self.seq_len, self.filled = seq_len, max(row.slots for row in rows)
-        first = rows[0].parts[0][0]
-        batch, num_kv_heads, head_dim = len(rows), first.shape[0], first.shape[-1]
-        self.capacity = self.filled + spare_slots
-        device = self.device = first.device
-        keys = first.new_zeros(batch, num_kv_heads, self.capacity, head_dim)
-        values = torch.zeros_like(keys, dtype=rows[0].parts[0][1].dtype)
-        bias = torch.full((batch, num_kv_heads, 1, self.capacity), float("-inf"), device=device)
-        entries = torch.zeros(batch, 1, 1, self.capacity, dtype=torch.bool, device=device)
-        for row, stacked in enumerate(rows):
-            start = 0
-            for part_keys, part_values, part_bias in stacked.parts:
-                slots = slice(start, start + part_keys.shape[1])
-                keys[row, :, slots] = part_keys
-                values[row, :, slots] = part_values
-                bias[row, ..., slots] = 0.0 if part_bias is None else part_bias
-                start = slots.stop
-            entries[row, ..., : stacked.entry_slots] = True
-        self._keys, self._values = (static_address(buffer, 2) for buffer in (keys, values))
-        self._bias, self._entries = (static_address(buffer, 3) for buffer in (bias, entries))
-        self.feed_bias = static_address(torch.zeros(batch, 1, 1, 1, device=device))
-        self.position = static_address(torch.tensor([self.filled], device=device))  # the next slot
-        self.gates = RowGates.of([row.rule for row in rows], device)
-        # A batch of any number of rows runs one compiled graph: the rows are a dynamic dimension.
-        for batched in (keys, values, bias, entries, self.feed_bias, *self.gates.columns):
-            torch._dynamo.maybe_mark_dynamic(batched, 0)
-        self.is_initialized = True
-
-    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-        """Each row's shared-softmax attention over all its slots; ``q`` tokens fed together (the last
-        ``q`` written, as in teacher forcing) see each other causally."""
-        batch, num_heads, query_len, head_dim = query.shape
-        num_kv_heads = self._keys.shape[1]
-        bias = self._bias
-        if query_len > 1:
-            own_slots = self.position - query_len + torch.arange(query_len, device=query.device)
-            bias = bias + causal_bias(own_slots, self.capacity, num_heads // num_kv_heads)
-        output = stacked_shared_softmax_attention(
-            query.reshape(batch, num_kv_heads, -1, head_dim),
-            self._keys,
-            self._values,
-            bias,
-            self._entries,
-            self.gates,
-            scaling,
-        )
-        return output.reshape(batch, num_heads, query_len, head_dim).transpose(1, 2).to(query.dtype)
 
 
 def windowed_attention(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float) -> Tensor:
@@ -670,13 +554,14 @@ class WindowedLayer(DynamicLayer, AttendingLayer):
 
 
 class StaticWindowedLayer(StaticSlotsLayer):
-    """Sliding-window layers of ``B`` rows (one generation, or a grid's: ``StackedLayer``'s rows) in
-    static-capacity buffers that a compiled step writes in place: each row's held tokens
-    (``WindowedLayer``), ``-inf`` bias up to the longest row's, then ``spare_slots`` that every row
-    fills at the same slot, at a device-side ``position``. Each slot records the position of its token,
-    so a query at ``p`` sees exactly the slots at ``p - window < j <= p`` whatever the row held: rows
-    that held different prompts (the whole prompt, or the context to be fed the question) stay exact.
-    ``feed_bias``, ``claim``, ``mark`` and ``rewind`` are ``StaticSlotsLayer``'s."""
+    """Sliding-window layers of ``B`` rows (one generation, or a grid's beside its view layers,
+    ``reskv.views.ViewLayer``) in static-capacity buffers that a compiled step writes in place: each
+    row's held tokens (``WindowedLayer``), ``-inf`` bias up to the longest row's, then ``spare_slots``
+    that every row fills at the same slot, at a device-side ``position``. Each slot records the
+    position of its token, so a query at ``p`` sees exactly the slots at ``p - window < j <= p``
+    whatever the row held: rows that held different prompts (the whole prompt, or the context to be
+    fed the question) stay exact.
+    ``feed_bias`` and ``claim`` are ``StaticSlotsLayer``'s."""
 
     is_sliding = True
     kind = "static windowed"
@@ -708,10 +593,6 @@ class StaticWindowedLayer(StaticSlotsLayer):
         for batched in (keys, values, bias, positions, self.feed_bias):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
         self.is_initialized = True
-
-    def rewind(self) -> None:
-        super().rewind()
-        self.next_position.fill_(self.seq_len)
 
     def written(self, slots: Tensor, tokens: int) -> None:
         """Each written slot's token position, the next token's advanced past them."""
@@ -777,34 +658,9 @@ class ResKVCache(Cache):
         """An exact copy to extend (more prompt tokens or decoding) without touching this one."""
         return ResKVCache([layer.fork() for layer in self.layers])
 
-    @classmethod
-    def stacked(
-        cls, rows: Sequence[Sequence[StackedRow | WindowedLayer]], seq_len: int, spare_slots: int
-    ) -> ResKVCache:
-        """Several generations of one prompt as one batch (``StackedLayer``, or ``StaticWindowedLayer``
-        for a sliding-window layer): ``rows[b][l]`` is row ``b``'s layer ``l``; every row continues at
-        position ``seq_len``, with room for ``spare_slots`` fed tokens."""
-        return cls(
-            [
-                StaticWindowedLayer(layer_rows, seq_len, spare_slots)
-                if isinstance(layer_rows[0], WindowedLayer)
-                else StackedLayer(layer_rows, seq_len, spare_slots)
-                for layer_rows in zip(*rows, strict=True)
-            ]
-        )
-
-    def mark(self) -> None:
-        """``StackedLayer.mark`` of every layer of a stacked cache."""
-        for layer in self.layers:
-            layer.mark()
-
-    def rewind(self) -> None:
-        """``StackedLayer.rewind`` of every layer of a stacked cache."""
-        for layer in self.layers:
-            layer.rewind()
-
+    @torch.inference_mode()
     def feeding(self, rows: Tensor) -> None:
-        """Which rows of a stacked cache the next forwards write into (``StackedLayer.feed_bias``):
+        """Which rows of a batch the next forwards write into (``StaticSlotsLayer.feed_bias``):
         ``rows`` ``[B]`` bool; the others' new slots get ``-inf``."""
         bias = torch.zeros(rows.shape, device=rows.device).masked_fill_(~rows, float("-inf"))[
             :, None, None, None

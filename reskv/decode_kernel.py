@@ -15,17 +15,34 @@ referred to their common maximum and normalised together. That is the shared sof
 (tests/test_fast_paths.py, under Triton's interpreter on CPU). Keys and values are read once, in
 their own dtype, products and softmax in fp32 (IEEE, no TF32).
 
+A grid's step over views of one prefilled cache (``reskv.views``) has its own kernel here,
+``view_partials``: split-K over a pool of slots (the shared prefilled slots, or every row's entries
+laid end to end) for every row's queries at once, each row masked to the slots it keeps (or to its
+segment of the pool), a chunk's running softmax written per query row; the chunks are merged and
+combined with the rows' appended slots and gates in torch (``reskv.views.view_attention``). The keys
+are read once for all the rows of a program's tile, in their own dtype (bf16 products are exact in
+fp32, the accumulation's order is the only difference), the weights cast to the values' dtype for
+their product as the torch form casts them on CUDA.
+
 Not run on a GPU yet: ``scripts.bench.gpu_check --compare-paths`` decodes each +ResKV request with
-it and without it (``reskv.attention.CUDA_FUSED_DECODE``). Triton is optional: without it
-``available`` is false and the torch form runs.
+it and without it (``reskv.attention.CUDA_FUSED_DECODE``), and ``scripts.bench.gpu_check.first``'s
+``views`` stage checks ``view_partials`` against float64 at the layer. Triton is optional: without it
+``available`` is false and the torch forms run.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from reskv.decode_rule import GateTerms
+from reskv.views import LOWEST
+
+if TYPE_CHECKING:
+    from reskv.views import EntryPool, Partial, SharedSlots
 
 try:
     import triton
@@ -48,6 +65,14 @@ FP_FUSION = False
 # Qwen2.5-7B, padded to a tile of 16). More rows (a prompt's queries, or groups of 32 or 64 query
 # heads, whose tiles spill at head dim 128) take the torch form.
 MAX_ROWS = 16
+# The view kernel's query rows a program holds (rows of one batch's configurations times their query
+# heads, all reading one values tensor), the slots it reads at a time, its warps: FlashAttention's tile
+# for a head dim of 128 in bf16, not timed on a GPU yet. The values tensors one launch reads: the shared
+# values and up to two adjusted ones (CaM's, query-aware and query-agnostic); more take the torch form.
+VIEW_ROW_TILE = 64
+VIEW_SLOT_TILE = 64
+VIEW_NUM_WARPS = 4
+VIEW_SOURCES = 3
 
 
 def available() -> bool:
@@ -94,6 +119,89 @@ def gated_attention(
         ROW_TILE=row_tile, DIM_TILE=dim_tile, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return output
+
+
+def views_fit(queries: Tensor, sources: int) -> bool:
+    """Whether ``view_partials`` takes a step of these grouped queries ``[B, H_kv, Q, d]`` (one decoded
+    token: ``Q`` query heads a KV head within a program's rows) reading ``sources`` values tensors."""
+    return queries.shape[2] <= VIEW_ROW_TILE and sources <= VIEW_SOURCES
+
+
+@functools.lru_cache(maxsize=64)
+def row_tiles(runs: tuple[tuple[int, int], ...], group: int, row_tile: int, device: torch.device) -> Tensor:
+    """``[3, T]`` int32 on ``device``: each program tile's first query row, its number of rows and the
+    values tensor it reads, for rows ``[first, last)`` of each run reading the run's values (``runs``
+    in order), ``group`` query rows a row: no tile mixes two runs. Cached: a grid's layers share it."""
+    tiles = []
+    for source, (first, last) in enumerate(runs):
+        for start in range(first * group, last * group, row_tile):
+            tiles.append((start, min(row_tile, last * group - start), source))
+    return torch.tensor(tiles, dtype=torch.int32).T.contiguous().to(device)
+
+
+def view_partials(
+    queries: Tensor, shared: SharedSlots, entries: EntryPool | None, scaling: float
+) -> tuple[Partial, Partial | None]:
+    """The shared slots' and the entry pool's partial softmaxes (``reskv.views.shared_partial``,
+    ``entry_partial``), ``[H_kv, B, Q, ...]`` in fp32, for one decoded token's grouped queries
+    ``queries`` ``[B, H_kv, Q, d]`` (``views_fit``)."""
+    batch, _, group, _ = queries.shape
+    queries = queries.contiguous()
+    runs = tuple((first, last) for first, last, _ in shared.sources)
+    tiles = row_tiles(runs, group, VIEW_ROW_TILE, queries.device)
+    values = [source for _, _, source in shared.sources]
+    values += [values[0]] * (VIEW_SOURCES - len(values))
+    hidden = shared.hidden.view(torch.uint8)
+    shared_part = pool_partials(queries, shared.keys, values, tiles, scaling, hidden=hidden)
+    if entries is None:
+        return shared_part, None
+    tiles = row_tiles(((0, batch),), group, VIEW_ROW_TILE, queries.device)
+    pool_values = [entries.values] * VIEW_SOURCES
+    window = (entries.first, entries.last)
+    return shared_part, pool_partials(
+        queries, entries.keys, pool_values, tiles, scaling, bias=entries.bias, window=window
+    )
+
+
+def pool_partials(
+    queries: Tensor,
+    keys: Tensor,
+    values: list[Tensor],
+    tiles: Tensor,
+    scaling: float,
+    hidden: Tensor | None = None,
+    bias: Tensor | None = None,
+    window: tuple[Tensor, Tensor] | None = None,
+) -> Partial:
+    """One pool's partial softmax ``[H_kv, B, Q, ...]``: ``_pool_kernel`` over chunks of the pool's
+    slots, then the chunks merged (each referred to the largest maximum)."""
+    batch, heads, group, dim = queries.shape
+    slots = keys.shape[1]
+    chunk_slots = max(
+        VIEW_SLOT_TILE, triton.cdiv(triton.cdiv(slots, MAX_CHUNKS), VIEW_SLOT_TILE) * VIEW_SLOT_TILE
+    )
+    chunks = triton.cdiv(slots, chunk_slots)
+    rows = batch * group
+    partial_max = queries.new_empty(heads, chunks, rows, dtype=torch.float32)
+    partial_sum = torch.empty_like(partial_max)
+    partial_output = queries.new_empty(heads, chunks, rows, dim, dtype=torch.float32)
+    first, last = window if window is not None else (tiles, tiles)  # unread without a window
+    precision = "ieee" if queries.dtype == torch.float32 else None  # bf16 and fp16: their own products
+    _pool_kernel[(tiles.shape[1], heads, chunks)](
+        queries, keys, values[0], values[1], values[2],
+        hidden if hidden is not None else keys, bias if bias is not None else keys, first, last,
+        tiles[0], tiles[1], tiles[2], partial_max, partial_sum, partial_output,
+        heads, group, slots, dim, rows, chunk_slots, scaling,
+        HAS_HIDDEN=hidden is not None, HAS_BIAS=bias is not None, HAS_WINDOW=window is not None,
+        ROW_TILE=VIEW_ROW_TILE, SLOT_TILE=VIEW_SLOT_TILE, DIM_TILE=max(16, triton.next_power_of_2(dim)),
+        PRECISION=precision, num_warps=VIEW_NUM_WARPS, enable_fp_fusion=FP_FUSION,
+    )  # fmt: skip
+    maximum = partial_max.amax(dim=1)
+    scale = (partial_max - maximum.clamp(min=LOWEST)[:, None]).exp_()
+    total = (partial_sum * scale).sum(dim=1)
+    output = (partial_output * scale[..., None]).sum(dim=1)
+    shape = (heads, batch, group)
+    return maximum.view(*shape, 1), total.view(*shape, 1), output.view(*shape, dim)
 
 
 if triton is not None:
@@ -204,3 +312,82 @@ if triton is not None:
             numerator / denominator[:, None],
             mask=(row[:, None] < rows) & (feature[None, :] < dim),
         )
+
+    @triton.jit(do_not_specialize=["heads", "group", "slots", "rows", "chunk_slots"])
+    def _pool_kernel(
+        queries, keys, values_0, values_1, values_2, hidden, bias, first, last,
+        tile_first, tile_rows, tile_source, partial_max, partial_sum, partial_output,
+        heads, group, slots, dim, rows, chunk_slots, scaling,
+        HAS_HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        ROW_TILE: tl.constexpr, SLOT_TILE: tl.constexpr, DIM_TILE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of query rows (consecutive rows of one values tensor) of one KV head over one chunk
+        of a pool's slots: the running softmax of each row over the slots it sees (not ``hidden``, the
+        pool's bias, its window), written for the chunk."""
+        tile = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)  # head * slots * dim passes 2^31 at long caches
+        chunk = tl.program_id(2)
+        first_row = tl.load(tile_first + tile)
+        local = tl.arange(0, ROW_TILE)
+        valid = local < tl.load(tile_rows + tile)
+        source = tl.load(tile_source + tile)
+        row = first_row + local  # a query row: configuration row * group + query head of the group
+        batch_row = (row // group).to(tl.int64)
+        feature = tl.arange(0, DIM_TILE)
+        features = feature[None, :] < dim
+        query_tile = tl.load(
+            queries + ((batch_row * heads + head) * group + row % group)[:, None] * dim + feature[None, :],
+            mask=valid[:, None] & features,
+            other=0.0,
+        )
+        chunk_start = chunk * chunk_slots
+        chunk_end = tl.minimum(chunk_start + chunk_slots, slots)
+        if HAS_WINDOW:  # only the slots some row of the tile sees
+            low = tl.load(first + batch_row, mask=valid, other=slots)
+            high = tl.load(last + batch_row, mask=valid, other=0)
+            chunk_start = tl.maximum(chunk_start, tl.min(low, axis=0).to(tl.int32))
+            chunk_end = tl.minimum(chunk_end, tl.max(high, axis=0).to(tl.int32))
+        running_max = tl.full([ROW_TILE], float("-inf"), tl.float32)
+        running_sum = tl.zeros([ROW_TILE], tl.float32)
+        running_output = tl.zeros([ROW_TILE, DIM_TILE], tl.float32)
+        for start in range(chunk_start, chunk_end, SLOT_TILE):
+            slot = start + tl.arange(0, SLOT_TILE)
+            in_chunk = slot < chunk_end
+            offsets = (head * slots + slot[:, None]) * dim + feature[None, :]
+            tile_mask = in_chunk[:, None] & features
+            key_tile = tl.load(keys + offsets, mask=tile_mask, other=0.0)
+            logits = tl.dot(query_tile, tl.trans(key_tile), input_precision=PRECISION) * scaling
+            seen = valid[:, None] & in_chunk[None, :]
+            if HAS_BIAS:
+                logits += tl.load(bias + head * slots + slot, mask=in_chunk, other=0.0)[None, :]
+            if HAS_HIDDEN:
+                hidden_tile = tl.load(
+                    hidden + (batch_row * heads + head)[:, None] * slots + slot[None, :], mask=seen, other=1
+                )
+                seen = seen & (hidden_tile == 0)
+            if HAS_WINDOW:
+                seen = seen & (slot[None, :] >= low[:, None]) & (slot[None, :] < high[:, None])
+            logits = tl.where(seen, logits, float("-inf"))
+            # One tile into the running softmax; a reference of 0 stands in for a maximum still -inf.
+            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+            reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(running_max - reference)
+            weights = tl.exp(logits - reference[:, None])
+            if source == 0:
+                values_tile = tl.load(values_0 + offsets, mask=tile_mask, other=0.0)
+            elif source == 1:
+                values_tile = tl.load(values_1 + offsets, mask=tile_mask, other=0.0)
+            else:
+                values_tile = tl.load(values_2 + offsets, mask=tile_mask, other=0.0)
+            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+            running_output = running_output * rescale[:, None] + tl.dot(
+                weights.to(values_tile.dtype), values_tile, input_precision=PRECISION
+            )
+            running_max = new_max
+        # partial_* [H, chunks, rows(, dim)]
+        out = (head * tl.num_programs(2) + chunk) * rows + row
+        tl.store(partial_max + out, running_max, mask=valid)
+        tl.store(partial_sum + out, running_sum, mask=valid)
+        output_mask = valid[:, None] & features
+        tl.store(partial_output + out[:, None] * dim + feature[None, :], running_output, mask=output_mask)

@@ -3,7 +3,7 @@
 ``DecodeRule``'s fields are the decode-time options; ``reskv.config.ResidualConfig`` extends it
 with the construction-time ones (a field there is read while the cache is built, never by a decode
 step, whose layers hold the plain ``DecodeRule``: ``ResidualConfig.decode_rule``). Every form of the
-attention (one row eager, stacked rows and the compiled step, the Triton kernel, the reference
+attention (one row eager, a grid's rows as views and the compiled step, the Triton kernels, the reference
 ``joint_attention`` and the validation proxy that simulates it) reads the gate's terms from
 ``DecodeRule.gate_terms`` and the entries' population bias from ``DecodeRule.population_weight``,
 and asks whether a row batches or compiles through ``batches``/``compiles``: a new decode-time field
@@ -63,8 +63,10 @@ class DecodeRule:
 
     @property
     def batches(self) -> bool:
-        """Whether a row of this rule can be stacked with others (``reskv.cache.StackedLayer``): the
-        stacked attention computes the shared softmax only; without it a row decodes alone."""
+        """Whether a row of this rule can decode beside others, as a view of its sample's prefilled
+        cache (``reskv.views``): the view form computes the shared softmax only; without it a row
+        decodes alone. Whether the rows of a grid do decode as views is the device's decision
+        (``reskv.batching.grid_decoding``)."""
         return self.shared_softmax
 
     @property

@@ -45,7 +45,8 @@ def greedy(
     (what a compiled step needs); decoding ends when every row has stopped. One host read a step."""
     answers: list[list[int]] = [[] for _ in range(logits.shape[0])]
     going_on = [True] * logits.shape[0]
-    stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
+    if min_new_tokens:  # a copy from the host: only where stop tokens are masked
+        stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
     for produced in range(max_new_tokens):
         if produced < min_new_tokens:
             logits = logits.index_fill(-1, stop_index, float("-inf"))
@@ -85,14 +86,15 @@ def static_layer(layer, spare_slots: int):
 # differ by the rows' budgets would then compile a graph per pattern of equal and aligned layers.
 CAPACITY_BUCKET = 64
 # The most graphs a grid's compiled step compiles in a process (``reskv.grid.decode_grid``, where
-# every row reaches the step in a stacked cache, its rule's values as tensors): the stacked form with
-# and without a gate (a batch of base and full caches only has none), for any number of rows from two
-# (torch._dynamo would give one row a graph of its own: ``reskv.grid.decode_batch`` decodes a row
-# alone beside a copy); within torch._dynamo's recompile limit (8).
-# A single request's compiled step (``Prefill.generate``) compiles a graph per kind of rule besides
-# (its gate, ``g_min`` zero or not, ``tau`` and ``alpha`` symbolic once they differ). A batch past the
-# limit all the same decodes eagerly (``reskv.grid.decoded_or_split``).
-COMPILED_GRAPH_BOUND = 2
+# every row reaches the step in a cache of views, its rule's values as tensors): one, whatever its
+# rows, prompts and batches (``reskv.views.ViewLayer``: every size that differs between batches a
+# dynamic dimension, none of 0 or 1, the values tensors read always as many), for any number of rows
+# from two (torch._dynamo would give one row a graph of its own: ``reskv.grid.decode_batch`` decodes a
+# row alone beside a copy); within torch._dynamo's recompile limit (8). A single request's compiled
+# step (``Prefill.generate``) compiles a graph per kind of rule besides (its gate, ``g_min`` zero or
+# not, ``tau`` and ``alpha`` symbolic once they differ). A batch past the limit all the same decodes
+# eagerly (``reskv.grid.decoded_or_halved``).
+COMPILED_GRAPH_BOUND = 1
 # What ``torch.compile(fullgraph=True)`` raises at the recompile limit, instead of a graph break.
 RECOMPILE_LIMIT_HIT = torch._dynamo.exc.FailOnRecompileLimitHit
 
@@ -106,9 +108,10 @@ def bucketed(slots: int) -> int:
 def compiled_step(model: torch.nn.Module, cache_argument: str):
     """One decode step of ``model`` compiled as one graph (``torch.compile(fullgraph=True)``: no
     graph break): ``(tokens [B, 1], positions [B, 1], cache) -> logits [B, V]``, for a cache of
-    ``CompressedLayer``s (``static_cache``, one row) or of ``StackedLayer``s (a grid's rows, a dynamic
-    dimension: one graph whatever their number). On CUDA its kernels are replayed as CUDA graphs
-    (``mode="reduce-overhead"``), which removes the per-op host cost a decode step is bound by."""
+    ``CompressedLayer``s (``static_cache``, one row) or of ``reskv.views.ViewLayer``s (a grid's rows,
+    a dynamic dimension: ``COMPILED_GRAPH_BOUND`` graphs whatever their number). On CUDA its kernels
+    are replayed as CUDA graphs (``mode="reduce-overhead"``), which removes the per-op host cost a
+    decode step is bound by."""
 
     def step(token: Tensor, position: Tensor, cache: ResKVCache) -> Tensor:
         output = model(
@@ -143,7 +146,7 @@ def compiled_next_logits(backbone: Backbone, token_ids: Sequence[int], cache: Re
     device = backbone.device
     tokens = torch.tensor(token_ids, device=device)[:, None]
     positions = torch.full_like(tokens, position)
-    if len(token_ids) > 1:  # a batch's rows: one graph whatever their number (``StackedLayer``)
+    if len(token_ids) > 1:  # a batch's rows: one graph whatever their number (``reskv.views.ViewLayer``)
         for batched in (tokens, positions):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
     return compiled_step(backbone.model, backbone.cache_argument)(tokens, positions, cache)

@@ -22,13 +22,12 @@ full cache measured against itself gives KL 0, log-likelihood gap 0 and attentio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from reskv.cache import AttendingLayer, CompressedLayer, ResKVCache
-from reskv.decoding import forward, greedy
+from reskv.decoding import greedy
 
 FORCED_STEPS = 16
 
@@ -110,15 +109,6 @@ class ProbeLayer(AttendingLayer):
         return -1
 
 
-@dataclass
-class TeacherForced:
-    """A generation's logits along the reference answer (``[1 + n, V]``: after the prompt, then after
-    each answer token but the last) and along the full cache's forced tokens (``[FORCED_STEPS, V]``)."""
-
-    answered: Tensor
-    forced: Tensor
-
-
 class QualityProbe:
     """The measures above for the generations of one prompt (``Prefill``, which keeps the full cache):
     what the full cache gives (its greedy continuation of ``FORCED_STEPS`` tokens, its logits along
@@ -160,25 +150,6 @@ class QualityProbe:
             return last_logits[None]
         return torch.cat([last_logits[None], self.prefill.next_logits(token_ids, cache, every_position=True)])
 
-    def teacher_forced_stacked(
-        self, cache: ResKVCache, last_logits: Tensor, answer_ids: Sequence[int]
-    ) -> list[TeacherForced]:
-        """The teacher-forced logits of every row of a stacked cache (``ResKVCache.stacked``, marked after
-        the prompt: ``ResKVCache.mark``; ``last_logits`` ``[B, V]`` there), in two forwards of the
-        batch: the answer, then, rewound to the prompt, the full cache's forced tokens."""
-        answer_ids, (forced_ids, _) = self.measured_answer(answer_ids), self.reference()
-        backbone, rows = self.prefill.backbone, last_logits.shape[0]
-        fed = []
-        for feed in (list(answer_ids[:-1]), list(forced_ids)):
-            cache.rewind()
-            if feed:
-                ids = torch.tensor([feed] * rows, device=backbone.device)
-                fed.append(forward(backbone, ids, cache, every_position=True))
-            else:
-                fed.append(last_logits.new_zeros(rows, 0, last_logits.shape[-1]))
-        answered = torch.cat([last_logits[:, None], fed[0]], dim=1)
-        return [TeacherForced(answered[row], fed[1][row]) for row in range(rows)]
-
     def measures(
         self,
         setting: str,
@@ -186,21 +157,15 @@ class QualityProbe:
         prompted: ResKVCache,
         last_logits: Tensor,
         answer_ids: Sequence[int],
-        teacher_forced: TeacherForced | None = None,
     ) -> dict:
         """The measures of one generation: ``compressed`` is the method's cache before the question
-        (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt;
-        ``teacher_forced`` the logits along the answer and the forced tokens, when a batch computed them
-        (``teacher_forced_stacked``)."""
+        (query-agnostic) or prompt, ``prompted`` and ``last_logits`` after the prompt."""
         prefill = self.prefill
         forced_ids, forced_logits = self.reference()
         whole = prefill.prefilled("aware")
         answer_ids = self.measured_answer(answer_ids)
-        if teacher_forced is None:
-            teacher_forced = TeacherForced(
-                self.teacher_forced(prompted.fork(), last_logits, answer_ids[:-1]),
-                self.teacher_forced(prompted, last_logits, forced_ids)[1:],
-            )
+        answered = self.teacher_forced(prompted.fork(), last_logits, answer_ids[:-1])
+        forced = self.teacher_forced(prompted, last_logits, forced_ids)[1:]
         quality: dict = {"answer_tokens": len(answer_ids)}
         if answer_ids:
             if answer_ids not in self._answer_log_probs:
@@ -209,10 +174,9 @@ class QualityProbe:
                     logits, torch.tensor(answer_ids, device=logits.device)
                 )
             full = self._answer_log_probs[answer_ids]
-            answered = teacher_forced.answered
             own = sequence_log_prob(answered, torch.tensor(answer_ids, device=answered.device))
             quality.update(answer_log_prob=own, answer_log_prob_full=full, answer_log_prob_gap=own - full)
-        quality["kl"] = float(kl_divergence(forced_logits, teacher_forced.forced).mean())
+        quality["kl"] = float(kl_divergence(forced_logits, forced).mean())
         # The probe feeds what the method's cache has not seen yet (the question, query-agnostic)
         # and the forced tokens; only the forced tokens' queries are measured.
         fed = list(prefill.prompt_ids[prefill.context_length :]) if setting == "agnostic" else []

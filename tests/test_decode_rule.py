@@ -17,7 +17,7 @@ from reskv.decoding import compiled_next_logits, release_compiled
 from reskv.engine import Prefill
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
-from tests.test_grid_decode import alone_logits, eager_step, grid, stacked_logits
+from tests.test_grid_decode import alone_logits, batch_logits, eager_step, grid
 
 NEW_TOKENS = 6
 # Rows of one batch within fp32 rounding of their decode alone (test_grid_decode), compiled within
@@ -101,7 +101,7 @@ def test_a_decode_time_option_is_honoured_alone_and_beside_the_default_eager_and
         "compiled": (compiled_step(prefill), COMPILED_TOLERANCE),
     }
     for decode, (step, tolerance) in steps.items():
-        together = stacked_logits(prefill, [changed, default], step)
+        together = batch_logits(prefill, [changed, default], step)
         for row, expected in enumerate((alone, default_alone)):
             torch.testing.assert_close(
                 together[row], expected, **tolerance, msg=lambda text, at=(decode, row): f"{at}: {text}"

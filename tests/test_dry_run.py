@@ -58,28 +58,32 @@ def toy_rates(tmp_path: Path) -> rates.Rates:
 def test_the_estimate_counts_what_the_grid_runner_runs(tmp_path):
     """By hand, per sample: one context prefill (s - 64 question tokens), one question forward for
     the query-aware side (full + 2 aware) and one per agnostic configuration (2), 4 constructions
-    (aware compress s tokens, agnostic s - 64), and 3 decode batches of answer-length steps: the 4
-    compressed rows in ascending slots, 2 a batch (the two agnostic, the two aware), and the full
-    cache alone (it would pad either pair more than twice). A row holds floor(tokens * 0.25), the
-    question's 64 slots (fed to the agnostic rows, masked in the aware ones), and the answer."""
+    (aware compress s tokens, agnostic s - 64), and 3 decode batches of views of answer-length steps,
+    2 rows a batch in the grid's order (the full cache and SnapKV aware; SnapKV agnostic and
+    SnapKV+ResKV aware; SnapKV+ResKV agnostic alone). A batch of views reads the prompt's slots once,
+    each row's entries (at most 0.2 of its budget, rounded half up) and each row's question and answer
+    slots; a row alone its budget floor(tokens * 0.25), the question's 64 slots and the answer."""
     plan = compose_plan([*TOY_GRID, "benchmark.tasks=[vt,niah_single_1]", f"results_dir={tmp_path}"])
     # vt: 30 answer tokens, prompt 1024 - 30 = 994, context 930.
     vt_prefill = 930e-3 + 0.5 + 2 * 0.5
     vt_construction = 1e-4 * 994 + 1e-4 * 930 + 2e-4 * 994 + 2e-4 * 930
-    aware, agnostic, full = 994 // 4 + 64 + 30, 930 // 4 + 64 + 30, 994 + 64 + 30  # 342, 326, 1088 slots
-    assert agnostic < aware
-    vt_decode = 30 * ((0.01 + 1e-6 * 2 * aware) + (0.01 + 1e-6 * 2 * agnostic) + (0.01 + 1e-6 * full))
+    appended, entries = 64 + 30, 50  # SnapKV+ResKV aware: b = 248, r = floor(49.6 + 0.5)
+    batches = [994 + 2 * appended, 994 + entries + 2 * appended]  # the rows' slots a step reads, B x L
+    alone = 930 // 4 + 64 + 30  # SnapKV+ResKV agnostic: 326 slots
+    vt_decode = 30 * ((0.01 + 1e-6 * batches[0]) + (0.01 + 1e-6 * batches[1]) + (0.01 + 1e-6 * alone))
     # niah_single_1: 128 answer tokens, prompt 896, context 832.
     niah_prefill = 832e-3 + 0.5 + 2 * 0.5
     niah_construction = 1e-4 * 896 + 1e-4 * 832 + 2e-4 * 896 + 2e-4 * 832
-    aware, agnostic, full = 896 // 4 + 64 + 128, 832 // 4 + 64 + 128, 896 + 64 + 128  # 416, 400, 1088
-    niah_decode = 128 * ((0.01 + 1e-6 * 2 * aware) + (0.01 + 1e-6 * 2 * agnostic) + (0.01 + 1e-6 * full))
+    appended, entries = 64 + 128, 45  # b = 224, r = floor(44.8 + 0.5)
+    batches = [896 + 2 * appended, 896 + entries + 2 * appended]
+    alone = 832 // 4 + 64 + 128  # 400 slots
+    niah_decode = 128 * ((0.01 + 1e-6 * batches[0]) + (0.01 + 1e-6 * batches[1]) + (0.01 + 1e-6 * alone))
     expected = {
         "prefill": 3 * (vt_prefill + niah_prefill),  # 14.286 s
         "construction": 3 * (vt_construction + niah_construction),  # 3.2868 s
-        "decode": 3 * (vt_decode + niah_decode),  # 15.48264 s
+        "decode": 3 * (vt_decode + niah_decode),  # 15.62052 s
     }
-    assert expected["prefill"] + expected["construction"] + expected["decode"] == pytest.approx(33.05544)
+    assert expected["prefill"] + expected["construction"] + expected["decode"] == pytest.approx(33.19332)
     tasks = workload.task_plans(plan)
     assert [(task.task, task.range_size) for task in tasks] == [("vt", 3), ("niah_single_1", 3)]
     estimates = cost.estimate(plan, tasks, toy_rates(tmp_path))
@@ -172,12 +176,13 @@ def test_the_dry_run_lists_what_the_store_holds_and_writes_nothing(tmp_path):
     ((to_do, whole),) = cost.estimate(plan, [task], toy).values()
     fresh = cost.estimate(plan, [workload.TaskPlan("vt", task.workload, (0, 3))], toy)
     assert whole.total == fresh["vt"][0].total
-    # Decode by hand: sample 0 decodes 3 rows (the two agnostic ones, then an aware one), samples 1
-    # and 2 four (the two agnostic, then the two aware).
-    aware, agnostic = 994 // 4 + 64 + 30, 930 // 4 + 64 + 30
-    pair, single = 0.01 + 1e-6 * 2 * agnostic, 0.01 + 1e-6 * aware
-    aware_pair = 0.01 + 1e-6 * 2 * aware
-    assert to_do.decode == pytest.approx(30 * ((pair + single) + 2 * (aware_pair + pair)))
+    # Decode by hand (the test above's batches of views): sample 0 decodes 3 rows (SnapKV agnostic
+    # beside SnapKV+ResKV aware, then SnapKV+ResKV agnostic alone), samples 1 and 2 four (the SnapKV
+    # pair, then the SnapKV+ResKV pair, whose entries are 50 and 46 slots).
+    appended, alone = 64 + 30, 930 // 4 + 64 + 30
+    first = (0.01 + 1e-6 * (994 + 50 + 2 * appended)) + (0.01 + 1e-6 * alone)
+    others = (0.01 + 1e-6 * (994 + 2 * appended)) + (0.01 + 1e-6 * (994 + 50 + 46 + 2 * appended))
+    assert to_do.decode == pytest.approx(30 * (first + 2 * others))
 
     before = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*")}
     dry_run = subprocess.run(
@@ -237,8 +242,8 @@ def test_calibrate_measures_every_stage_at_three_lengths(tmp_path, monkeypatch):
 
 def test_the_dry_run_prices_the_rounds_an_unresolved_claim_needs(tmp_path):
     """A claim of this backbone with 3 samples per task that needs 7 (observed) or 5 (paper) asks 4
-    more rounds; a round is one sample of every task through the whole grid, 33.05544 s / 3 by hand
-    (the test above), so 4 rounds are 44.07392 s = 0.0122 device hours. Another backbone's claim is
+    more rounds; a round is one sample of every task through the whole grid, 33.19332 s / 3 by hand
+    (the test above), so 4 rounds are 44.25776 s = 0.0123 device hours. Another backbone's claim is
     not this plan's to price; none at all prints no section."""
     from rich.console import Console
 
@@ -266,7 +271,7 @@ def test_the_dry_run_prices_the_rounds_an_unresolved_claim_needs(tmp_path):
         "7",
         "5",
         "4",
-        f"{4 * 33.05544 / 3 / 3600:.4f}",
+        f"{4 * 33.19332 / 3 / 3600:.4f}",
     ]
     assert "RULER 20%" not in text
     assert "leave unresolved" not in printed([])

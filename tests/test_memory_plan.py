@@ -1,17 +1,21 @@
-"""The memory rule a sample's decode batches are cut by (``reskv.batching``), with a faked allocator:
-what the device can still give, what the construction holds meanwhile, and the paper grid at 32K on
-an H100."""
+"""The memory rule a sample's decode batches of views are cut by (``reskv.batching``), with a faked
+allocator: what the device can still give, what the construction holds meanwhile, what a batch of views
+adds, and the paper grid at 32K on an H100."""
 
 from __future__ import annotations
+
+import dataclasses
+
+import pytest
 
 from reskv.batching import (
     DeviceMemory,
     ModelShape,
-    decode_batches,
+    ViewRow,
     memory_limit,
-    predicted_slots,
-    sample_batches,
     sample_memory_limit,
+    view_batch_bytes,
+    view_batches,
 )
 from scripts.harness.dry_run import cost, rates, workload
 from scripts.harness.plan import compose_plan
@@ -40,8 +44,7 @@ def test_a_construction_holds_its_stacked_copies_its_fp32_points_and_a_distance_
         32768, settings=2, observed_queries=128, distances=80 * GIB // 32
     )
     assert construction == 2 * (4 * GIB + 32 * (1 << 20)) + 4 * GIB + int(2.5 * GIB)
-    # a slot of a stacked cache: keys and values in bf16, an fp32 bias, an entry mark, per KV head and layer
-    assert LLAMA_8B.slot_bytes == 32 * 8 * (2 * 128 * 2 + 4 + 1)
+    assert LLAMA_8B.kv_slot_bytes == 2 * 128 * 2  # a slot's key and value in bf16, at a layer and KV head
 
 
 def test_the_sample_limit_is_the_rule_with_the_devices_distance_block():
@@ -51,29 +54,55 @@ def test_the_sample_limit_is_the_rule_with_the_devices_distance_block():
     assert sample_memory_limit(LLAMA_8B, memory, 32768, 1, 128) == expected
 
 
-def test_the_predicted_slots_hold_the_budget_the_question_and_the_fed_tokens():
-    """A 1,000-token prompt of which 900 are context, 32 tokens fed: aware at 0.9 keeps 100 of the
-    1,000, agnostic 90 of the 900; both hold the 100 question slots (masked where not fed); the full
-    cache keeps its whole prompt."""
-    assert predicted_slots(1000, 900, 0.9, "aware", 32) == 100 + 100 + 32
-    assert predicted_slots(1000, 900, 0.9, "agnostic", 32) == 90 + 100 + 32
-    assert predicted_slots(1000, 900, None, "aware", 32) == 1000 + 100 + 32
+def test_a_batch_of_views_holds_masks_entries_appended_slots_adjusted_values_and_a_step_s_logits():
+    """By hand at the 8B shape, 32,768 shared slots, 64 appended: two rows without entries, one with 655
+    entries a head, one reading CaM's adjusted values. Per layer and KV head (256): 4 masks of 32,768
+    bytes, 655 entries of keys, values (2 x 128 x 2 bytes) and an fp32 bias, 4 x 64 appended keys and
+    values; per layer each row's 64 fp32 appended biases; one adjusted values tensor (256 x 32,768 x 128
+    x 2); and one layer's fp32 logits of 4 rows' 32 query heads over the shared slots and the 655
+    entries."""
+    rows = [ViewRow(), ViewRow(), ViewRow(655), ViewRow(0, ("cam", "aware"))]
+    expected = (
+        4 * 32768 * 256
+        + 655 * 256 * (2 * 128 * 2 + 4)
+        + 4 * 64 * (256 * 2 * 128 * 2 + 32 * 4)
+        + 256 * 32768 * 128 * 2
+        + 4 * 32 * (32768 + 655) * 4
+    )
+    assert view_batch_bytes(rows, LLAMA_8B, 32768, 64) == expected
+    # ratio 0.9 of 32,768: b = 3,276, and the proxy's largest share 0.2 gives 655; the full cache none
+    assert ViewRow.planned(32768, 0.9, (0.0, 0.05, 0.2)).entry_slots == 655
+    assert ViewRow.planned(32768, None, (0.2,)).entry_slots == 0 == ViewRow.planned(32768, 0.9).entry_slots
 
 
-def test_the_quality_copy_of_each_row_counts_against_the_limit():
-    """Rows of 10 slots, 1 byte a slot, a limit of 60: two rows take 2 x 10 + 20 = 40 (fit), three 30
-    + 30 = 60 (fit); with each row's cache before the question kept (2 copies) two take 20 + 40 = 60
-    and three 30 + 60 = 90 (do not)."""
-    assert decode_batches([10, 10, 10], 1, 60, None) == [[0, 1, 2]]
-    assert decode_batches([10, 10, 10], 1, 60, None, state_copies=2) == [[0, 1], [2]]
+@pytest.mark.parametrize(
+    ("limit", "max_rows", "expected"),
+    [
+        (None, None, [[0, 2, 4, 1, 3]]),  # one batch, CaM's rows (1, 3) together after the others
+        (None, 2, [[0, 2], [4, 1], [3]]),  # the fewest batches of at most 2 rows
+        (1300, None, [[0, 2, 4], [1, 3]]),  # 1,500 in one; 300 and 1,200 in two
+        (1150, None, [[0], [2], [4], [1], [3]]),  # [4, 1] takes 1,200: rows alone
+        (50, None, [[0], [2], [4], [1], [3]]),  # a row beyond the limit on its own decodes alone
+    ],
+)
+def test_views_go_in_the_fewest_equal_batches_within_the_memory_and_the_row_cap(limit, max_rows, expected):
+    """A tiny shape (one layer and KV head, no query head's logits): a row's mask over 100 shared slots
+    is 100 bytes, and CaM's rows read one adjusted values tensor of 100 x 5 x 2 bytes, once a batch."""
+    shape = ModelShape(layers=1, kv_heads=1, query_heads=0, head_dim=5, dtype_bytes=2)
+    cam = ("cam", "aware")
+    rows = [ViewRow(), ViewRow(0, cam), ViewRow(), ViewRow(0, cam), ViewRow()]
+    assert view_batch_bytes(rows[:1], shape, 100, 0) == 100
+    assert view_batch_bytes(rows[1:4], shape, 100, 0) == 300 + 1000
+    assert view_batches(rows, shape, limit, 100, 0, max_rows) == expected
 
 
-def test_the_paper_grid_at_32k_on_an_h100_plans_the_same_batches_in_the_dry_run_and_the_grid(tmp_path):
+@pytest.mark.parametrize("card", ["h100", "h200"])
+def test_the_paper_grid_at_32k_decodes_in_one_batch_of_views_in_the_dry_run_and_the_grid(card, tmp_path):
     """configs/grid/paper_ruler.yaml's 73 configurations at 32K, the 8B shape, the committed H100
-    calibration (81,559 MiB, 14.96 GiB of bf16 weights): the dry run's batches are the grid's rule on
-    the rows the grid predicts (``predicted_slots``, the answer's steps fed), an allocator holding the
-    weights and both prefilled caches; every batch's stacked cache and states, beside the held
-    tensors and the construction, stay under 90% of the card, in a few batches (not one per row)."""
+    calibration's weights (14.96 GiB of bf16) on an H100 (81,559 MiB) or an H200 (143,771 MiB): the dry
+    run cuts the grid's rule on the rows the grid plans (``ViewRow.planned``, the answer's steps fed),
+    an allocator holding the weights and both prefilled caches; one batch of every row, its views
+    beside the held tensors and the construction under 90% of the card."""
     plan = compose_plan(
         [
             "grid=paper_ruler",
@@ -85,29 +114,26 @@ def test_the_paper_grid_at_32k_on_an_h100_plans_the_same_batches_in_the_dry_run_
     )
     assert len(plan.grid) == 73
     h100 = rates.read_rates(rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json", plan.backbone)
+    total = {"h100": h100.memory_bytes, "h200": 143_771 << 20}[card]
+    on_card = dataclasses.replace(h100, memory_bytes=total)
     load = workload.task_workload(plan, "niah_single_1")  # 128 answer tokens: 32,640 prompt tokens
-    planned = cost.decode_batches(plan, plan.grid, load, h100)
-    assert sorted(plan.grid.index(entry) for batch in planned for entry in batch) == list(range(73))
+    planned = cost.decode_batches(plan, plan.grid, load, on_card)
+    assert [len(batch) for batch in planned] == [73]
 
-    # The grid's side, by its own inputs: the rows' predicted slots, the faked allocator, the shape.
-    prompt, context, feeds = load.prompt_tokens, load.prompt_tokens - load.question_tokens, load.answer_tokens
-    slots = [predicted_slots(prompt, context, e.ratio, e.setting or "aware", feeds) for e in plan.grid]
+    # The grid's side, by its own inputs: the rows' planned views, the faked allocator, the shape.
+    prompt, context = load.prompt_tokens, load.prompt_tokens - load.question_tokens
+    shares = (0.0, 0.05, 0.10, 0.15, 0.20, 0.10)  # the residual's grid and its fixed ratio
+    rows = [
+        ViewRow.planned(
+            prompt if e.setting != "agnostic" else context, e.ratio, shares if "+" in e.method else ()
+        )
+        for e in plan.grid
+    ]
     held = h100.weights_bytes + (prompt + context) * 32 * 8 * 2 * 128 * 2  # weights, both caches
-    memory = DeviceMemory(
-        total=h100.memory_bytes, free=h100.memory_bytes - held, reserved=held, allocated=held
-    )
-    batches, limit = sample_batches(slots, LLAMA_8B, memory, prompt, 2, 128, None)
-    assert [[plan.grid[row] for row in batch] for batch in batches] == planned
-
-    construction = LLAMA_8B.construction_bytes(prompt, 2, 128, h100.memory_bytes // 32)
-    largest = max(
-        (len(batch) * max(slots[row] for row in batch) + sum(slots[row] for row in batch))
-        * LLAMA_8B.slot_bytes
-        for batch in batches
-    )
-    assert largest <= limit
-    peak = held + construction + largest
-    assert peak < 0.9 * h100.memory_bytes, (
-        f"planned peak {peak / GIB:.1f} GiB of {h100.memory_bytes / GIB:.1f}"
-    )
-    assert 2 <= len(batches) <= 6, [len(batch) for batch in batches]
+    memory = DeviceMemory.holding(total, held)
+    limit = sample_memory_limit(LLAMA_8B, memory, prompt, 2, 128)
+    appended = load.question_tokens + load.answer_tokens
+    assert view_batches(rows, LLAMA_8B, limit, prompt, appended, None) == [list(range(73))]
+    construction = LLAMA_8B.construction_bytes(prompt, 2, 128, total // 32)
+    peak = held + construction + view_batch_bytes(rows, LLAMA_8B, prompt, appended)
+    assert peak < 0.9 * total, f"planned peak {peak / GIB:.1f} GiB of {total / GIB:.1f}"

@@ -14,7 +14,8 @@ the construction is laid out as on an 80 GB GPU (``scripts.bench.construction_co
 the host syncs are counted per step of a decode batch.
 On a GPU each op costs the host ~23 us at batch 1 (``results/gpu/README.md``), so these counts
 predict where a grid's wall time goes there. The ops are split by stage: the prefills, the
-constructions, stacking the rows, feeding the question to the query-agnostic rows, and decoding.
+constructions, the rows' views of the prefilled cache, feeding the question to the query-agnostic
+rows, and decoding.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from rich.table import Table
 
 import reskv.grid
 from baselines import build_method
-from reskv.cache import StackedLayer
 from reskv.engine import Prefill
+from reskv.views import ViewLayer
 from scripts.bench.construction_counts import gpu_layout
 from scripts.bench.decode_counts import narrow_llama_8b_attention
 from scripts.bench.dispatch_counts import DispatchCounts, count_dispatch, stage
@@ -40,7 +41,7 @@ from scripts.measure import random_prompt
 PAPER_METHODS = ("snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 PAPER_RATIOS = (0.6, 0.7, 0.8, 0.9)
 QUESTION_TOKENS = 32
-STAGES = ("prefill", "construction", "stacking", "question", "decode")
+STAGES = ("prefill", "construction", "views", "question", "decode")
 
 
 def paper_grid() -> list[tuple]:
@@ -58,8 +59,8 @@ def staged():
         (Prefill, "__init__", "prefill"),
         (Prefill, "prefilled", "prefill"),
         (Prefill, "compressed_layers", "construction"),
-        (StackedLayer, "__init__", "stacking"),
-        (reskv.grid, "stacked_prompt", "question"),
+        (ViewLayer, "__init__", "views"),
+        (reskv.grid, "prompted_views", "question"),
     )
     with contextlib.ExitStack() as stack:
         for owner, name, label in wrapped:

@@ -17,10 +17,12 @@ runs for each sample that some configuration still lacks:
   of the context (agnostic), a method's ratios in one setting sharing what does not depend on the
   ratio, a +ResKV one's k-means grown or shrunk with its ratio (``cost.construction_seconds``);
 - **decode**: the task's generation length in steps for every batch of rows, the configurations
-  cut into batches by the grid's own function (``reskv.batching.sample_batches``: ``decode`` and
-  ``decode_batch`` resolved for the calibration's device, the memory rule with the device's memory,
-  the weights and the shape from the calibration file), a row holding its budget (the full prompt
-  for the full cache), the question's slots, and room for its answer.
+  cut into batches of views of the prefilled cache by the grid's own function
+  (``reskv.batching.view_batches``: ``decode`` and ``decode_batch`` resolved for the calibration's
+  device, the memory rule with the device's memory, the weights and the shape from the calibration
+  file); a batch's step reads the shared slots once and each row's entries and appended slots
+  (``reskv.batching.view_step_slots``), a row alone its budget (the full prompt for the full cache),
+  the question's slots, and room for its answer.
 
 Every answer is counted at its task's whole generation length: an upper bound, since answers that
 stop early decode fewer steps. Prompt lengths are nominal (``task_workload``): RULER's prompt fills

@@ -55,13 +55,22 @@ def compressed_tokens(entry: GridEntry, workload: Workload) -> int:
 
 
 def row_slots(entry: GridEntry, workload: Workload) -> int:
-    """A configuration's decode row as the grid predicts it (``reskv.batching.predicted_slots``): its
-    budget (the prompt for the full cache), the question's slots, and room for the answer."""
-    context = workload.prompt_tokens - workload.question_tokens
-    setting = entry.setting or "aware"
-    return batching.predicted_slots(
-        workload.prompt_tokens, context, entry.ratio, setting, workload.answer_tokens
-    )
+    """A configuration's slots as a row decoding alone holds them (and as the calibration's decode
+    points count a row): its budget (the prompt for the full cache), the question's slots, and room for
+    its answer."""
+    compressed = compressed_tokens(entry, workload)
+    kept = compressed if entry.ratio is None else min(compressed, budget_for(compressed, entry.ratio))
+    return kept + workload.question_tokens + workload.answer_tokens
+
+
+def view_row(entry: GridEntry, workload: Workload) -> batching.ViewRow:
+    """A configuration's row in a batch of views as the grid plans it (``reskv.batching.ViewRow``): its
+    entries at most its residual's largest share of its budget. Its values are counted as the shared
+    ones: which methods adjust values (CaM) is a property of their scorer's code, which the dry run does
+    not import."""
+    residual = entry.residual if entry.method.endswith(RESIDUAL_SUFFIX) else None
+    shares = () if residual is None else (*residual.grid, residual.fixed_ratio)
+    return batching.ViewRow.planned(compressed_tokens(entry, workload), entry.ratio, shares)
 
 
 def device_memory(plan: Plan, workload: Workload, rates: Rates) -> batching.DeviceMemory | None:
@@ -73,7 +82,7 @@ def device_memory(plan: Plan, workload: Workload, rates: Rates) -> batching.Devi
         return None
     shape, context = rates.shape, workload.prompt_tokens - workload.question_tokens
     prefilled = context + (workload.prompt_tokens if any(e.setting != "agnostic" for e in plan.grid) else 0)
-    cache = prefilled * shape.layers * shape.kv_heads * 2 * shape.head_dim * shape.dtype_bytes
+    cache = prefilled * shape.layers * shape.kv_heads * shape.kv_slot_bytes
     return batching.DeviceMemory.holding(rates.memory_bytes, rates.weights_bytes + cache)
 
 
@@ -87,22 +96,21 @@ def decode_batches(
     plan: Plan, entries: Sequence[GridEntry], workload: Workload, rates: Rates
 ) -> list[list[GridEntry]]:
     """A sample's configurations cut into decode batches by the grid's own rule
-    (``reskv.batching.sample_batches``: the padding, the row cap and the memory the calibration's
-    device gives them), a configuration that does not stack alone."""
+    (``reskv.batching.view_batches``: the row cap and the memory the calibration's device gives a
+    batch of views of the prefilled cache), a configuration that does not batch alone."""
     _, max_rows = rates.decoding(plan)
-    stacked = [entry for entry in entries if stacks(entry)]
-    settings = len({entry.setting for entry in stacked if entry.ratio is not None})
-    batches, _ = batching.sample_batches(
-        [row_slots(entry, workload) for entry in stacked],
-        rates.shape,
-        device_memory(plan, workload, rates),
-        workload.prompt_tokens,
-        settings,
-        observed_queries(stacked),
-        max_rows,
-        2 if plan.quality else 1,
-    )
-    return [[stacked[row] for row in batch] for batch in batches] + [[e] for e in entries if not stacks(e)]
+    viewed = [entry for entry in entries if stacks(entry)]
+    rows = [view_row(entry, workload) for entry in viewed]
+    limit = None
+    if rates.shape is not None:
+        settings = len({entry.setting for entry in viewed if entry.ratio is not None})
+        memory = device_memory(plan, workload, rates)
+        limit = batching.sample_memory_limit(
+            rates.shape, memory, workload.prompt_tokens, settings, observed_queries(viewed)
+        )
+    appended = workload.question_tokens + workload.answer_tokens
+    batches = batching.view_batches(rows, rates.shape, limit, workload.prompt_tokens, appended, max_rows)
+    return [[viewed[row] for row in batch] for batch in batches] + [[e] for e in entries if not stacks(e)]
 
 
 # The protected window the k-means work is modelled with: SnapKV's, AdaKV's, CaM's and H2O's (TOVA's 1
@@ -149,8 +157,9 @@ CONSTRUCTION_MODEL = (
 NOT_COUNTED = (
     "Every answer counted at its task's whole generation length (an upper bound).",
     "Not counted: compiling the decode step and recording its CUDA graphs (once a process, "
-    "a minute or two on a GPU), a batch split again when it fails to allocate, and the quality "
-    "measures' own time (backbone.quality=true).",
+    "a minute or two on a GPU), a batch decoded in halves when it fails to allocate, the memory of "
+    "CaM's adjusted values in a batch of views, and the quality measures' own time "
+    "(backbone.quality=true).",
 )
 
 
@@ -181,8 +190,12 @@ def sample_seconds(plan: Plan, workload: Workload, entries: Sequence[GridEntry],
     mode, _ = rates.decoding(plan)
     step = rates.decode_rate(mode)
     batches = decode_batches(plan, entries, workload, rates) if plan.share_prefill else [[e] for e in entries]
+    appended = workload.question_tokens + workload.answer_tokens
     for batch in batches:
-        slots = max(row_slots(entry, workload) for entry in batch)
+        slots = row_slots(batch[0], workload)
+        if len(batch) > 1:  # the slots a step of views reads, as many a row
+            rows = [view_row(entry, workload) for entry in batch]
+            slots = batching.view_step_slots(rows, workload.prompt_tokens, appended) / len(batch)
         stages.decode += workload.answer_tokens * step.seconds(B=len(batch), L=slots)
     return stages
 
