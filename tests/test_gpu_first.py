@@ -13,6 +13,7 @@ import yaml
 
 import reskv.attention
 import reskv.scoring
+import reskv.views
 from baselines import build_method
 from reskv.engine import Prefill
 from scripts.bench.gpu_check import first
@@ -152,3 +153,36 @@ def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags):
     assert set(profile["prefill_s"]) == {"plain", "h2o_sums", "h2o_sums_kernel"}
     ratios = {str(ratio) for ratio in first.PROFILE_RATIOS}
     assert set(profile["alone_s"]) == set(profile["shared_s"]) == set(profile["profiles"]) == ratios
+
+
+def test_the_cpu_form_of_the_views_stage_times_a_step_of_the_73_rows(tmp_path):
+    """``views`` on the shrunken 8B shape: no kernel check without CUDA, one eager step of the paper
+    grid's 73 rows as views with the torch form, its bytes from the plan; no floor without a card."""
+    assert first.main(["--out", str(tmp_path), "--stages", "views"]) == 0
+    report = json.loads((tmp_path / "views.json").read_text())
+    assert "kernel" not in report and set(report["steps"]) == {"torch"}
+    step = report["steps"]["torch"]
+    assert (step["rows"], step["length"]) == (73, first.LENGTHS["cpu"][0])
+    assert len(step["step_ms_runs"]) == first.VIEW_STEPS and step["step_ms"] > 0
+    assert step["kv_read_gb"] > 0 and step["gb_per_s"] > 0 and "floor_ms" not in step
+
+
+def test_the_view_check_passes_where_both_forms_are_the_torch_one_and_fails_one_off_by_a_fraction(
+    monkeypatch,
+):
+    """On a CPU both sides of ``view_check`` take the torch form (its switch acts on CUDA only): each
+    within fp32 rounding of float64; a "kernel" (the form run while ``CUDA_FUSED_VIEWS`` is on) 0.1%
+    off fails."""
+    backbone = cached_tiny_backbone("tiny-llama", 4, 2)
+    check = first.view_check(backbone)
+    assert check["passed"] and len(check["cases"]) == len(first.VIEW_CASES["cpu"])
+    for case in check["cases"]:
+        assert case["kernel_error"] == case["torch_error"] < 1e-5
+    exact = reskv.views.view_attention
+
+    def off(*arguments):
+        result = exact(*arguments)
+        return result * 1.001 if reskv.views.CUDA_FUSED_VIEWS else result
+
+    monkeypatch.setattr(reskv.views, "view_attention", off)
+    assert not first.view_check(backbone)["passed"]

@@ -35,7 +35,13 @@ budget left is below what it needs (``STAGE_SECONDS``):
 6. ``decode``: the compiled decode rate of one row and of a batch of the grid's compressed rows, as
    the grid decodes them, each the median of 3 runs with every run's rate;
 7. ``efficiency``: the efficiency rows at one length, eager, with ``--compare-paths``' variants
-   (``scripts.bench.gpu_check.efficiency``).
+   (``scripts.bench.gpu_check.efficiency``);
+8. ``views``: the paper grid's rows as views of one prefilled cache (``reskv.views``): the view
+   kernel's attention against float64 at the layer beside the torch form's (``view_check``; switched
+   off for the rest of the call where it fails), then one eager decode step of all 73 rows at the
+   longest length, with the kernel and with the torch form, in ms and GB/s against the card's
+   bandwidth floor (``view_step``: the rows built from the plan on random keys and values, no
+   construction); the grid end to end with the view form is the ``grid`` stage's.
 
 ``--grid-decode eager`` decodes the grid stage's samples eagerly (no graph compiled: ~84 s a graph on
 an H200), for a call that measures the constructions rather than the compiled step.
@@ -48,6 +54,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import functools
 import json
 import math
@@ -62,11 +70,18 @@ import torch
 
 from baselines import build_method
 from reskv import attention, nearest_kernel, residual, scoring
+from reskv import views as views_module
+from reskv.attention import RowGates
 from reskv.backbones import Backbone
-from reskv.batching import ModelShape
+from reskv.batching import FP32_BYTES, ModelShape, ViewRow, values_order, view_step_slots
+from reskv.cache import ObservedLayer
+from reskv.compress import kept_positions
+from reskv.config import SETTINGS, budget_for
 from reskv.decode_rule import DecodeRule
+from reskv.decoding import forward
 from reskv.engine import Prefill
-from reskv.grid import decode_grid, model_shape
+from reskv.grid import decode_grid, model_shape, values_key
+from reskv.views import RowView, ViewLayer, view_cache
 from scripts.bench.gpu_check.efficiency import (
     TORCH_COLUMN_SUMS,
     TORCH_DECODE,
@@ -88,7 +103,7 @@ from scripts.harness.dry_run.workload import Workload
 from scripts.harness.plan import compose_plan
 from scripts.measure import random_prompt, release_memory, timed
 
-STAGES = ("kernels", "nearest", "constructions", "profile", "grid", "decode", "efficiency")
+STAGES = ("kernels", "nearest", "constructions", "profile", "grid", "decode", "efficiency", "views")
 # Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
 # are estimated): each starts only with this much of the budget left; the first two always run.
 STAGE_SECONDS = {
@@ -99,6 +114,7 @@ STAGE_SECONDS = {
     "grid": 0,
     "decode": 40,
     "efficiency": 45,
+    "views": 40,
 }
 # The nearest-centre step's forms the nearest stage compares: switches (module, flag, value) each sets.
 NEAREST_FORMS = {
@@ -133,6 +149,12 @@ DECODE_CASES = ((3600, 40, 64), (29000, 300, 100))
 # bias is orders of magnitude beyond it in fp32.
 DECODE_ERROR_FACTOR = 8
 DECODE_REPEATS = 3
+# The view kernel's cases (``view_check``): shared slots and rows, at a 4K and a 32K prompt on CUDA.
+VIEW_CASES = {"cuda": ((4096, 16), (32768, 16)), "cpu": ((192, 6),)}
+VIEW_STEPS = 8
+# The cards' memory bandwidth (their data sheets), for a step's floor.
+HBM_BYTES_PER_S = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
+TORCH_VIEWS = (views_module, "CUDA_FUSED_VIEWS", False)
 H100_CALIBRATION = rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json"
 # The device call's command (results/gpu/README.md, top: the wheels it installs, what to carry).
 GPU_COMMAND = (
@@ -604,6 +626,231 @@ def efficiency(
     return {"rows": rows}
 
 
+def views(
+    backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
+) -> dict:
+    """The paper grid's rows as views of one prefilled cache (module docstring, stage 8): the view
+    kernel's check on CUDA (switched off for the rest of the call where it fails), then one eager
+    step of every row at the longest length, with the kernel (on CUDA) and with the torch form."""
+    report: dict = {}
+    if device == "cuda":
+        report["kernel"] = checked({"view_partials": (view_check, TORCH_VIEWS)}, backbone)["view_partials"]
+        save(report)
+    forms = {
+        "kernel": (views_module, "CUDA_FUSED_VIEWS", views_module.CUDA_FUSED_VIEWS),
+        "torch": TORCH_VIEWS,
+    }
+    if device != "cuda" or not report["kernel"]["passed"]:
+        forms = {"torch": TORCH_VIEWS}
+    report["steps"] = {}
+    for name, switch in forms.items():
+        with mock.patch.object(*switch):
+            appended = QUESTION_TOKENS + NEW_TOKENS[device]
+            report["steps"][name] = view_step(backbone, LENGTHS[device][0], appended)
+        save(report)
+    return report
+
+
+def view_check(backbone: Backbone) -> dict:
+    """The view form's attention (``reskv.views.view_attention`` of its parts) with the kernel
+    (``CUDA_FUSED_VIEWS``) and with the torch form, each against float64 on the same inputs:
+    ``VIEW_CASES`` at the backbone's heads (random queries, keys and values; rows keeping random
+    slots, three values tensors, entries with counts, appended slots; the default rule), in fp32 and in
+    the backbone's dtype. It passes where, in every case, the kernel's relative error is within
+    ``DECODE_ERROR_FACTOR`` times the torch form's plus one unit of the dtype's rounding."""
+    shape, rule = model_shape(backbone), DecodeRule()
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for dtype in sorted({torch.float32, backbone.model.dtype}, key=str):
+        for slots, rows in VIEW_CASES[backbone.device.type]:
+            layer, queries = view_inputs(shape, slots, rows, rule, generator)
+            reference = views_float64(layer, queries, rule)
+            layer, queries = layer_on(layer, backbone.device, dtype), queries.to(backbone.device, dtype)
+            kernel = view_layer_output(layer, queries)
+            with mock.patch.object(*TORCH_VIEWS):
+                torch_form = view_layer_output(layer, queries)
+            errors = [relative_error(output, reference) for output in (kernel, torch_form)]
+            bound = DECODE_ERROR_FACTOR * errors[1] + torch.finfo(dtype).eps
+            cases.append(
+                {"dtype": str(dtype), "slots": slots, "rows": rows,
+                 "kernel_error": errors[0], "torch_error": errors[1], "passed": errors[0] <= bound}
+            )  # fmt: skip
+    return {"passed": all(case["passed"] for case in cases), "cases": cases}
+
+
+def view_inputs(
+    shape: ModelShape, slots: int, rows: int, rule: DecodeRule, generator: torch.Generator
+) -> tuple[ViewLayer, torch.Tensor]:
+    """A layer of ``rows`` views of ``slots`` random shared slots (fp32, on the CPU): each row keeping
+    about half the slots, the last two thirds of the rows reading two other values tensors, each row 0
+    to 40 entries with counts of 1 to 59, 4 appended slots written; and one decoded token's grouped
+    queries ``[rows, H_kv, G, d]``."""
+    heads, group, dim = shape.kv_heads, shape.query_heads // shape.kv_heads, shape.head_dim
+    keys, values = (torch.randn(heads, slots, dim, generator=generator) for _ in range(2))
+    adjusted = [torch.randn(heads, slots, dim, generator=generator) for _ in range(2)]
+    views = []
+    for row in range(rows):
+        keep = torch.rand(heads, slots, generator=generator) < 0.5
+        keep[:, -1] = True  # every row sees a main slot
+        width = int(torch.randint(0, 41, (), generator=generator))
+        entries = None
+        if width:
+            counts = torch.randint(1, 60, (heads, width), generator=generator).float()
+            bias = attention.population_bias(counts.log(), rule)
+            entries = (*(torch.randn(heads, width, dim, generator=generator) for _ in range(2)), bias)
+        source = min(2, 3 * row // rows)
+        key, kept_values = None, None
+        if source:
+            key = "adjusted", source
+            kept_values = adjusted[source - 1].gather(
+                1, kept_positions(keep, int(keep.sum(-1).max()))[..., None].expand(-1, -1, dim)
+            )
+        views.append(RowView(slots, keep, entries, rule, key, kept_values))
+    gates = RowGates.of([rule] * rows, torch.device("cpu"))
+    layer = ViewLayer(views, keys, values, gates, slots, 4)
+    appended = (rows, heads, 4, dim)
+    layer._keys.copy_(torch.randn(appended, generator=generator))
+    layer._values.copy_(torch.randn(appended, generator=generator))
+    layer._bias.zero_()
+    queries = torch.randn(rows, heads, group, dim, generator=generator) * 4
+    return layer, queries
+
+
+def layer_on(layer: ViewLayer, device: torch.device, dtype: torch.dtype) -> ViewLayer:
+    """``layer`` with its keys and values tensors in ``dtype`` on ``device``, its masks and biases on
+    ``device``."""
+    moved = copy.copy(layer)
+    shared, entries = layer.shared, layer.entries
+
+    def kv(tensor):
+        return tensor.to(device, dtype)
+
+    sources = [(first, last, kv(values)) for first, last, values in shared.sources]
+    moved.shared = dataclasses.replace(
+        shared, keys=kv(shared.keys), hidden=shared.hidden.to(device), sources=sources,
+        values=[kv(values) for values in shared.values], row_source=shared.row_source.to(device),
+    )  # fmt: skip
+    moved.entries = dataclasses.replace(
+        entries, keys=kv(entries.keys), values=kv(entries.values), bias=entries.bias.to(device),
+        outside=entries.outside.to(device), first=entries.first.to(device), last=entries.last.to(device),
+    )  # fmt: skip
+    moved._keys, moved._values, moved._bias = kv(layer._keys), kv(layer._values), layer._bias.to(device)
+    moved.gates = RowGates(layer.gates.gated, *(column.to(device) for column in layer.gates.columns))
+    return moved
+
+
+def view_layer_output(layer: ViewLayer, queries: torch.Tensor) -> torch.Tensor:
+    """``layer``'s attention output ``[rows, H_kv, G, d]`` (fp32) for one decoded token's grouped
+    ``queries``, as ``ViewLayer.attend`` computes it."""
+    scaling = queries.shape[-1] ** -0.5
+    shared, entries = layer.pool_partials(queries, scaling)
+    appended = views_module.appended_partial(queries, layer._keys, layer._values, layer._bias, scaling)
+    return views_module.view_attention(queries, shared, entries, appended, layer.gates)
+
+
+def views_float64(layer: ViewLayer, queries: torch.Tensor, rule: DecodeRule) -> torch.Tensor:
+    """reskv.md's shared softmax of each row of ``layer`` (on the CPU) in float64, one row at a time
+    from its own slots: its entries with their bias and ``log g``, the shared slots it keeps with the
+    values it reads, its appended slots; the gate from the main slots' largest probability."""
+    scaling = queries.shape[-1] ** -0.5
+    shared, entries = layer.shared, layer.entries
+    outputs = []
+    for row in range(queries.shape[0]):
+        values = next(values for first, last, values in shared.sources if first <= row < last)
+        segment = slice(int(entries.first[row]), int(entries.last[row]))
+        keys = torch.cat([entries.keys[:, segment], shared.keys, layer._keys[row]], 1).double()
+        row_values = torch.cat([entries.values[:, segment], values, layer._values[row]], 1).double()
+        appended = torch.ones(keys.shape[0], layer.capacity, dtype=torch.bool)  # every one written
+        main = torch.cat([~shared.hidden[row], appended], 1)
+        logits = queries[row].double() @ keys.transpose(1, 2) * scaling
+        entry_count = segment.stop - segment.start
+        logits[..., :entry_count] += entries.bias[:, None, segment].double()
+        logits[..., entry_count:] += torch.where(main, 0.0, -math.inf)[:, None, :].double()
+        p_max = logits[..., entry_count:].softmax(dim=-1).amax(dim=-1, keepdim=True)
+        if rule.gate_terms.open:
+            logits[..., :entry_count] += attention.log_gate(p_max, rule.gate_terms)
+        outputs.append(logits.softmax(dim=-1) @ row_values)
+    return torch.stack(outputs)
+
+
+def view_step(backbone: Backbone, length: int, appended: int) -> dict:
+    """One eager decode step of the paper grid's 73 rows as views of a prefilled cache of ``length``
+    random keys and values (no construction: each row keeps its budget less its largest planned entries
+    of random slots per head and holds those entries, CaM's rows read one adjusted values tensor per
+    setting, ``appended`` slots free for the question and the answer): the median of ``VIEW_STEPS``
+    steps after one, in ms, the bytes a step reads (the weights; the shared slots, entries and
+    appended slots, ``reskv.batching.view_step_slots``; the keep masks and the entries' bias) and their
+    rate against the card's bandwidth (``HBM_BYTES_PER_S``)."""
+    shape, device, dtype = model_shape(backbone), backbone.device, backbone.model.dtype
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def random(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device).to(dtype)
+
+    requests, context = paper_ruler_requests(), length - QUESTION_TOKENS
+    shared = []
+    for _ in range(shape.layers):  # the 8B shape: every layer full attention
+        layer = ObservedLayer()
+        layer.keys, layer.values = (random(1, shape.kv_heads, length, shape.head_dim) for _ in range(2))
+        shared.append(layer)
+    adjusted = {setting: [random(*layer.values.shape[1:]) for layer in shared] for setting in SETTINGS}
+    rows, planned = [], []
+    for method, setting in requests:
+        seen = length if setting == "aware" else context
+        residual = method.residual
+        shares = () if residual is None else (*residual.grid, residual.fixed_ratio)
+        key = values_key(method, setting)
+        plan = ViewRow.planned(seen, None if method.scorer is None else method.ratio, shares, key)
+        planned.append(plan)
+        kept = seen if method.scorer is None else min(seen, budget_for(seen, method.ratio)) - plan.entry_slots
+        views_of_row = []
+        for index in range(shape.layers):
+            scores = torch.rand(shape.kv_heads, seen, generator=generator, device=device)
+            keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(kept).indices, True)
+            entries = None
+            if plan.entry_slots:
+                width = (shape.kv_heads, plan.entry_slots)
+                entries = (
+                    random(*width, shape.head_dim),
+                    random(*width, shape.head_dim),
+                    random(*width).float(),
+                )
+            values = None
+            if key is not None:
+                positions = kept_positions(keep, kept)[..., None].expand(-1, -1, shape.head_dim)
+                values = adjusted[setting][index].gather(1, positions)
+            views_of_row.append(RowView(seen, keep, entries, method.decode_rule, key, values))
+        rows.append(views_of_row)
+    order = values_order([plan.values_key for plan in planned])
+    rules = [requests[row][0].decode_rule for row in order]
+    cache = view_cache(shared, [rows[row] for row in order], rules, length, appended)
+    del rows
+    tokens = torch.ones(len(requests), 1, dtype=torch.long, device=device)
+    seconds = [timed(device, forward, backbone, tokens, cache)[1] for _ in range(VIEW_STEPS + 1)][1:]
+    step_s = statistics.median(seconds)
+    heads = shape.layers * shape.kv_heads
+    read = (
+        view_step_slots(planned, length, appended) * heads * shape.kv_slot_bytes
+        + len(requests) * length * heads  # the keep masks
+        + sum(plan.entry_slots for plan in planned) * heads * FP32_BYTES  # the entries' bias
+    )
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in backbone.model.parameters())
+    report = {
+        "rows": len(requests),
+        "length": length,
+        "step_ms": 1e3 * step_s,
+        "step_ms_runs": [1e3 * second for second in seconds],
+        "kv_read_gb": read / 1e9,
+        "weights_gb": weights / 1e9,
+        "gb_per_s": (read + weights) / step_s / 1e9,
+    }
+    bandwidth = HBM_BYTES_PER_S.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if bandwidth is not None:
+        report["floor_ms"] = 1e3 * (read + weights) / bandwidth
+        report["over_floor"] = step_s / (report["floor_ms"] / 1e3)
+    return report
+
+
 # A stage: (backbone, device, save its report so far, seconds left of the call's budget) -> its report.
 STAGE_RUNS: dict[str, Callable[[Backbone, str, Callable[[dict], None], Callable[[], float]], dict]] = {
     "kernels": kernels,
@@ -613,6 +860,7 @@ STAGE_RUNS: dict[str, Callable[[Backbone, str, Callable[[dict], None], Callable[
     "grid": grid,
     "decode": decode,
     "efficiency": efficiency,
+    "views": views,
 }
 
 
@@ -707,6 +955,14 @@ def summary(stage: str, result: dict) -> str:
     if stage == "decode":
         return f"{seconds}; " + ", ".join(
             f"{name} {row['tokens_per_s']:.1f} tok/s" for name, row in result.items() if isinstance(row, dict)
+        )
+    if stage == "views":
+        kernel = result.get("kernel")
+        checked_kernel = "" if kernel is None else f"kernel {'passed' if kernel['passed'] else 'OFF'}; "
+        return f"{seconds}; {checked_kernel}" + ", ".join(
+            f"{name} step {row['step_ms']:.1f} ms ({row['gb_per_s']:.0f} GB/s"
+            + (f", {row['over_floor']:.1f}x the floor)" if "over_floor" in row else ")")
+            for name, row in result["steps"].items()
         )
     return f"{seconds}; {len(result['rows'])} rows"
 
