@@ -41,9 +41,10 @@ do not cancel grows with it. With ``S`` the contributions' second moment about 0
 the share of their size that does not cancel, the variance at a gain ``d`` is
 ``S (1 - m^2) + S m^2 d / |T|`` (the sign mix's share fixed, the count's scaling with ``d``), with
 Student's t at ``k - 1`` degrees of freedom; never nearer than ``h``. A symmetric interval (``T +- h``)
-covers 91-92% on grids as sparse and one-sided as Gemma's at 30 prompts per task; this one holds 95%
-there without widening the dense grids' beyond 97% (``tests/test_verdict_coverage.py``, which simulates
-discrete, tied, clustered grids with and without a gain).
+covers 91-92% on grids as sparse and one-sided as Gemma's at 30 prompts per task; this one covers 96%
+there and 96-97% on denser grids, its end toward 0 (the test's, whose null spread is wider than a true
+gain's) missing less than its 2.5% (``tests/test_verdict_coverage.py`` simulates discrete, tied,
+clustered grids with and without a gain; results/README.md has the figures).
 
 **Exact bound.** Where the test cannot reach 5% (fewer than 6 prompts differ, or none: a floor), the
 interval is the exact bound: with ``k`` of ``N`` prompts departing from the value most prompts of their

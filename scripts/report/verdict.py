@@ -290,7 +290,10 @@ class Counts:
 
 def counts(table: PromptTable, identities: list[tuple], found: Estimate) -> Counts:
     """``Counts`` of the estimate ``found`` of ``table``, whose members are pairs of ``identities``."""
-    first = sorted({identity: number for number, identity in reversed(list(enumerate(identities)))}.values())
+    firsts: dict[tuple, int] = {}  # each identity's first member: its twins count once
+    for number, identity in enumerate(identities):
+        firsts.setdefault(identity, number)
+    first = sorted(firsts.values())
     cells = gains = losses = 0
     for matrix, weights in zip(table.values, table.weights, strict=True):
         present = matrix[:, [number for number in first if weights[number] > 0]]
