@@ -206,6 +206,30 @@ def pool_partials(
 
 if triton is not None:
 
+    @triton.jit
+    def _empty_softmax(ROW_TILE: tl.constexpr, DIM_TILE: tl.constexpr):
+        """A running softmax of ``ROW_TILE`` rows before any slot: maximum ``-inf``, sum and weighted
+        values 0."""
+        maximum = tl.full([ROW_TILE], float("-inf"), tl.float32)
+        return maximum, tl.zeros([ROW_TILE], tl.float32), tl.zeros([ROW_TILE, DIM_TILE], tl.float32)
+
+    @triton.jit
+    def _running_softmax(
+        running_max, running_sum, running_output, logits, values_tile, PRECISION: tl.constexpr
+    ):
+        """One tile of ``logits`` ``[ROW_TILE, SLOT_TILE]`` and its values into a running softmax; a
+        reference of 0 stands in for a maximum still -inf (every weight then 0, no -inf - -inf). The
+        weights are cast to the values' dtype for their product (nothing for fp32 values)."""
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - reference)
+        weights = tl.exp(logits - reference[:, None])
+        running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+        running_output = running_output * rescale[:, None] + tl.dot(
+            weights.to(values_tile.dtype), values_tile, input_precision=PRECISION
+        )
+        return new_max, running_sum, running_output
+
     @triton.jit(do_not_specialize=["rows", "num_slots", "residual_slots", "chunk_slots", "entry_chunks"])
     def _chunk_kernel(
         queries, keys, values, bias, partial_max, partial_sum, partial_output,
@@ -227,9 +251,7 @@ if triton is not None:
             mask=(row[:, None] < rows) & (feature[None, :] < dim),
             other=0.0,
         ).to(tl.float32)
-        running_max = tl.full([ROW_TILE], float("-inf"), tl.float32)
-        running_sum = tl.zeros([ROW_TILE], tl.float32)
-        running_output = tl.zeros([ROW_TILE, DIM_TILE], tl.float32)
+        running_max, running_sum, running_output = _empty_softmax(ROW_TILE, DIM_TILE)
         for start in range(chunk_start, chunk_end, SLOT_TILE):
             slot = start + tl.arange(0, SLOT_TILE)
             in_chunk = slot < chunk_end
@@ -240,18 +262,10 @@ if triton is not None:
             logits = (
                 tl.dot(query_tile, tl.trans(key_tile), input_precision="ieee") * scaling + slot_bias[None, :]
             )
-            # One tile of logits into the running softmax; a reference of 0 stands in for a maximum
-            # still -inf (every weight then 0, no -inf - -inf).
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-            reference = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp(running_max - reference)
-            weights = tl.exp(logits - reference[:, None])
             values_tile = tl.load(values + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-            running_output = running_output * rescale[:, None] + tl.dot(
-                weights, values_tile, input_precision="ieee"
+            running_max, running_sum, running_output = _running_softmax(
+                running_max, running_sum, running_output, logits, values_tile, "ieee"
             )
-            running_max = new_max
         # partial_* [H, chunks, ROW_TILE(, DIM_TILE)]
         base = (head * tl.num_programs(1) + chunk) * ROW_TILE + row
         tl.store(partial_max + base, running_max)
@@ -348,9 +362,7 @@ if triton is not None:
             high = tl.load(last + batch_row, mask=valid, other=0)
             chunk_start = tl.maximum(chunk_start, tl.min(low, axis=0).to(tl.int32))
             chunk_end = tl.minimum(chunk_end, tl.max(high, axis=0).to(tl.int32))
-        running_max = tl.full([ROW_TILE], float("-inf"), tl.float32)
-        running_sum = tl.zeros([ROW_TILE], tl.float32)
-        running_output = tl.zeros([ROW_TILE, DIM_TILE], tl.float32)
+        running_max, running_sum, running_output = _empty_softmax(ROW_TILE, DIM_TILE)
         for start in range(chunk_start, chunk_end, SLOT_TILE):
             slot = start + tl.arange(0, SLOT_TILE)
             in_chunk = slot < chunk_end
@@ -369,22 +381,15 @@ if triton is not None:
             if HAS_WINDOW:
                 seen = seen & (slot[None, :] >= low[:, None]) & (slot[None, :] < high[:, None])
             logits = tl.where(seen, logits, float("-inf"))
-            # One tile into the running softmax; a reference of 0 stands in for a maximum still -inf.
-            new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-            reference = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp(running_max - reference)
-            weights = tl.exp(logits - reference[:, None])
             if source == 0:
                 values_tile = tl.load(values_0 + offsets, mask=tile_mask, other=0.0)
             elif source == 1:
                 values_tile = tl.load(values_1 + offsets, mask=tile_mask, other=0.0)
             else:
                 values_tile = tl.load(values_2 + offsets, mask=tile_mask, other=0.0)
-            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-            running_output = running_output * rescale[:, None] + tl.dot(
-                weights.to(values_tile.dtype), values_tile, input_precision=PRECISION
+            running_max, running_sum, running_output = _running_softmax(
+                running_max, running_sum, running_output, logits, values_tile, PRECISION
             )
-            running_max = new_max
         # partial_* [H, chunks, rows(, dim)]
         out = (head * tl.num_programs(2) + chunk) * rows + row
         tl.store(partial_max + out, running_max, mask=valid)
