@@ -149,10 +149,10 @@ class CaM(SnapKV):
     def uniforms(self, obs: LayerObservation, num_layers: int) -> Tensor:
         """The draws ``[H_kv, s]`` of each stacked layer from its own seeded CPU generator, on the
         device without the host waiting for it (``reskv.selection.uploaded``'s way)."""
-        heads, seq_len = obs.num_kv_heads // num_layers, obs.seq_len
-        device = obs.values.device
-        draws = torch.empty(obs.num_kv_heads, seq_len, pin_memory=device.type == "cuda")
-        for layer in range(num_layers):
-            generator = torch.Generator().manual_seed(self.seed * LAYER_SEED_STRIDE + obs.layer_idx + layer)
-            torch.rand((heads, seq_len), generator=generator, out=draws[layer * heads : (layer + 1) * heads])
-        return draws.to(device, non_blocking=True)
+        shape, device = (obs.num_kv_heads // num_layers, obs.seq_len), obs.values.device
+        draws = [
+            torch.rand(shape, generator=torch.Generator().manual_seed(self.seed * LAYER_SEED_STRIDE + layer))
+            for layer in range(obs.layer_idx, obs.layer_idx + num_layers)
+        ]
+        host = draws[0] if num_layers == 1 else torch.cat(draws)
+        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)

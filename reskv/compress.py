@@ -288,12 +288,14 @@ class SharedLayers:
             all_keys, all_values = gather_rows(stacked.keys, rows), gather_rows(values, rows_of_values)
             main = [slice(layer * num_heads, (layer + 1) * num_heads) for layer in range(len(observations))]
             gathered = [(all_keys[rows_of], all_values[rows_of]) for rows_of in main]
-        else:
-            heads = torch.arange(num_heads, device=positions.device)
+        else:  # every layer's keys and values are laid out alike: one index serves all
+            heads = torch.arange(len(counts), device=positions.device) % num_heads
+            rows = token_rows(heads, positions, observations[0].keys)
             gathered = []
             for layer, obs in enumerate(observations):
-                rows = token_rows(heads, positions[layer * num_heads : (layer + 1) * num_heads], obs.keys)
-                gathered.append((gather_rows(obs.keys, rows), gather_rows(scorer.adjust_values(obs), rows)))
+                layer_rows = rows[layer * num_heads : (layer + 1) * num_heads]
+                values = scorer.adjust_values(obs)
+                gathered.append((gather_rows(obs.keys, layer_rows), gather_rows(values, layer_rows)))
         # Every layer's padding from one bias over all rows, each layer's a view of it.
         all_bias = padding_bias(counts, positions.device)
         states = []
