@@ -79,11 +79,10 @@ def static_layer(layer, spare_slots: int):
     return CompressedLayer.exact(layer, spare_slots)
 
 
-# The slots of a stacked cache's layers under the compiled step: every layer's capacity rounded up to
-# one multiple of this, the same for all of a cache's layers. The slot dimension is dynamic, but
-# torch._dynamo gives equal sizes one symbol (a guard that they stay equal) and sizes 0 and 1 their
-# own graph, and a kernel may guard a size's alignment (SDPA's mask on CUDA): layers whose capacities
-# differ by the rows' budgets would then compile a graph per pattern of equal and aligned layers.
+# The slots a grid's views hold beside the shared cache under the compiled step (their entry pool, their
+# appended slots: ``reskv.views.ViewLayer``) rounded up to a multiple of this. Those dimensions are
+# dynamic, but torch._dynamo gives sizes 0 and 1 their own graph and equal sizes one symbol (a guard
+# that they stay equal), and a kernel may guard a size's alignment (SDPA's mask on CUDA).
 CAPACITY_BUCKET = 64
 # The most graphs a grid's compiled step compiles in a process (``reskv.grid.decode_grid``, where
 # every row reaches the step in a cache of views, its rule's values as tensors): one, whatever its

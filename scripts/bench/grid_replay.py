@@ -2,25 +2,25 @@
 
     python -m scripts.bench.grid_replay [--results-dir results/ruler4k] [--tasks vt ...] [--out DIR]
 
-A GPU's ``decode=auto decode_batch=auto`` decodes each sample's configurations in as few batches as
-the padding rule allows, with the compiled step and the constructions of a sample sharing what they
-compute alike; the committed results were decoded one configuration at a time, eagerly. This reruns
-sample 0 of every task of the committed run (``--results-dir``), the three ``run.py`` invocations of
-the Makefile's ``reproduce-ruler4k`` (``REPRODUCTION``), the GPU's way on this CPU (``AS_ON_A_GPU``:
-64 rows exceed every grid here, and a CPU has no memory limit), with the quality measures on or off
-as the committed records have them, into ``--out`` (resumable; default a temporary directory).
-Each configuration's sample-0 record is then compared with the committed one:
+A GPU's ``decode=auto decode_batch=auto`` decodes each sample's configurations in one batch, as views
+of its prefilled cache (``reskv.views``), with the compiled step and the constructions of a sample
+sharing what they compute alike; the committed results were decoded one configuration at a time,
+eagerly. This reruns sample 0 of every task of the committed run (``--results-dir``), the three
+``run.py`` invocations of the Makefile's ``reproduce-ruler4k`` (``REPRODUCTION``), the GPU's way on
+this CPU (``AS_ON_A_GPU``: 64 rows exceed every grid here, and a CPU has no memory limit), with the
+quality measures on or off as the committed records have them, into ``--out`` (resumable; default a
+temporary directory). Each configuration's sample-0 record is then compared with the committed one:
 
 - its tokens: where they differ, the first differing step and the top-2 logit gap of the committed
-  decode there (``top2_gap_at``, via ``grid_saving.batched_differences``). A batch pads its rows and
-  sums their attention in another order, so a near tie may go the other way; nothing else may;
+  decode there (``top2_gap_at``, via ``grid_saving.batched_differences``). A row of a batch sums its
+  attention in another order than alone, so a near tie may go the other way; nothing else may;
 - every ``cache_stats`` field the committed record has, and the score: the construction is bit for
   bit the one alone, so these must not differ unless the tokens do (the score). Where a field
   differs, the configuration is also constructed alone here (``alone_here_equal``): fp32 near ties
   in a construction can go another way on another CPU, so a field that differs from the committed
   record but equals the lone construction on this machine is the machine's, not the batch's;
-- the quality measures: their largest absolute difference per measure (a batch's teacher-forced
-  forwards round differently), reported, not counted as differences.
+- the quality measures: their largest absolute difference per measure, reported (each row's are its
+  own cache's, as alone: a difference is the machine's or the construction's).
 
 The summary is printed and written to ``--report`` (default ``<results-dir>/replay/grid_replay.json``).
 """
