@@ -19,13 +19,14 @@ level; one joint attention for all losses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from reskv.attention import additive_mask, joint_attention, joint_bias
-from reskv.config import ResidualConfig, candidate_sizes
+from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, candidate_sizes
 from reskv.residual import ResidualEntries, cluster_rows, padded_groups
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
@@ -60,11 +61,33 @@ class CandidateCaches:
     """Candidate caches over ``S'``, one per row: row ``i`` is candidate ``i // H`` of head ``i % H``."""
 
     heads: Tensor  # [rows]: the head each row belongs to
-    main_keys: Tensor  # [rows, n, d]: M' in position order, padded
-    main_values: Tensor
+    main_rows: Tensor  # [rows, n]: M' in position order, padded, as ``gather_rows`` indexes the layer
     main_bias: Tensor | None  # [rows, 1, n]: -inf on padding, None when no row is padded
     residual: ResidualEntries  # [rows, r_max]
     evicted_fraction: Tensor  # [rows]: |E'| / β, for the no-shared-softmax ablation
+
+    def part(self, rows: slice) -> CandidateCaches:
+        """The caches of ``rows`` (views), laid out as all rows' (the same slots and padding)."""
+        residual = self.residual
+        return CandidateCaches(
+            self.heads[rows],
+            self.main_rows[rows],
+            None if self.main_bias is None else self.main_bias[rows],
+            ResidualEntries(residual.keys[rows], residual.values[rows], residual.log_counts[rows]),
+            self.evicted_fraction[rows],
+        )
+
+
+def loss_block_bytes(device: torch.device) -> float:
+    """The bytes a block of candidate rows' losses may hold (``ValidationProxy.caches_errors``): on CUDA
+    a ``DEVICE_MEMORY_SHARE`` of the device's memory, as the k-means' distance block (at 32K tokens,
+    ratio 0.6 and the 8B shape all 1,280 rows of one ratio's candidates at once held ~40 GB: their
+    main caches gathered, the joined fp32 keys and values, the logits); on CPU no bound (one call for
+    all rows, whose few GB an embedded model's proxy never nears, and the same bits as blocks:
+    tests/test_proxy.py)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // DEVICE_MEMORY_SHARE
+    return math.inf
 
 
 class ValidationProxy:
@@ -163,12 +186,7 @@ class ValidationProxy:
         )
         main_rows = token_rows(heads_t, positions, keys)  # one index for both gathers
         return CandidateCaches(
-            heads_t,
-            gather_rows(keys, main_rows),
-            gather_rows(values, main_rows),
-            padding_bias(counts, device),
-            entries,
-            evicted_t / boundary,
+            heads_t, main_rows, padding_bias(counts, device), entries, evicted_t / boundary
         )
 
     def candidate(self, budgets: Tensor, sizes: Tensor) -> CandidateCaches:
@@ -177,9 +195,25 @@ class ValidationProxy:
 
     def caches_errors(self, caches: CandidateCaches) -> Tensor:
         """``||ô_r(q) - o_S(q)||²`` ``[rows, G * |validation|]`` per validation query and group head
-        (grouped order: query head major), ``ô_r`` the decode rule with its gate over ``M' ∪ {β..t}``."""
+        (grouped order: query head major), ``ô_r`` the decode rule with its gate over ``M' ∪ {β..t}``:
+        ``block_errors`` of blocks of rows within ``loss_block_bytes``, every block laid out as all
+        rows would be (the same slots, so the same bits)."""
+        obs, rows = self.obs, caches.heads.shape[0]
+        slots = caches.residual.keys.shape[1] + caches.main_rows.shape[1] + obs.seq_len - self.boundary
+        queries, dim = self.validation_queries.shape[1], obs.keys.shape[-1]
+        # A row's gathered main cache, its joined fp32 keys and values, and its logits.
+        row_bytes = (
+            caches.main_rows.shape[1] * dim * 2 * obs.keys.element_size() + slots * (2 * dim + queries) * 4
+        )
+        block = int(max(1, min(rows, loss_block_bytes(obs.keys.device) // row_bytes)))
+        return torch.cat(
+            [self.block_errors(caches.part(slice(start, start + block))) for start in range(0, rows, block)]
+        )
+
+    def block_errors(self, caches: CandidateCaches) -> Tensor:
+        """``caches_errors`` of one block of rows."""
         obs, heads, residual = self.obs, caches.heads, caches.residual
-        rows, main_slots = heads.shape[0], caches.main_keys.shape[1]
+        rows, main_slots = heads.shape[0], caches.main_rows.shape[1]
         exact_keys = obs.keys[:, self.boundary :].index_select(0, heads)
         exact_values = obs.values[:, self.boundary :].index_select(0, heads)
         exact = exact_keys.shape[1]
@@ -188,8 +222,13 @@ class ValidationProxy:
         slots = residual.keys.shape[1] + main_slots + exact
         keys = torch.empty(rows, slots, exact_keys.shape[-1], device=exact_keys.device)
         values = torch.empty(rows, slots, exact_values.shape[-1], device=exact_values.device)
-        torch.cat([residual.keys, caches.main_keys, exact_keys], dim=1, out=keys)
-        torch.cat([residual.values, caches.main_values, exact_values], dim=1, out=values)
+        main_keys, main_values = (
+            gather_rows(obs.keys, caches.main_rows),
+            gather_rows(obs.values, caches.main_rows),
+        )
+        torch.cat([residual.keys, main_keys, exact_keys], dim=1, out=keys)
+        torch.cat([residual.values, main_values, exact_values], dim=1, out=values)
+        del main_keys, main_values
         # The bias in two terms, per row (the entries' population, M''s padding) and per query (the
         # exact tokens' causality), never their [rows, G * |validation|, slots] sum, which would
         # weigh most in +ResKV's peak memory.

@@ -22,6 +22,7 @@ from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.residual import lloyd_assignments
 from reskv.scoring import LayerObservation, causal_attention_probs
+from reskv.selection import gather_rows
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone, interpreted, separate_attention
 
@@ -410,12 +411,15 @@ def test_proxy_errors_equal_the_two_matmul_rule_over_the_candidate(observation):
     for size in grid_sizes:
         sizes = torch.full_like(budgets, size)
         candidate = proxy.candidate(budgets, sizes)
-        main_keys = torch.cat([candidate.main_keys, obs.keys[:, boundary:]], dim=1)
-        main_values = torch.cat([candidate.main_values, obs.values[:, boundary:]], dim=1)
+        candidate_keys, candidate_values = (
+            gather_rows(part, candidate.main_rows) for part in (obs.keys, obs.values)
+        )
+        main_keys = torch.cat([candidate_keys, obs.keys[:, boundary:]], dim=1)
+        main_values = torch.cat([candidate_values, obs.values[:, boundary:]], dim=1)
         exact = torch.arange(boundary, obs.seq_len)[None, :] <= validation_positions[:, None]
         main_bias = torch.cat(
             [
-                torch.zeros(len(validation_positions), candidate.main_keys.shape[1]),
+                torch.zeros(len(validation_positions), candidate.main_rows.shape[1]),
                 torch.zeros(exact.shape).masked_fill(~exact, -math.inf),
             ],
             dim=-1,

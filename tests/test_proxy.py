@@ -14,6 +14,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+import reskv.proxy
 from baselines import build_method, build_scorer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
 from reskv.config import residual_size
@@ -345,6 +346,20 @@ def test_fit_switch_deploys_the_validated_cache(observation, base):
         )
         expected_counts = torch.tensor([float(count) for _, _, count in entries]).log()
         torch.testing.assert_close(fit_state.residual.log_counts[kv][used], expected_counts.float())
+
+
+@pytest.mark.parametrize("base", ["snapkv", "adakv"])
+def test_losses_in_blocks_of_rows_equal_the_losses_of_all_rows_at_once(observation, base, monkeypatch):
+    """The candidate losses in blocks of a few rows (``loss_block_bytes``, as on a GPU, where all rows
+    at once would hold tens of GB) are each row's of one call for all rows, bit for bit, so the proxy
+    chooses the same sizes."""
+    proxy = proxy_for(observation, base)
+    budgets = [budget_for(observation.seq_len, RATIO)] * observation.num_kv_heads
+    caches = proxy.candidates(budgets, [[0] * len(budgets), [15] * len(budgets), [30] * len(budgets)])
+    whole, chosen = proxy.caches_errors(caches), proxy.choose(budgets)
+    monkeypatch.setattr(reskv.proxy, "loss_block_bytes", lambda device: 1)  # one row a block
+    assert torch.equal(proxy.caches_errors(caches), whole)
+    assert torch.equal(proxy.choose(budgets), chosen)
 
 
 def test_beta_zero_keeps_the_residual_in_the_proxy(observation):
