@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 import reskv.method
+import reskv.proxy
 import reskv.residual
 from baselines import build_method
 from reskv.cache import ObservedLayer, ResKVCache
@@ -72,12 +73,14 @@ def pads_within_on_cuda(padded: int, own: int, device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def gpu_layout():
-    """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks, k-means groups padded
-    as on CUDA (``reskv.residual.pads_within``), distances at the centres' own width, ``argmin`` for the
-    nearest centre (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
+    """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks and blocks of the
+    proxy's losses (``reskv.proxy.loss_block_bytes``), k-means groups padded as on CUDA
+    (``reskv.residual.pads_within``), distances at the centres' own width, ``argmin`` for the nearest
+    centre (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
     with contextlib.ExitStack() as stack:
         for module, name, value in (
             (reskv.residual, "DISTANCE_CHUNK_BYTES", H100_BLOCK_BYTES),
+            (reskv.proxy, "loss_block_bytes", lambda device: H100_BLOCK_BYTES),
             (reskv.residual, "pads_within", pads_within_on_cuda),
             (reskv.residual, "CPU_NARROWEST_PADDED_WIDTH", 0),
             (reskv.residual, "CPU_DISTANCE_WIDTH_MULTIPLE", 1),
