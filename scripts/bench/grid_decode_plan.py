@@ -7,11 +7,15 @@ The grid is configs/grid/paper_ruler.yaml's 73 configurations of one sample (``p
 a ``--lengths`` prompt whose last 32 tokens are the question, 32 tokens decoded, on an H200 holding the
 bf16 weights and both prefilled caches (``H200_MEMORY``). From the plan (host integers, no model):
 
-- the decode batches the grid cuts (``reskv.batching.sample_batches``);
-- KV bytes a grid step reads: every batch's keys and values, each row padded to its batch's longest;
+- the decode batches the grid cuts (``reskv.batching.view_batches``: every row a view of the
+  prefilled cache, ``reskv.views``);
+- bytes a grid step reads besides the weights: the shared prefilled keys and values once, CaM's
+  adjusted values once a setting, every row's entries (at most the proxy's largest share of its
+  budget: ``ViewRow.planned``) and appended slots (``reskv.batching.view_step_slots``), and the keep
+  masks and the entries' bias;
 - bytes written before the first token: the constructions' gathers of each row's main keys and values
-  (``reskv.compress``), then each batch's stacked buffers (``reskv.cache.StackedLayer``: keys, values,
-  fp32 bias and entry marks at the batch's capacity, its rows copied in).
+  (``reskv.compress``, let go of as each row becomes a view), then the views' own (keep masks, the
+  entry pool and its bias, CaM's adjusted values put back at their positions, the appended buffers).
 
 Ops: the grid decoded on the 32-layer 8B attention shape at ``--ops-length`` tokens (narrow widths,
 random weights, ``scripts.bench.decode_counts``), each batch's eager decode step counted
@@ -30,9 +34,18 @@ from rich.console import Console
 from rich.table import Table
 
 import reskv.grid
-from reskv.batching import DeviceMemory, ModelShape, predicted_slots, sample_batches
+from reskv.batching import (
+    FP32_BYTES,
+    DeviceMemory,
+    ModelShape,
+    ViewRow,
+    sample_memory_limit,
+    view_batches,
+    view_step_slots,
+)
 from reskv.config import budget_for
 from reskv.engine import Prefill
+from reskv.grid import values_key
 from scripts.bench.decode_counts import narrow_llama_8b_attention
 from scripts.bench.dispatch_counts import count_dispatch
 from scripts.bench.grid_counts import QUESTION_TOKENS
@@ -49,36 +62,42 @@ OBSERVED_QUERIES = 128
 GB = 1e9
 
 
-def kv_slot_bytes(shape: ModelShape) -> int:
-    """Keys and values of one slot over every layer and KV head."""
-    return shape.layers * shape.kv_heads * 2 * shape.head_dim * shape.dtype_bytes
-
-
 def planned(length: int, shape: ModelShape = LLAMA_8B) -> dict:
-    """The stacked layout of one sample's grid at ``length`` prompt tokens, from the plan."""
+    """The views of one sample's grid at ``length`` prompt tokens, from the plan."""
     requests = paper_ruler_requests()
     context = length - QUESTION_TOKENS
-    slots = [
-        predicted_slots(length, context, None if m.scorer is None else m.ratio, setting, NEW_TOKENS)
-        for m, setting in requests
-    ]
-    held = WEIGHTS_BYTES + (length + context) * kv_slot_bytes(shape)
-    memory = DeviceMemory.holding(H200_MEMORY, held)
-    batches, _ = sample_batches(slots, shape, memory, length, 2, OBSERVED_QUERIES, None)
-    kv = kv_slot_bytes(shape)
-    read = sum(len(batch) * max(slots[row] for row in batch) for batch in batches) * kv
-    gathers = 0
+    rows, gathers = [], 0
+    heads = shape.layers * shape.kv_heads
     for method, setting in requests:
         compressed = length if setting == "aware" else context
-        if method.scorer is not None:
-            gathers += min(compressed, budget_for(compressed, method.ratio)) * kv
-    stacked = sum(len(batch) * max(slots[row] for row in batch) for batch in batches) * shape.slot_bytes
+        residual = method.residual
+        shares = () if residual is None else (*residual.grid, residual.fixed_ratio)
+        ratio = None if method.scorer is None else method.ratio
+        rows.append(ViewRow.planned(compressed, ratio, shares, values_key(method, setting)))
+        if ratio is not None:  # at most its budget's slots
+            gathers += min(compressed, budget_for(compressed, ratio)) * heads * shape.kv_slot_bytes
+    held = WEIGHTS_BYTES + (length + context) * heads * shape.kv_slot_bytes
+    limit = sample_memory_limit(shape, DeviceMemory.holding(H200_MEMORY, held), length, 2, OBSERVED_QUERIES)
+    appended = QUESTION_TOKENS + NEW_TOKENS
+    batches = view_batches(rows, shape, limit, length, appended, None)
+    read = masks = entries = sources = 0
+    for batch in batches:
+        batch_rows = [rows[row] for row in batch]
+        read += view_step_slots(batch_rows, length, appended) * heads * shape.kv_slot_bytes
+        masks += len(batch) * length * heads
+        entries += sum(row.entry_slots for row in batch_rows) * heads * (shape.kv_slot_bytes + FP32_BYTES)
+        adjusted = len({row.values_key for row in batch_rows} - {None})
+        sources += adjusted * length * heads * shape.head_dim * shape.dtype_bytes
+    appended_bytes = len(rows) * appended * heads * shape.kv_slot_bytes
+    bias = sum(row.entry_slots for row in rows) * heads * FP32_BYTES
     return {
         "length": length,
         "batches": sorted((len(batch) for batch in batches), reverse=True),
-        "kv_read_gb": read / GB,
+        "kv_read_gb": (read + masks + bias) / GB,
         "gathers_gb": gathers / GB,
-        "decode_copies_gb": stacked / GB,
+        "decode_copies_gb": (masks + entries + sources + appended_bytes) / GB,
+        "entries_gb": entries / GB,
+        "adjusted_values_gb": sources / GB,
     }
 
 
@@ -123,6 +142,8 @@ def plan_table(lengths: list[int], ops_length: int) -> Table:
         "KV read a step GB",
         "gathers GB",
         "decode copies GB",
+        "of which entries GB",
+        "CaM values GB",
         "ops a step",
     ]
     for column in columns:
@@ -135,6 +156,8 @@ def plan_table(lengths: list[int], ops_length: int) -> Table:
             f"{row['kv_read_gb']:.1f}",
             f"{row['gathers_gb']:.1f}",
             f"{row['decode_copies_gb']:.1f}",
+            f"{row['entries_gb']:.1f}",
+            f"{row['adjusted_values_gb']:.1f}",
             f"{round(per_batch * len(row['batches'])):,}",
         )
     return table
