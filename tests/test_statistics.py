@@ -159,6 +159,16 @@ def test_a_monte_carlo_p_value_is_the_exact_one_to_its_error():
     assert (abs(contributions.sum()) > drawn.critical) == (drawn.p_value <= 0.05)
 
 
+def test_a_drawn_critical_value_carries_its_monte_carlo_error():
+    # 40 prompts: the critical value (the interval's end toward 0) read off 99,999 drawn patterns moves
+    # with the seed by about the error it reports (the order statistics a binomial deviation apart).
+    contributions = np.random.default_rng(0).normal(size=40)
+    drawn = [sign_flip(contributions, seed=seed) for seed in range(20)]
+    spread = float(np.std([test.critical for test in drawn], ddof=1))
+    assert 0.5 < spread / drawn[0].critical_error < 2
+    assert sign_flip(contributions[:10]).critical_error == 0.0  # enumerated: exact
+
+
 def test_no_prompt_differing_is_no_information_and_an_exact_bound():
     # Every one of 10 samples tied in each of two tasks: not a zero-width interval but the exact bound,
     # 0 of 20 prompts departing: Clopper-Pearson's upper limit 1 - 0.025^(1/20) of 20 prompts, each

@@ -108,7 +108,8 @@ class SignFlip:
     """The stratified sign-flip test of an estimate against 0 (module docstring): its two-sided
     p-value, the critical value ``critical`` (the test rejects an estimate farther than it from 0), the
     prompts that differ, and whether every pattern was enumerated (``exact``) or ``patterns`` were
-    drawn, with the p-value's Monte Carlo standard error (0 when exact)."""
+    drawn, with the p-value's Monte Carlo standard error and the critical value's (0 when exact): half
+    the distance between the drawn values one binomial standard deviation of ranks either side of it."""
 
     p_value: float
     critical: float
@@ -116,6 +117,7 @@ class SignFlip:
     exact: bool
     patterns: int
     error: float = 0.0
+    critical_error: float = 0.0
 
     @property
     def can_reject(self) -> bool:
@@ -189,7 +191,12 @@ def sign_flip(
         # (1 + b) / (patterns + 1) <= ALPHA exactly when b < rank = ALPHA * (patterns + 1).
         rank, exact = round(ALPHA * (patterns + 1)), False
     critical = float(np.partition(sums, len(sums) - rank)[len(sums) - rank])
-    return SignFlip(float(p_value), critical, differing, exact, patterns, error)
+    if exact:
+        return SignFlip(float(p_value), critical, differing, exact, patterns)
+    spread = math.ceil(math.sqrt(rank * (1 - rank / patterns)))
+    near = np.partition(sums, [len(sums) - rank - spread, len(sums) - rank + spread])
+    critical_error = float(near[len(sums) - rank + spread] - near[len(sums) - rank - spread]) / 2
+    return SignFlip(float(p_value), critical, differing, exact, patterns, error, critical_error)
 
 
 @dataclass(frozen=True)

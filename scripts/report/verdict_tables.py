@@ -227,6 +227,19 @@ def _tally(rows: list[Row], column: int, names: tuple[str, ...]) -> str:
     return ", ".join(f"{shown.count(name)} {name}" for name in names)
 
 
+def drawn_notes(results: list[ClaimResult]) -> list[str]:
+    """Where a test was drawn, not enumerated: the Monte Carlo error of its p-value (in the p column)
+    and of the interval's end toward 0, which its critical value sets."""
+    drawn = [
+        f"{result.claim.name} ({result.estimate.test.differing} differing prompts, "
+        f"{result.estimate.test.patterns:,} patterns: the interval's end toward 0 "
+        f"+-{result.estimate.test.critical_error:.3f})"
+        for result in results
+        if result.estimate is not None and result.estimate.test.differing and not result.estimate.test.exact
+    ]
+    return [f"Drawn tests: {'; '.join(drawn)}."] if drawn else []
+
+
 def twins_notes(reproduction: Reproduction, backbone: str) -> list[str]:
     """Which configurations of ``backbone`` are twins (identical outputs, ``ResultIndex.twins``), and in
     how many of the budgets x settings where both ran."""
@@ -278,6 +291,7 @@ def claims_table(reproduction: Reproduction, backbone: str) -> Table | None:
         "Pairs: the claim's +ResKV pairs in these results (any length) / in the paper; a claim without "
         "a number in the text takes the paper's mean over all of its pairs, covered here or not.",
         *twins_notes(reproduction, backbone),
+        *drawn_notes([result for result, _ in read]),
         *(
             f"{result.claim.name}: covers {', '.join(_pair_names(found.covered, reproduction.index))} of the "
             f"paper's {len(found.scoped)}."
