@@ -15,7 +15,7 @@ two configurations alike (SnapKV and AdaKV at one KV head), a sparse grid as Gem
 The true gain is known in closed form: per informative task, ``fragile`` x the configurations a prompt
 moves on average x the direction's mean x the answer's mean size, over 16 configurations and the tasks.
 
-Cost: about 20 seconds on one core (18 design cells x 1,000 grids, the Monte Carlo tests at 1,999
+Cost: about 25 seconds on one core (18 design cells x 1,000 grids, the Monte Carlo tests at 1,999
 draws and every pattern enumerated up to 12 differing prompts: the verdict's own 99,999 draws and
 limit of 20 give the same p-values to their Monte Carlo error). ``simulate`` is importable for longer
 runs (the figures results/README.md quotes).
