@@ -15,7 +15,7 @@ row), the entries of every row laid end to end in one pool (``entry_partial``, e
 own segment), and the row's appended slots (``appended_partial``). The main part (shared and appended
 merged, ``merged``) gives ``p_max = 1 / sum exp(a - max(a))``, hence ``log g``, which shifts the
 entries' part; the two are merged and normalised once. That is the rule of ``shared_softmax_attention``
-up to the rounding of the longer reduction, as a stacked row's was. On CUDA with Triton a decode
+up to the rounding of a reduction in another order. On CUDA with Triton a decode
 step's shared and entry parts are ``reskv.decode_kernel``'s split-K kernel instead (``CUDA_FUSED_VIEWS``).
 """
 
@@ -227,13 +227,7 @@ def appended_partial(queries: Tensor, keys: Tensor, values: Tensor, bias: Tensor
     return maximum.transpose(0, 1), total.transpose(0, 1), output.transpose(0, 1)
 
 
-def view_attention(
-    queries: Tensor,
-    shared: Partial,
-    entries: Partial | None,
-    appended: Partial,
-    gates: RowGates,
-) -> Tensor:
+def view_attention(shared: Partial, entries: Partial | None, appended: Partial, gates: RowGates) -> Tensor:
     """The shared softmax (reskv.md) of every row from its parts' partial softmaxes ``[H_kv, B, Q, ...]``:
     the main part is the shared and the appended slots, whose sum over its own maximum is ``1 / p_max``
     (``reskv.attention.gate_values``); ``log g`` (``RowGates.log_gate``: 0 where a row's gate is not
@@ -316,7 +310,7 @@ class ViewLayer(StaticSlotsLayer):
             bias = bias + causal_bias(own_slots, self.capacity, num_heads // num_kv_heads)
         shared, entries = self.pool_partials(queries, scaling)
         appended = appended_partial(queries, self._keys, self._values, bias, scaling)
-        output = view_attention(queries, shared, entries, appended, self.gates)
+        output = view_attention(shared, entries, appended, self.gates)
         return output.reshape(batch, num_heads, query_len, head_dim).transpose(1, 2).to(query.dtype)
 
     def pool_partials(self, queries: Tensor, scaling: float) -> tuple[Partial, Partial | None]:

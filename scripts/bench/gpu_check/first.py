@@ -745,7 +745,7 @@ def view_layer_output(layer: ViewLayer, queries: torch.Tensor) -> torch.Tensor:
     scaling = queries.shape[-1] ** -0.5
     shared, entries = layer.pool_partials(queries, scaling)
     appended = views_module.appended_partial(queries, layer._keys, layer._values, layer._bias, scaling)
-    return views_module.view_attention(queries, shared, entries, appended, layer.gates)
+    return views_module.view_attention(shared, entries, appended, layer.gates)
 
 
 def views_float64(layer: ViewLayer, queries: torch.Tensor, rule: DecodeRule) -> torch.Tensor:
