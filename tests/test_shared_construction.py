@@ -10,6 +10,7 @@ import torch
 import reskv.compress
 from baselines import build_method
 from baselines.cam import CaM
+from reskv.backbones import tiny_backbone
 from reskv.config import SETTINGS, ResidualConfig
 from reskv.engine import Prefill
 from reskv.method import shared_batches
@@ -148,3 +149,22 @@ def test_a_rule_s_budgets_of_stacked_layers_equal_its_budgets_layer_by_layer(pre
     got = scorer.stacked_head_budgets(scores, budget, first_layer=0, num_layers=layers)
     assert torch.equal(got, expected)
     assert name != "adakv" or budget != 150 or len(set(got.flatten().tolist())) > 1  # ragged budgets
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "pyramidkv", "tova", "h2o", "streamingllm"])
+def test_a_base_rule_s_planned_grid_launches_no_op_per_layer(name):
+    """A base rule's four ratios constructed as a planned grid launch as many ops for 6 layers as for
+    2: its layers are scored, budgeted and gathered as one stack, and a layer without entries launches
+    nothing of its own (a GPU's host pays per op, so the construction does not grow with depth)."""
+    ops = {}
+    for layers in (2, 6):
+        backbone = tiny_backbone("tiny-qwen2", 6, 2, num_hidden_layers=layers)
+        methods = [build_method(name, ratio) for ratio in (0.6, 0.7, 0.8, 0.9)]
+        prefill = Prefill(backbone, random_prompt(TOKENS, 400, seed=11), 370, methods)
+        prefill.prefilled("aware")
+        with prefill.sharing_construction([(method, "aware") for method in methods]):
+            with count_dispatch() as counts:
+                for method in methods:
+                    prefill.compressed_layers(method, "aware")
+        ops[layers] = counts.ops
+    assert ops[6] == ops[2]
