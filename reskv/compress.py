@@ -363,9 +363,6 @@ def construct(
             choices[key] = proxy.choose(sum(budgets, []))
     sizes |= read_together(choices, num_heads)
     built, surviving = {}, {}
-    # Zero slots hold nothing to write into, so every layer without entries shares one set: a set per
-    # layer and ratio launched 3 ops each, most of a base rule's planned construction (results/README.md).
-    no_entries = ResidualEntries.empty(num_heads, observations[0].keys)
     for family, ratio, budget in wanted:
         scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
         budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
@@ -386,7 +383,9 @@ def construct(
             )
             surviving[key] = entry_counts
         else:
-            entries = [no_entries] * len(observations)
+            # Zero slots hold nothing to write into, so the layers share one set: a set per layer
+            # launched 3 ops each, most of a base rule's planned construction (results/README.md).
+            entries = [ResidualEntries.empty(num_heads, observations[0].keys)] * len(observations)
         none = [[0] * num_heads for _ in observations]
         built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
     for key, entry_counts in read_together(surviving, num_heads).items():
