@@ -1,13 +1,15 @@
 """The committed reproduction's sample 0 rerun as a GPU runs a grid, against its committed records.
 
     python -m scripts.bench.grid_replay [--results-dir results/ruler4k] [--tasks vt ...] [--out DIR]
+                                        [--decode eager]
 
 A GPU's ``decode=auto decode_batch=auto`` decodes each sample's configurations in one batch, as views
 of its prefilled cache (``reskv.views``), with the compiled step and the constructions of a sample
 sharing what they compute alike; the committed results were decoded one configuration at a time,
 eagerly. This reruns sample 0 of every task of the committed run (``--results-dir``), the three
 ``run.py`` invocations of the Makefile's ``reproduce-ruler4k`` (``REPRODUCTION``), the GPU's way on
-this CPU (``AS_ON_A_GPU``: 64 rows exceed every grid here, and a CPU has no memory limit), with the
+this CPU (``AS_ON_A_GPU``: 64 rows exceed every grid here, and a CPU has no memory limit; the step
+``--decode`` says), with the
 quality measures on or off as the committed records have them, into ``--out`` (resumable; default a
 temporary directory). Each configuration's sample-0 record is then compared with the committed one:
 
@@ -61,7 +63,11 @@ REPRODUCTION = (
         "'snapkv+reskv~shared_softmax=false','snapkv+reskv~final_selection=fit']",
     ),
 )
-AS_ON_A_GPU = ("decode=compiled", "decode_batch=64", f"num_samples={SAMPLE + 1}")
+AS_ON_A_GPU = ("decode_batch=64", f"num_samples={SAMPLE + 1}")
+# The decode step, compiled as on a GPU by default; ``--decode eager`` keeps the batch of views and the
+# shared constructions but not the compiled step, whose graph of the embedded model's 30 layers of
+# views takes this CPU over ten minutes to compile.
+DECODES = ("compiled", "eager")
 
 
 def first_samples(runs_dir: Path, tasks: Sequence[str] | None = None) -> dict:
@@ -125,17 +131,18 @@ def constructed_alone(backbone, item, method, setting: str) -> dict:
     return prefill.compressed_layers(method, setting)[1]
 
 
-def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path) -> dict:
-    """Rerun ``invocations`` (``run.py`` overrides) the GPU's way into ``out`` and compare their
-    sample-0 records with ``committed_dir``'s (module docstring); returns the report."""
+def replay(
+    committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path, decode: str = "compiled"
+) -> dict:
+    """Rerun ``invocations`` (``run.py`` overrides) the GPU's way into ``out``, with the ``decode`` step,
+    and compare their sample-0 records with ``committed_dir``'s (module docstring); returns the report."""
+    as_run = (f"decode={decode}", *AS_ON_A_GPU)
     if out.resolve() == committed_dir.resolve():
         raise ValueError(f"--out {out} is the committed results directory: the rerun would only resume it")
     committed = first_samples(committed_dir / "runs")
     quality = all("quality" in record for record in committed.values())
     plans = [
-        compose_plan(
-            [*invocation, *AS_ON_A_GPU, f"backbone.quality={str(quality).lower()}", f"results_dir={out}"]
-        )
+        compose_plan([*invocation, *as_run, f"backbone.quality={str(quality).lower()}", f"results_dir={out}"])
         for invocation in invocations
     ]
     backbone = load_backbone(plans[0].backbone, plans[0].dtype, plans[0].device)
@@ -191,7 +198,7 @@ def replay(committed_dir: Path, invocations: Sequence[Sequence[str]], out: Path)
         "committed": str(committed_dir),
         "tasks": list(items),
         "invocations": [list(invocation) for invocation in invocations],
-        "as_on_a_gpu": list(AS_ON_A_GPU),
+        "as_on_a_gpu": list(as_run),
         "quality": quality,
         "machine": machine(),
         "load_average": loads,
@@ -215,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--results-dir", type=Path, default=Path("results/ruler4k"))
     parser.add_argument("--tasks", nargs="+", help="default: every task of the committed run")
     parser.add_argument("--out", type=Path, help="the rerun's results directory (default: temporary)")
+    parser.add_argument(
+        "--decode", choices=DECODES, default="compiled", help="the decode step (default compiled)"
+    )
     parser.add_argument("--report", type=Path, help="default: <results-dir>/replay/grid_replay.json")
     args = parser.parse_args(argv)
     committed = first_samples(args.results_dir / "runs")
@@ -224,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(machine_header())
     with tempfile.TemporaryDirectory() as scratch:
         out = args.out or Path(scratch)
-        report = replay(args.results_dir, reproduction_invocations(committed, tasks), out)
+        report = replay(args.results_dir, reproduction_invocations(committed, tasks), out, args.decode)
     path = args.report or args.results_dir / "replay" / "grid_replay.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
