@@ -285,7 +285,9 @@ class ViewLayer(StaticSlotsLayer):
             sources.append((first, last, by_key[key]))
             row_source += [list(by_key).index(key)] * (last - first)
         tensors = list(by_key.values())
-        tensors += [tensors[0].view_as(tensors[0]) for _ in range(VALUE_TENSORS - len(tensors))]
+        # The padding views are marked as the tensor they view: an unmarked one would fix the shared
+        # slots' dimension to this prompt's length, and the next prompt would compile another graph.
+        tensors += [dynamic(tensors[0].view_as(tensors[0]), 1) for _ in range(VALUE_TENSORS - len(tensors))]
         row_source = dynamic(torch.tensor(row_source, device=device), 0)
         self.shared = SharedSlots(dynamic(keys, 1), dynamic(hidden, 0, 2), sources, tensors, row_source)
         self.entries = entry_pool(rows, keys, compiled)

@@ -480,15 +480,17 @@ def test_a_compiled_row_alone_decodes_beside_a_copy_and_alone_eagerly_if_the_cop
 @pytest.mark.slow
 def test_a_compiled_grid_compiles_at_most_the_graph_bound_whatever_its_rows_and_prompts():
     """Two samples of other lengths, every kind of row and gate rule (a second ``tau`` and ``alpha``
-    among them), decoded in one batch, in batches of at most 3 and each alone (beside its copy): the
+    among them), decoded in one batch without CaM's rows (the step's values tensors padded with views of
+    the prefilled ones) and with them, in batches of at most 3 and each alone (beside its copy): the
     compiled step compiles at most ``COMPILED_GRAPH_BOUND`` graphs (one), below torch._dynamo's
     recompile limit, and no row falls back to eager decoding."""
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
     release_compiled()
+    without_cam = requests([request for request in REQUESTS if request[0] != "cam"])
     for length, seed in ((300, 3), (410, 5)):
         prefill = Prefill(backbone, random_prompt(TOKENS, length, seed=seed), length - 30)
-        for max_rows in (None, 3, 1):
-            generations = grid(prefill, requests(), max_new_tokens=3, max_rows=max_rows, decode="compiled")
+        for methods, max_rows in ((without_cam, None), (requests(), None), (requests(), 3), (requests(), 1)):
+            generations = grid(prefill, methods, max_new_tokens=3, max_rows=max_rows, decode="compiled")
             assert not any("compile_fallback" in generation.run for generation in generations)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= COMPILED_GRAPH_BOUND
     assert COMPILED_GRAPH_BOUND < torch._dynamo.config.recompile_limit
