@@ -10,7 +10,8 @@ eagerly. This reruns sample 0 of every task of the committed run (``--results-di
 ``run.py`` invocations of the Makefile's ``reproduce-ruler4k`` (``REPRODUCTION``), the GPU's way on
 this CPU (``AS_ON_A_GPU``: 64 rows exceed every grid here, and a CPU has no memory limit; the step
 ``--decode`` says), with the quality measures on or off as the committed records have them, into
-``--out`` (resumable; default a temporary directory). Each configuration's sample-0 record is then compared with the committed one:
+``--out`` (resumable; default a temporary directory). Each configuration's sample-0 record is then
+compared with the committed one:
 
 - its tokens: where they differ, the first differing step and the top-2 logit gap of the committed
   decode there (``top2_gap_at``, via ``grid_saving.batched_differences``). A row of a batch sums its
