@@ -145,11 +145,13 @@ def sample_memory_limit(
 @dataclass(frozen=True)
 class ViewRow:
     """A row of a batch of views as the memory rule plans it: the slots of its entries per layer and KV
-    head (an upper bound), and what its main values are where its method adjusts them (one tensor per
-    key: ``reskv.views.RowView``; ``None`` for the shared values)."""
+    head (an upper bound), what its main values are where its method adjusts them (one tensor per
+    key: ``reskv.views.RowView``; ``None`` for the shared values), and the shared slots a head keeps
+    (``None``: every one)."""
 
     entry_slots: int = 0
     values_key: Hashable | None = None
+    kept_slots: int | None = None
 
     @classmethod
     def planned(
@@ -162,14 +164,13 @@ class ViewRow:
         """A request compressing ``compressed_tokens`` at ``ratio`` (``None``: the full cache) whose
         residual may take ``residual_shares`` of a head's budget (its proxy's grid and fixed ratio; none
         without a residual): at most the largest share's ``r = floor(share * b + 0.5)`` entries
-        (``reskv.config.residual_size``) where the budget compresses. A ragged method's head (AdaKV)
-        may take more."""
-        if ratio is None or not residual_shares:
-            return cls(0, values_key)
-        budget = budget_for(compressed_tokens, ratio)
+        (``reskv.config.residual_size``) where the budget compresses, and the rest of the budget kept.
+        A ragged method's head (AdaKV) may take more."""
+        budget = compressed_tokens if ratio is None else budget_for(compressed_tokens, ratio)
         if budget >= compressed_tokens:
             return cls(0, values_key)
-        return cls(residual_size(max(residual_shares), budget), values_key)
+        entries = residual_size(max(residual_shares), budget) if residual_shares else 0
+        return cls(entries, values_key, budget - entries)
 
 
 def view_batch_bytes(
@@ -231,8 +232,14 @@ def values_order(keys: Sequence[Hashable | None]) -> list[int]:
 
 def view_step_slots(rows: Sequence[ViewRow], shared_slots: int, appended_slots: int) -> float:
     """Slots a decode step of a batch of ``rows`` reads per layer and KV head, a slot being one
-    position's key and value: the shared slots once for every row, their values again for each adjusted
-    values tensor (half a slot each), and each row's entries and appended slots."""
-    sources = len({row.values_key for row in rows} - {None})
+    position's key and value: the shared slots once for every row; each adjusted values tensor at the
+    slots its rows keep (half a slot each), the most one of them keeps, their kept sets being nested
+    (CaM keeps SnapKV's selection from its setting's one set of scores at every ratio); and each row's
+    entries and appended slots."""
+    adjusted: dict[Hashable, int] = {}
+    for row in rows:
+        if row.values_key is not None:
+            kept = shared_slots if row.kept_slots is None else min(row.kept_slots, shared_slots)
+            adjusted[row.values_key] = max(adjusted.get(row.values_key, 0), kept)
     own = sum(row.entry_slots for row in rows) + len(rows) * appended_slots
-    return shared_slots * (1 + sources / 2) + own
+    return shared_slots + sum(adjusted.values()) / 2 + own

@@ -20,9 +20,10 @@ A grid's step over views of one prefilled cache (``reskv.views``) has its own ke
 laid end to end) for every row's queries at once, each row masked to the slots it keeps (or to its
 segment of the pool), a chunk's running softmax written per query row; the chunks are merged and
 combined with the rows' appended slots and gates in torch (``reskv.views.view_attention``). The keys
-are read once for all the rows of a program's tile, in their own dtype (bf16 products are exact in
-fp32, the accumulation's order is the only difference), the weights cast to the values' dtype for
-their product as the torch form casts them on CUDA.
+and values are read once for all the rows of a program's tile, only at the slots some row of it sees
+(a tile of CaM's rows reads its adjusted values at their kept slots alone), in their own dtype (bf16
+products are exact in fp32, the accumulation's order is the only difference), the weights cast to the
+values' dtype for their product as the torch form casts them on CUDA.
 
 Not run on a GPU yet: ``scripts.bench.gpu_check --compare-paths`` decodes each +ResKV request with
 it and without it (``reskv.attention.CUDA_FUSED_DECODE``), and ``scripts.bench.gpu_check.first``'s
@@ -366,13 +367,7 @@ if triton is not None:
         for start in range(chunk_start, chunk_end, SLOT_TILE):
             slot = start + tl.arange(0, SLOT_TILE)
             in_chunk = slot < chunk_end
-            offsets = (head * slots + slot[:, None]) * dim + feature[None, :]
-            tile_mask = in_chunk[:, None] & features
-            key_tile = tl.load(keys + offsets, mask=tile_mask, other=0.0)
-            logits = tl.dot(query_tile, tl.trans(key_tile), input_precision=PRECISION) * scaling
             seen = valid[:, None] & in_chunk[None, :]
-            if HAS_BIAS:
-                logits += tl.load(bias + head * slots + slot, mask=in_chunk, other=0.0)[None, :]
             if HAS_HIDDEN:
                 hidden_tile = tl.load(
                     hidden + (batch_row * heads + head)[:, None] * slots + slot[None, :], mask=seen, other=1
@@ -380,6 +375,15 @@ if triton is not None:
                 seen = seen & (hidden_tile == 0)
             if HAS_WINDOW:
                 seen = seen & (slot[None, :] >= low[:, None]) & (slot[None, :] < high[:, None])
+            # Keys and values are loaded only at the slots some row of the tile sees: a tile of CaM's
+            # rows reads its adjusted values at their kept slots alone. An unread slot's weight is 0
+            # in every row, so the loaded 0 in its place changes no sum.
+            offsets = (head * slots + slot[:, None]) * dim + feature[None, :]
+            tile_mask = (tl.max(seen.to(tl.int32), axis=0) > 0)[:, None] & features
+            key_tile = tl.load(keys + offsets, mask=tile_mask, other=0.0)
+            logits = tl.dot(query_tile, tl.trans(key_tile), input_precision=PRECISION) * scaling
+            if HAS_BIAS:
+                logits += tl.load(bias + head * slots + slot, mask=in_chunk, other=0.0)[None, :]
             logits = tl.where(seen, logits, float("-inf"))
             if source == 0:
                 values_tile = tl.load(values_0 + offsets, mask=tile_mask, other=0.0)

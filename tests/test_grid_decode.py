@@ -149,8 +149,9 @@ def test_view_rows_get_the_logits_each_gets_alone(prefill):
 def test_views_copy_no_main_key_or_value(prefill):
     """A batch's layers read the prefilled keys and values themselves (the same storage), the query-
     agnostic rows their first ``context_length`` slots only; CaM's rows read one adjusted values tensor
-    per setting; every row's keep mask is its construction's kept set, and the entry pool holds every
-    row's entries, end to end."""
+    per setting, their kept sets nested (``reskv.batching.view_step_slots`` reads it at the most slots
+    one of them keeps); every row's keep mask is its construction's kept set, and the entry pool holds
+    every row's entries, end to end."""
     methods = requests(DEFAULT_RULES)
     rows = [GridRow(index, method, setting) for index, (method, setting) in enumerate(methods)]
     with prefill.sharing_construction():
@@ -172,6 +173,12 @@ def test_views_copy_no_main_key_or_value(prefill):
                 assert torch.equal(kept[:, : view.seen], view.keep) and not kept[:, view.seen :].any()
         entries = [view.entries[0] for view in (row.views[index] for row in rows) if view.entries]
         assert torch.equal(layer.entries.keys, torch.cat(entries, 1))
+        for key in cam:
+            kept = sorted(
+                (~layer.shared.hidden[row] for row, of in enumerate(rows) if of.values_key == key),
+                key=lambda mask: int(mask.sum()),
+            )
+            assert len(kept) == 2 and not (kept[0] & ~kept[1]).any() and kept[0].sum() < kept[1].sum()
     seen = {row.setting: row.views[0].seen for row in rows}
     assert seen == {"aware": len(prefill.prompt_ids), "agnostic": prefill.context_length}
 

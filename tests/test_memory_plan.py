@@ -16,6 +16,7 @@ from reskv.batching import (
     sample_memory_limit,
     view_batch_bytes,
     view_batches,
+    view_step_slots,
 )
 from scripts.harness.dry_run import cost, rates, workload
 from scripts.harness.plan import compose_plan
@@ -73,6 +74,20 @@ def test_a_batch_of_views_holds_masks_entries_appended_slots_adjusted_values_and
     # ratio 0.9 of 32,768: b = 3,276, and the proxy's largest share 0.2 gives 655; the full cache none
     assert ViewRow.planned(32768, 0.9, (0.0, 0.05, 0.2)).entry_slots == 655
     assert ViewRow.planned(32768, None, (0.2,)).entry_slots == 0 == ViewRow.planned(32768, 0.9).entry_slots
+    # the main cache keeps the rest of the budget: 3,276 - 655 and 3,276 shared slots; the full cache all
+    assert ViewRow.planned(32768, 0.9, (0.0, 0.05, 0.2)).kept_slots == 2621
+    assert ViewRow.planned(32768, 0.9).kept_slots == 3276 and ViewRow.planned(32768, None).kept_slots is None
+
+
+def test_a_step_reads_the_shared_slots_once_and_an_adjusted_values_tensor_at_its_rows_kept_slots():
+    """By hand, 100 shared slots and 4 appended, a slot's key and value being 1: the shared slots once
+    (100); CaM's aware values at the 40 slots its larger row keeps, its agnostic values at 30, another
+    key's values at every slot, half a slot each ((40 + 30 + 100) / 2); 5 entries; 5 rows' 4 appended."""
+    aware, agnostic = ("cam", "aware"), ("cam", "agnostic")
+    rows = [ViewRow(), ViewRow(0, aware, 40), ViewRow(0, aware, 10), ViewRow(5, agnostic, 30)]
+    rows.append(ViewRow(0, "x"))
+    assert view_step_slots(rows, 100, 4) == 100 + (40 + 30 + 100) / 2 + 5 + 5 * 4
+    assert view_step_slots([ViewRow(0, aware, 400)], 100, 0) == 100 + 100 / 2  # at most every shared slot
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@ Triton's interpreter (fp32 inputs: the interpreter multiplies bf16 ``tl.dot`` op
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,13 +40,21 @@ def test_a_layer_of_views_gives_each_row_the_shared_softmax_over_its_own_slots(r
 def test_the_view_kernel_gives_the_torch_form_s_partial_softmaxes(tmp_path):
     """Under Triton's interpreter, on fp32 inputs: the shared slots' and the entry pool's partial
     softmaxes of the kernel (split into chunks, merged) equal the torch form's to fp32 rounding: the
-    same maxima (``-inf`` where a row sees nothing of a pool), and the same normalised outputs."""
+    same maxima (``-inf`` where a row sees nothing of a pool), and the same normalised outputs. Each
+    values tensor the kernel gets holds NaN at the slots that none of its rows keeps: a tile loads its
+    values only where one of its rows sees a slot (a weight of 0 times NaN would be NaN)."""
     generator = torch.Generator().manual_seed(2)
     cases, expected = [], []
     for slots, rows in ((300, 9), (2000, 5)):
         layer, queries = view_inputs(SHAPE, slots, rows, DecodeRule(), generator)
         scaling = SHAPE.head_dim**-0.5
-        cases.append((queries, layer.shared, layer.entries, scaling))
+        unread = [
+            (first, last, values.masked_fill(layer.shared.hidden[first:last].all(0)[..., None], float("nan")))
+            for first, last, values in layer.shared.sources
+        ]
+        assert all(values.isnan().any() for _, _, values in unread)
+        shared = dataclasses.replace(layer.shared, sources=unread)
+        cases.append((queries, shared, layer.entries, scaling))
         expected.append(
             (
                 shared_partial(grouped(queries), layer.shared, scaling),

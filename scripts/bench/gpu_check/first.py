@@ -76,7 +76,7 @@ from reskv.backbones import Backbone
 from reskv.batching import FP32_BYTES, ModelShape, ViewRow, values_order, view_step_slots
 from reskv.cache import ObservedLayer
 from reskv.compress import kept_positions
-from reskv.config import SETTINGS, budget_for
+from reskv.config import SETTINGS
 from reskv.decode_rule import DecodeRule
 from reskv.decoding import forward
 from reskv.engine import Prefill
@@ -777,10 +777,10 @@ def view_step(backbone: Backbone, length: int, appended: int) -> dict:
     """One eager decode step of the paper grid's 73 rows as views of a prefilled cache of ``length``
     random keys and values (no construction: each row keeps its budget less its largest planned entries
     of random slots per head and holds those entries, CaM's rows read one adjusted values tensor per
-    setting, ``appended`` slots free for the question and the answer): the median of ``VIEW_STEPS``
-    steps after one, in ms, the bytes a step reads (the weights; the shared slots, entries and
-    appended slots, ``reskv.batching.view_step_slots``; the keep masks and the entries' bias) and their
-    rate against the card's bandwidth (``HBM_BYTES_PER_S``)."""
+    setting and keep nested sets, ``appended`` slots free for the question and the answer): the median
+    of ``VIEW_STEPS`` steps after one, in ms, the bytes a step reads (the weights; the shared slots,
+    entries and appended slots, ``reskv.batching.view_step_slots``; the keep masks and the entries'
+    bias) and their rate against the card's bandwidth (``HBM_BYTES_PER_S``)."""
     shape, device, dtype = model_shape(backbone), backbone.device, backbone.model.dtype
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -794,7 +794,7 @@ def view_step(backbone: Backbone, length: int, appended: int) -> dict:
         layer.keys, layer.values = (random(1, shape.kv_heads, length, shape.head_dim) for _ in range(2))
         shared.append(layer)
     adjusted = {setting: [random(*layer.values.shape[1:]) for layer in shared] for setting in SETTINGS}
-    rows, planned = [], []
+    rows, planned, rankings = [], [], {}
     for method, setting in requests:
         seen = length if setting == "aware" else context
         residual = method.residual
@@ -802,10 +802,13 @@ def view_step(backbone: Backbone, length: int, appended: int) -> dict:
         key = values_key(method, setting)
         plan = ViewRow.planned(seen, None if method.scorer is None else method.ratio, shares, key)
         planned.append(plan)
-        kept = seen if method.scorer is None else min(seen, budget_for(seen, method.ratio)) - plan.entry_slots
+        kept = seen if plan.kept_slots is None else plan.kept_slots
         views_of_row = []
         for index in range(shape.layers):
-            scores = torch.rand(shape.kv_heads, seen, generator=generator, device=device)
+            if key is None or (key, index) not in rankings:
+                scores = torch.rand(shape.kv_heads, seen, generator=generator, device=device)
+            if key is not None:  # CaM's rows keep the top of one ranking of a setting: nested sets
+                scores = rankings.setdefault((key, index), scores)
             keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(kept).indices, True)
             entries = None
             if plan.entry_slots:
