@@ -10,9 +10,9 @@ bf16 weights and both prefilled caches (``H200_MEMORY``). From the plan (host in
 - the decode batches the grid cuts (``reskv.batching.view_batches``: every row a view of the
   prefilled cache, ``reskv.views``);
 - bytes a grid step reads besides the weights: the shared prefilled keys and values once, CaM's
-  adjusted values once a setting at the slots its rows keep, every row's entries (at most the proxy's largest share of its
-  budget: ``ViewRow.planned``) and appended slots (``reskv.batching.view_step_slots``), and the keep
-  masks and the entries' bias;
+  adjusted values once a setting at the slots its rows keep, every row's entries (at most the proxy's
+  largest share of its budget: ``ViewRow.planned``) and appended slots
+  (``reskv.batching.view_step_slots``), and the keep masks and the entries' bias;
 - bytes written before the first token: the constructions' gathers of each row's main keys and values
   (``reskv.compress``, let go of as each row becomes a view), then the views' own (keep masks, the
   entry pool and its bias, CaM's adjusted values put back at their positions, the appended buffers).
