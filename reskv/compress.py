@@ -25,7 +25,7 @@ from torch import Tensor
 
 from reskv.config import ResidualConfig, budget_for, residual_size
 from reskv.proxy import ValidationProxy, observation_split
-from reskv.residual import ResidualEntries, RowGroup, build_residual, padded_groups
+from reskv.residual import ResidualEntries, RowGroup, build_residual, nearest_skips_padding, padded_groups
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
 from reskv.selection import (
     gather_rows,
@@ -93,16 +93,22 @@ def level_groups(
     budgets: list[int],
     grid: tuple[float, ...],
     device: torch.device,
+    padding_free: bool = False,
 ) -> list[RowGroup]:
     """The final cache's k-means groups: the rows with entries by grid level (a head's ``r`` is
     ``floor(ratio * b_h + 0.5)`` of one level, so sizes within a level are close), each level split
-    as ``padded_groups`` does; with uniform budgets a level's sizes are equal."""
+    as ``padded_groups`` does (``padding_free`` as there); with uniform budgets a level's sizes are
+    equal."""
     capped = [min(size, points) for size, points in zip(sizes, point_counts, strict=True)]
     levels: dict[int, list[int]] = {}
     for row, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
         if size:
             levels.setdefault(grid_level(grid, size, budget), []).append(row)
-    return [group for rows in levels.values() for group in padded_groups(rows, capped, point_counts, device)]
+    return [
+        group
+        for rows in levels.values()
+        for group in padded_groups(rows, capped, point_counts, device, padding_free)
+    ]
 
 
 def scorer_key(scorer: TokenScorer) -> Hashable:
@@ -467,7 +473,9 @@ def final_entries(
     flat_sizes = sum(sizes, [])
     point_counts = [seq_len - count for count in main_counts]
     device = stacked.keys.device
-    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, device)
+    groups = level_groups(
+        flat_sizes, point_counts, sum(budgets, []), config.grid, device, nearest_skips_padding(stacked.keys)
+    )
     entries = build_residual(
         stacked.keys,
         stacked.values,

@@ -6,7 +6,8 @@
 FLOPs, take most of the construction's device time above its floor, and at long prompts one layer's
 distances take blocks of gigabytes (results/gpu/README.md). Here a program takes a tile of one
 row's points, runs over that row's centres a tile at a time with a running minimum, and writes only
-the index: one launch per Lloyd step, no distance block.
+the index: one launch per Lloyd step, no distance block. Given each row's own point count and size
+(a k-means group's rows padded to its largest), it runs over those alone: padding costs no product.
 
 The rule is the torch path's: ``||c||² + bias - 2<p, c>`` (``center_norms`` holds the first two
 terms, ``+inf`` on padding centres), ties to the lower centre index (within a tile the smallest
@@ -76,14 +77,22 @@ def precision(points_in_bf16: bool) -> str | None:
 
 
 def nearest(
-    points: Tensor, centers: Tensor, center_norms: Tensor, form: str, split_operands: str | None = None
+    points: Tensor,
+    centers: Tensor,
+    center_norms: Tensor,
+    form: str,
+    split_operands: str | None = None,
+    extents: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Index ``[R, E]`` (int64) of each point's nearest centre, as ``reskv.residual.nearest_centers``.
 
     ``points`` ``[R, E, d]`` and ``centers`` ``[R, r, d]`` fp32 (read contiguous); ``center_norms``
     ``[R, r]``: ``||c||²`` plus the centres' bias, a row's minimum finite. ``form``: the products'
     (``PRECISIONS``; ``"bf16x3"`` only where every point is a bf16 value), whose split operands are
-    ``split_operands`` (``SPLIT_OPERANDS`` when ``None``).
+    ``split_operands`` (``SPLIT_OPERANDS`` when ``None``). ``extents``, each row's points and centres
+    ``[R]`` each (int64) where rows are padded to a group's ``E`` and ``r``: a program then scans only
+    its row's own centres, and a tile wholly past its row's points none (their index is 0), so a
+    group's padding costs no products.
     """
     if form not in PRECISIONS:
         raise ValueError(f"unknown product form {form!r}; choose one of {list(PRECISIONS)}")
@@ -91,14 +100,18 @@ def nearest(
     points, centers, center_norms = points.contiguous(), centers.contiguous(), center_norms.contiguous()
     nearest_index = torch.empty(num_rows, num_points, dtype=torch.long, device=points.device)
     grid = (num_rows, triton.cdiv(num_points, POINT_TILE))
+    point_counts, center_counts = extents if extents is not None else (nearest_index, nearest_index)
     _nearest_kernel[grid](
         points,
         centers,
         center_norms,
         nearest_index,
+        point_counts.contiguous(),
+        center_counts.contiguous(),
         num_points,
         centers.shape[1],
         dim,
+        HAS_EXTENTS=extents is not None,
         POINT_TILE=POINT_TILE,
         CENTER_TILE=CENTER_TILE,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
@@ -125,9 +138,12 @@ if triton is not None:
         centers,
         center_norms,
         nearest_index,
+        point_counts,
+        center_counts,
         num_points,
         num_centers,
         dim,
+        HAS_EXTENTS: tl.constexpr,
         POINT_TILE: tl.constexpr,
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
@@ -144,15 +160,19 @@ if triton is not None:
         )
         best = tl.full([POINT_TILE], float("inf"), tl.float32)
         best_index = tl.zeros([POINT_TILE], tl.int32)
-        for start in range(0, num_centers, CENTER_TILE):
+        scanned = num_centers
+        if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
+            own = tl.minimum(tl.load(center_counts + row), num_centers)
+            scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
+        for start in range(0, scanned, CENTER_TILE):
             center = start + tl.arange(0, CENTER_TILE)
             center_tile = tl.load(
                 centers + (row * num_centers + center[:, None]) * dim + feature[None, :],
-                mask=(center[:, None] < num_centers) & (feature[None, :] < dim),
+                mask=(center[:, None] < scanned) & (feature[None, :] < dim),
                 other=0.0,
             )
             norms = tl.load(
-                center_norms + row * num_centers + center, mask=center < num_centers, other=float("inf")
+                center_norms + row * num_centers + center, mask=center < scanned, other=float("inf")
             )
             if PRECISION == "bf16x3":  # the exact split, smallest part first (module docstring)
                 high = center_tile.to(tl.bfloat16).to(tl.float32)

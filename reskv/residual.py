@@ -41,6 +41,13 @@ CPU_PADDING_TOLERANCE = 1.25
 # steps (2 x 128 x 4 FLOP each). AdaKV's ragged levels then cost their own FLOPs within ~2e10, where
 # one group per level padded them by 1.5x (results/README.md); a uniform level stays one group.
 CUDA_PADDING_SLACK = 20_000_000
+# Where ``reskv.nearest_kernel`` finds the nearest centres (``nearest_skips_padding``) it scans each
+# row's own points and centres only, so padding costs no products; a padded point still costs its
+# share of the group's passes over ``[rows, E, d]``: the keys and the values gathered, upcast and
+# weighed, each Lloyd step's sums and the values' (about 52 d bytes, 6.7 KB at a head dim of 128,
+# ~2 ns at 3 TB/s). A group takes rows while the points it pads stay under what a group's ~45 launches
+# cost (~0.9 ms): ~400,000 padded points.
+CUDA_PADDED_POINTS_SLACK = 400_000
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
 CPU_VECTORISED_ARGMIN = True
@@ -74,6 +81,17 @@ def pads_within(padded: int, own: int, device: torch.device) -> bool:
     if device.type == "cuda":
         return padded - own <= CUDA_PADDING_SLACK
     return padded <= CPU_PADDING_TOLERANCE * own
+
+
+def nearest_skips_padding(keys: Tensor) -> bool:
+    """Whether the nearest-centre step of points gathered from ``keys`` runs ``reskv.nearest_kernel``
+    (``nearest_centers``: on CUDA with Triton, ``CUDA_FUSED_NEAREST``, a product form for the points),
+    which scans each row's own points and centres only."""
+    if not (keys.is_cuda and CUDA_FUSED_NEAREST):
+        return False
+    from reskv import nearest_kernel  # imports Triton (slow to import), which the CPU never runs
+
+    return nearest_kernel.available() and nearest_kernel.precision(keys.dtype == torch.bfloat16) is not None
 
 
 def distance_block_bytes(device: torch.device) -> int:
@@ -166,6 +184,7 @@ def nearest_centers(
     chunk_bytes: int,
     center_bias: Tensor | None = None,
     points_in_bf16: bool = False,
+    extents: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Index ``[R, E]`` of each point's nearest centre by squared Euclidean distance.
 
@@ -174,9 +193,11 @@ def nearest_centers(
     never win) lets rows with fewer centres share one call; on CPU padding centres also round the
     width up (``distance_width``). On CUDA with Triton, ``reskv.nearest_kernel`` finds them in one
     pass (``CUDA_FUSED_NEAREST``) where ``points_in_bf16`` says every point is a bf16 value (the keys
-    of a bf16 model), on tensor cores. Otherwise the ``[R, E, r]`` distances are computed in blocks holding
-    at most ``chunk_bytes`` of fp32, so transient memory stays bounded whatever ``s`` and ``r``: whole rows
-    while a row fits (``BLOCK_LAYOUT``), else slices of one row's points.
+    of a bf16 model), on tensor cores, each row over its own ``extents`` (points and centres ``[R]``
+    each; a padding point's index may then be 0, where padding weighs nothing). Otherwise the
+    ``[R, E, r]`` distances are computed in blocks holding at most ``chunk_bytes`` of fp32, so
+    transient memory stays bounded whatever ``s`` and ``r``: whole rows while a row fits
+    (``BLOCK_LAYOUT``), else slices of one row's points.
     """
     num_rows, num_points, _ = points.shape
     center_norms = (centers * centers).sum(-1)
@@ -187,7 +208,7 @@ def nearest_centers(
 
         form = nearest_kernel.precision(points_in_bf16)
         if nearest_kernel.available() and form is not None:
-            return nearest_kernel.nearest(points, centers, center_norms, form)
+            return nearest_kernel.nearest(points, centers, center_norms, form, extents=extents)
     width = distance_width(centers.shape[1], points.device)
     if width > centers.shape[1]:  # padding centres at the origin with norm +inf (distance_width)
         padding = width - centers.shape[1]
@@ -234,6 +255,7 @@ def lloyd_assignments(
     iterations: int,
     center_bias: Tensor | None = None,
     points_in_bf16: bool = False,
+    extents: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Cluster of every point after ``iterations`` Lloyd steps (assign, then move centres to means),
     as a ``flat_cluster_index`` (``r * row + cluster``, what summing other per-point data by cluster
@@ -243,13 +265,13 @@ def lloyd_assignments(
     With the init ordered by score, ties in ``nearest_centers`` make the better-scored of two
     identical centres win and the other end empty. A centre that loses all its points keeps its
     position. ``points`` ``[R, E, d]`` fp32, zero where ``weights`` is 0; ``centers`` ``[R, r, d]``;
-    ``center_bias`` and ``points_in_bf16`` as in ``nearest_centers``; ``iterations >= 1``.
+    ``center_bias``, ``points_in_bf16`` and ``extents`` as in ``nearest_centers``; ``iterations >= 1``.
     """
     centers = centers.float()
     block, num_centers = distance_block_bytes(points.device), centers.shape[1]
     offsets = row_offsets(points.shape[0], num_centers, points.device)
     for step in range(iterations):
-        assignments = nearest_centers(points, centers, block, center_bias, points_in_bf16)
+        assignments = nearest_centers(points, centers, block, center_bias, points_in_bf16, extents)
         flat_index = flat_cluster_index(assignments, offsets)
         sums, counts = (
             cluster_sums(points, flat_index, num_centers),
@@ -303,7 +325,9 @@ def build_residual(
     if row_groups is None:
         host_sizes, host_counts = torch.stack([sizes, evicted_counts]).tolist()
         with_entries = [row for row, size in enumerate(host_sizes) if size]
-        row_groups = padded_groups(with_entries, host_sizes, host_counts, keys.device)
+        row_groups = padded_groups(
+            with_entries, host_sizes, host_counts, keys.device, nearest_skips_padding(keys)
+        )
     # Evicted tokens first, best score first (stable: ties toward the lower position); each row's
     # first ``sizes[i]`` of them are its initial centres.
     ranked = torch.where(evicted, scores.float(), float("-inf"))
@@ -313,20 +337,31 @@ def build_residual(
 
 
 def padded_groups(
-    rows: list[int], sizes: list[int], point_counts: list[int], device: torch.device
+    rows: list[int],
+    sizes: list[int],
+    point_counts: list[int],
+    device: torch.device,
+    padding_free: bool = False,
 ) -> list[RowGroup]:
     """``rows`` (host ints, each with entries: ``0 < sizes[i] <= point_counts[i]``) as few k-means
     groups as keep each group's padded distances (rows x largest size x most points) within what
-    ``pads_within`` allows on ``device``; rows are taken largest size first. On CPU a row of fewer
-    than ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
-    narrow = 0 if device.type == "cuda" else CPU_NARROWEST_PADDED_WIDTH
+    ``pads_within`` allows on ``device``, or, where the nearest-centre step skips padding
+    (``padding_free``: ``nearest_skips_padding``), its padded points within
+    ``CUDA_PADDED_POINTS_SLACK``; rows are taken largest size first. On CPU a row of fewer than
+    ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
+    narrow = 0 if device.type == "cuda" or padding_free else CPU_NARROWEST_PADDED_WIDTH
     groups, current = [], []
     for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
         grown = [*current, row]
-        padded = len(grown) * sizes[grown[0]] * max(point_counts[member] for member in grown)
-        own = sum(sizes[member] * point_counts[member] for member in grown)
+        most_points = max(point_counts[member] for member in grown)
+        if padding_free:
+            pads = len(grown) * most_points - sum(point_counts[member] for member in grown)
+            fits = pads <= CUDA_PADDED_POINTS_SLACK
+        else:
+            padded = len(grown) * sizes[grown[0]] * most_points
+            fits = pads_within(padded, sum(sizes[member] * point_counts[member] for member in grown), device)
         narrow_beside_wider = sizes[row] < narrow and sizes[row] != sizes[grown[0]]
-        if current and (narrow_beside_wider or not pads_within(padded, own, device)):
+        if current and (narrow_beside_wider or not fits):
             groups.append(current)
             grown = [row]
         current = grown
@@ -419,7 +454,13 @@ def _cluster(
     point_keys = gather_rows(keys, rows).float().mul_(weights[..., None])
     centers = point_keys[:, : group.max_size]
     flat_index, key_sums, counts = lloyd_assignments(
-        point_keys, weights, centers, iterations, center_bias, points_in_bf16=keys.dtype == torch.bfloat16
+        point_keys,
+        weights,
+        centers,
+        iterations,
+        center_bias,
+        points_in_bf16=keys.dtype == torch.bfloat16,
+        extents=(point_counts, sizes),
     )
     del point_keys, centers  # values are gathered only now, so both never sit in memory at once
     point_values = gather_rows(values, rows).float().mul_(weights[..., None])

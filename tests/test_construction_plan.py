@@ -231,3 +231,17 @@ def test_padded_groups_on_cuda_pad_at_most_the_slack(narrow, groups):
     and 99 pad 2.004e7, two."""
     found = reskv.residual.padded_groups([0, 1], [600, narrow], [40_000] * 2, torch.device("cuda"))
     assert [group.rows for group in found] == groups
+
+
+@pytest.mark.parametrize(("fewest", "groups"), [(600_000, [[1, 0, 2]]), (599_999, [[1, 0], [2]])])
+def test_padded_groups_where_the_kernel_skips_padding_pad_at_most_the_points_slack(fewest, groups):
+    """Where the nearest-centre kernel skips each row's padding (``padding_free``), centres pad freely
+    and points up to ``CUDA_PADDED_POINTS_SLACK`` (400,000): sizes 100, 600 and 5 over 1,000,000,
+    1,000,000 and 600,000 points, taken largest size first, pad 3 x 1,000,000 - 2,600,000 = 400,000
+    points, one group, though their padded distances (600 x 3e6 - 7.03e8) are far beyond
+    ``CUDA_PADDING_SLACK``, where each row goes alone; with 599,999 points the third pads 400,001."""
+    sizes, points = [100, 600, 5], [1_000_000, 1_000_000, fewest]
+    found = reskv.residual.padded_groups([0, 1, 2], sizes, points, torch.device("cuda"), padding_free=True)
+    assert [group.rows for group in found] == groups
+    padded = reskv.residual.padded_groups([0, 1, 2], sizes, points, torch.device("cuda"))
+    assert [group.rows for group in padded] == [[1], [0], [2]]

@@ -454,6 +454,36 @@ def test_fused_nearest_kernel_gives_the_plain_loops_first_nearest_centre(tmp_pat
     assert sum(tied) > len(tied) / 2  # most indices were decided by the tie rule
 
 
+def test_fused_nearest_kernel_scans_only_each_row_s_own_points_and_centres(tmp_path):
+    """Under Triton's interpreter, a group of two rows padded to 200 points and 40 centres, the second
+    holding 10 points and 3 centres: given the rows' ``extents``, the second row's points take the
+    nearest of its own 3 centres (by a plain loop over them) though its other 37 are nearer still
+    (finite norms: scanned, they would win), its padding points in its first tile too, and those of
+    the tiles wholly past its points (from point 64) index 0, no centre scanned; the first row as
+    without extents. Integer values: every form's products are exact."""
+    pytest.importorskip("triton")
+    from reskv import nearest_kernel  # imports Triton
+
+    generator = torch.Generator().manual_seed(4)
+    points = torch.randint(-4, 5, (2, 200, 16), generator=generator).float()
+    centers = torch.randint(-4, 5, (2, 40, 16), generator=generator).float()
+    points[1, 10:] = 0  # the second row's padding
+    centers[1, 3:] = points[1, :37]  # nearer to its points than any of its own 3
+    centers[1, 0] = 4  # the largest norm of its own: the padding points do not take 0 by chance
+    norms = (centers * centers).sum(-1)
+    extents = (torch.tensor([200, 10]), torch.tensor([40, 3]))
+    cases = [(points, centers, norms, form, "tf32", extents) for form in nearest_kernel.PRECISIONS]
+    expected = torch.zeros(2, 200, dtype=torch.long)
+    for row, (own_points, own_centers) in enumerate([(200, 40), (64, 3)]):
+        for point in range(own_points):
+            differences = points[row, point] - centers[row, :own_centers]
+            expected[row, point] = plain_first_minimum((differences * differences).sum(-1).tolist())
+    assert (nearest_centers(points, centers, 1 << 30)[1, :10] >= 3).all()  # the others would win
+    for found in interpreted("reskv.nearest_kernel:nearest", cases, tmp_path):
+        assert torch.equal(found, expected)
+    assert expected[1, 10:64].ne(0).any()
+
+
 def test_fused_nearest_kernels_bf16_split_keeps_fp32_centres_exact(tmp_path):
     """The kernel's ``"bf16x3"`` products under Triton's interpreter: on bf16-valued points and fp32
     centres (k-means means, not bf16 values), three bf16 products against the centres' exact split

@@ -25,6 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+import reskv.compress
 import reskv.method
 import reskv.proxy
 import reskv.residual
@@ -71,17 +72,26 @@ def pads_within_on_cuda(padded: int, own: int, device: torch.device) -> bool:
     return PADS_WITHIN(padded, own, torch.device("cuda"))
 
 
+def skips_padding_on_cuda(keys: torch.Tensor) -> bool:
+    """``reskv.residual.nearest_skips_padding`` as on a GPU with Triton: bf16 keys take the kernel."""
+    return keys.dtype == torch.bfloat16
+
+
 @contextlib.contextmanager
 def gpu_layout():
     """Construction laid out on CPU as on an 80 GB GPU: 2.5 GiB distance blocks and blocks of the
     proxy's losses (``reskv.proxy.loss_block_bytes``), k-means groups padded as on CUDA
-    (``reskv.residual.pads_within``), distances at the centres' own width, ``argmin`` for the nearest
-    centre (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
+    (``reskv.residual.pads_within``, and ``nearest_skips_padding`` for bf16 keys, whose nearest centres
+    a GPU's kernel finds), distances at the centres' own width, ``argmin`` for the nearest centre
+    (``reskv.residual``) and every layer of a 4 GiB batch stacked (``reskv.method``)."""
     with contextlib.ExitStack() as stack:
         for module, name, value in (
             (reskv.residual, "DISTANCE_CHUNK_BYTES", H100_BLOCK_BYTES),
             (reskv.proxy, "loss_block_bytes", lambda device: H100_BLOCK_BYTES),
             (reskv.residual, "pads_within", pads_within_on_cuda),
+            (reskv.residual, "nearest_skips_padding", skips_padding_on_cuda),
+            (reskv.compress, "nearest_skips_padding", skips_padding_on_cuda),
+            (reskv.proxy, "nearest_skips_padding", skips_padding_on_cuda),
             (reskv.residual, "CPU_NARROWEST_PADDED_WIDTH", 0),
             (reskv.residual, "CPU_DISTANCE_WIDTH_MULTIPLE", 1),
             (reskv.residual, "CPU_VECTORISED_ARGMIN", False),

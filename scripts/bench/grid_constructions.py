@@ -16,8 +16,9 @@ methods in the whole grid then counted as its own):
   that are not ``non_blocking``);
 - **ops**: launching aten ops;
 - **k-means FLOPs over the unpadded formula**: the nearest-centre products the k-means launches
-  (rows x padded points x padded centres x 2 d a Lloyd step, what the GPU's kernel computes) over
-  ``2 d |E| r`` a step summed over its rows, each with its own point count and residual size;
+  (rows x padded points x padded centres x 2 d a Lloyd step; where the GPU's kernel skips a group's
+  padding, ``reskv.residual.nearest_skips_padding``, each row's own) over ``2 d |E| r`` a step summed
+  over its rows, each with its own point count and residual size;
 - **fp32 bytes written**: fp32 results of the construction's ops, apart from the nearest-centre step's
   distance blocks (the torch path's here; on CUDA the kernel writes none, ``reskv.nearest_kernel``),
   which are given beside them; and the largest fp32 result one op wrote.
@@ -59,16 +60,21 @@ NEAREST = "/nearest"  # suffix of the stage a construction's nearest-centre step
 class KmeansWork:
     """The k-means groups one construction ran: FLOPs as launched and by the unpadded formula."""
 
-    launched: float = 0.0
-    # Per group: (point counts, residual sizes, 2 d x Lloyd steps); read after the count, so that the
-    # formula's reads of the device are not counted as the construction's.
+    padded: float = 0.0  # the groups' whose nearest-centre step computes their padding
+    # Per group: (point counts, residual sizes, 2 d x Lloyd steps, whether its nearest-centre step
+    # skips padding); read after the count, so that the formula's reads of the device are not counted
+    # as the construction's.
     groups: list = dataclasses.field(default_factory=list)
 
-    def formula(self) -> float:
+    def formula(self, skipping_padding_only: bool = False) -> float:
         return sum(
             factor * float((counts * torch.minimum(sizes, counts)).sum())
-            for counts, sizes, factor in self.groups
+            for counts, sizes, factor, skips in self.groups
+            if skips or not skipping_padding_only
         )
+
+    def launched(self) -> float:
+        return self.padded + self.formula(skipping_padding_only=True)
 
 
 @contextlib.contextmanager
@@ -90,10 +96,11 @@ def probed(work: dict[str, KmeansWork]):
             return nearest_centers(*args, **kwargs)
 
     def recorded(keys, values, heads, order, offsets, point_counts, sizes, group, iterations):
-        factor = 2 * keys.shape[-1] * iterations
+        factor, skips = 2 * keys.shape[-1] * iterations, reskv.residual.nearest_skips_padding(keys)
         found = work[current_stage()]
-        found.launched += factor * len(group.rows) * group.max_points * group.max_size
-        found.groups.append((point_counts.clone(), sizes.clone(), factor))
+        if not skips:
+            found.padded += factor * len(group.rows) * group.max_points * group.max_size
+        found.groups.append((point_counts.clone(), sizes.clone(), factor, skips))
         return cluster(keys, values, heads, order, offsets, point_counts, sizes, group, iterations)
 
     with (
@@ -147,7 +154,7 @@ def figures(counts: DispatchCounts, work: dict[str, KmeansWork]) -> dict:
     return {
         "syncs": sum(counts.syncs_by_stage[name] for name in stages),
         "ops": sum(counts.ops_by_stage[name] for name in stages),
-        "kmeans_gflop_launched": sum(found.launched for found in work.values()) / 1e9,
+        "kmeans_gflop_launched": sum(found.launched() for found in work.values()) / 1e9,
         "kmeans_gflop_formula": sum(found.formula() for found in work.values()) / 1e9,
         "fp32_gb": sum(counts.fp32_bytes_by_stage[name] for name in names) / 1e9,
         "nearest_fp32_gb": sum(counts.fp32_bytes_by_stage[name + NEAREST] for name in names) / 1e9,
