@@ -25,7 +25,7 @@ from torch import Tensor
 
 from reskv.config import ResidualConfig, budget_for, residual_size
 from reskv.proxy import ValidationProxy, observation_split
-from reskv.residual import ResidualEntries, RowGroup, build_residual, nearest_skips_padding, padded_groups
+from reskv.residual import ResidualEntries, RowGroup, build_residual, level_row_groups
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
 from reskv.selection import (
     gather_rows,
@@ -88,27 +88,18 @@ def residual_choice(config: ResidualConfig, size: int, budget: int) -> float:
 
 
 def level_groups(
-    sizes: list[int],
-    point_counts: list[int],
-    budgets: list[int],
-    grid: tuple[float, ...],
-    device: torch.device,
-    padding_free: bool = False,
+    sizes: list[int], point_counts: list[int], budgets: list[int], grid: tuple[float, ...], keys: Tensor
 ) -> list[RowGroup]:
     """The final cache's k-means groups: the rows with entries by grid level (a head's ``r`` is
-    ``floor(ratio * b_h + 0.5)`` of one level, so sizes within a level are close), each level split
-    as ``padded_groups`` does (``padding_free`` as there); with uniform budgets a level's sizes are
-    equal."""
+    ``floor(ratio * b_h + 0.5)`` of one level, so sizes within a level are close), grouped as
+    ``reskv.residual.level_row_groups`` does (points read from ``keys``); with uniform budgets a
+    level's sizes are equal."""
     capped = [min(size, points) for size, points in zip(sizes, point_counts, strict=True)]
     levels: dict[int, list[int]] = {}
     for row, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
         if size:
             levels.setdefault(grid_level(grid, size, budget), []).append(row)
-    return [
-        group
-        for rows in levels.values()
-        for group in padded_groups(rows, capped, point_counts, device, padding_free)
-    ]
+    return level_row_groups(list(levels.values()), capped, point_counts, keys)
 
 
 def scorer_key(scorer: TokenScorer) -> Hashable:
@@ -473,9 +464,7 @@ def final_entries(
     flat_sizes = sum(sizes, [])
     point_counts = [seq_len - count for count in main_counts]
     device = stacked.keys.device
-    groups = level_groups(
-        flat_sizes, point_counts, sum(budgets, []), config.grid, device, nearest_skips_padding(stacked.keys)
-    )
+    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, stacked.keys)
     entries = build_residual(
         stacked.keys,
         stacked.values,

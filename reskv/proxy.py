@@ -27,7 +27,7 @@ from torch import Tensor
 
 from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, candidate_sizes
-from reskv.residual import ResidualEntries, cluster_rows, nearest_skips_padding, padded_groups
+from reskv.residual import ResidualEntries, cluster_rows, level_row_groups
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
 
@@ -164,15 +164,11 @@ class ValidationProxy:
             dim=1,
         )
         positions = columns.sort(dim=1).values[:, :longest].clamp_(max=boundary - 1)
-        groups, padding_free = [], nearest_skips_padding(keys)
-        for candidate in range(len(sizes)):
-            rows = [
-                row
-                for row in range(candidate * len(budgets), (candidate + 1) * len(budgets))
-                if residual[row]
-            ]
-            if rows:
-                groups += padded_groups(rows, residual, evicted, device, padding_free)
+        levels = [
+            [row for row in range(candidate * len(budgets), (candidate + 1) * len(budgets)) if residual[row]]
+            for candidate in range(len(sizes))
+        ]
+        groups = level_row_groups(levels, residual, evicted, keys)
         entries = cluster_rows(
             keys,
             values,

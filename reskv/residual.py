@@ -325,9 +325,7 @@ def build_residual(
     if row_groups is None:
         host_sizes, host_counts = torch.stack([sizes, evicted_counts]).tolist()
         with_entries = [row for row, size in enumerate(host_sizes) if size]
-        row_groups = padded_groups(
-            with_entries, host_sizes, host_counts, keys.device, nearest_skips_padding(keys)
-        )
+        row_groups = level_row_groups([with_entries], host_sizes, host_counts, keys)
     # Evicted tokens first, best score first (stable: ties toward the lower position); each row's
     # first ``sizes[i]`` of them are its initial centres.
     ranked = torch.where(evicted, scores.float(), float("-inf"))
@@ -341,30 +339,36 @@ def padded_groups(
     sizes: list[int],
     point_counts: list[int],
     device: torch.device,
-    padding_free: bool = False,
+    point_capacity: int | None = None,
 ) -> list[RowGroup]:
     """``rows`` (host ints, each with entries: ``0 < sizes[i] <= point_counts[i]``) as few k-means
     groups as keep each group's padded distances (rows x largest size x most points) within what
-    ``pads_within`` allows on ``device``, or, where the nearest-centre step skips padding
-    (``padding_free``: ``nearest_skips_padding``), its padded points within
-    ``CUDA_PADDED_POINTS_SLACK``; rows are taken largest size first. On CPU a row of fewer than
-    ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
+    ``pads_within`` allows on ``device``; or, given a ``point_capacity`` (where the nearest-centre step
+    skips padding: ``level_row_groups``), its padded points within ``CUDA_PADDED_POINTS_SLACK`` and
+    all its points (rows x most points) within that capacity. Rows are taken largest size first. On
+    CPU a row of fewer than ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
+    padding_free = point_capacity is not None
     narrow = 0 if device.type == "cuda" or padding_free else CPU_NARROWEST_PADDED_WIDTH
-    groups, current = [], []
+    groups, current, most_points, own_points, own_distances = [], [], 0, 0, 0
     for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
-        grown = [*current, row]
-        most_points = max(point_counts[member] for member in grown)
+        most = max(most_points, point_counts[row])
+        points, distances = own_points + point_counts[row], own_distances + sizes[row] * point_counts[row]
+        held = (len(current) + 1) * most
         if padding_free:
-            pads = len(grown) * most_points - sum(point_counts[member] for member in grown)
-            fits = pads <= CUDA_PADDED_POINTS_SLACK
+            fits = held - points <= CUDA_PADDED_POINTS_SLACK and held <= point_capacity
         else:
-            padded = len(grown) * sizes[grown[0]] * most_points
-            fits = pads_within(padded, sum(sizes[member] * point_counts[member] for member in grown), device)
-        narrow_beside_wider = sizes[row] < narrow and sizes[row] != sizes[grown[0]]
+            fits = pads_within(held * sizes[current[0] if current else row], distances, device)
+        narrow_beside_wider = current and sizes[row] < narrow and sizes[row] != sizes[current[0]]
         if current and (narrow_beside_wider or not fits):
             groups.append(current)
-            grown = [row]
-        current = grown
+            current, most, points, distances = (
+                [],
+                point_counts[row],
+                point_counts[row],
+                sizes[row] * point_counts[row],
+            )
+        current.append(row)
+        most_points, own_points, own_distances = most, points, distances
     groups.append(current)
     return [
         RowGroup(
@@ -376,6 +380,28 @@ def padded_groups(
         for group in groups
         if group
     ]
+
+
+def padding_free_capacity(keys: Tensor) -> int:
+    """The points a k-means group whose nearest-centre step skips padding may hold: the fp32 copy of
+    every row's points that the construction's memory plans (``reskv.batching.ModelShape``'s
+    ``construction_bytes``), ``keys`` ``[R, s, d]``, and the distance block that the kernel does not
+    write (``distance_block_bytes``)."""
+    rows, seq_len, dim = keys.shape
+    return rows * seq_len + distance_block_bytes(keys.device) // (4 * dim)
+
+
+def level_row_groups(
+    levels: list[list[int]], sizes: list[int], point_counts: list[int], keys: Tensor
+) -> list[RowGroup]:
+    """The k-means groups of rows given by level (a validation proxy's candidate, or a final grid
+    level: a level's sizes are close), ``sizes`` and ``point_counts`` host ints by row, points read
+    from ``keys``: each level split by ``padded_groups``; where the nearest-centre step skips padding
+    (``nearest_skips_padding``), every level's rows together, a group within ``padding_free_capacity``."""
+    if nearest_skips_padding(keys):
+        every_row = [row for level in levels for row in level]
+        return padded_groups(every_row, sizes, point_counts, keys.device, padding_free_capacity(keys))
+    return [group for level in levels for group in padded_groups(level, sizes, point_counts, keys.device)]
 
 
 def cluster_rows(

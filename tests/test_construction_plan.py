@@ -233,15 +233,41 @@ def test_padded_groups_on_cuda_pad_at_most_the_slack(narrow, groups):
     assert [group.rows for group in found] == groups
 
 
-@pytest.mark.parametrize(("fewest", "groups"), [(600_000, [[1, 0, 2]]), (599_999, [[1, 0], [2]])])
-def test_padded_groups_where_the_kernel_skips_padding_pad_at_most_the_points_slack(fewest, groups):
-    """Where the nearest-centre kernel skips each row's padding (``padding_free``), centres pad freely
-    and points up to ``CUDA_PADDED_POINTS_SLACK`` (400,000): sizes 100, 600 and 5 over 1,000,000,
-    1,000,000 and 600,000 points, taken largest size first, pad 3 x 1,000,000 - 2,600,000 = 400,000
-    points, one group, though their padded distances (600 x 3e6 - 7.03e8) are far beyond
-    ``CUDA_PADDING_SLACK``, where each row goes alone; with 599,999 points the third pads 400,001."""
+@pytest.mark.parametrize(
+    ("fewest", "capacity", "groups"),
+    [
+        (600_000, 3_000_000, [[1, 0, 2]]),
+        (599_999, 3_000_000, [[1, 0], [2]]),
+        (600_000, 2_999_999, [[1, 0], [2]]),
+    ],
+)
+def test_padded_groups_where_the_kernel_skips_padding_pad_points_within_the_slack_and_capacity(
+    fewest, capacity, groups
+):
+    """Where the nearest-centre kernel skips each row's padding (a ``point_capacity`` given), centres
+    pad freely and points up to ``CUDA_PADDED_POINTS_SLACK`` (400,000), a group holding at most the
+    capacity: sizes 100, 600 and 5 over 1,000,000, 1,000,000 and 600,000 points, taken largest size
+    first, hold 3 x 1,000,000 points and pad 400,000, one group, though their padded distances
+    (600 x 3e6 - 7.03e8) are far beyond ``CUDA_PADDING_SLACK``, where each row goes alone; with
+    599,999 points the third pads 400,001, and within 2,999,999 points the three do not fit."""
     sizes, points = [100, 600, 5], [1_000_000, 1_000_000, fewest]
-    found = reskv.residual.padded_groups([0, 1, 2], sizes, points, torch.device("cuda"), padding_free=True)
+    found = reskv.residual.padded_groups([0, 1, 2], sizes, points, torch.device("cuda"), capacity)
     assert [group.rows for group in found] == groups
     padded = reskv.residual.padded_groups([0, 1, 2], sizes, points, torch.device("cuda"))
     assert [group.rows for group in padded] == [[1], [0], [2]]
+
+
+def test_levels_group_apart_unless_the_kernel_skips_padding(monkeypatch):
+    """``level_row_groups``: two levels of sizes 20 and 5 over 100 points each are split apart without
+    the kernel (CPU, or CUDA without it) and clustered together with it, within its capacity
+    (``padding_free_capacity``: every row's points and the distance block's worth)."""
+    keys = torch.zeros(4, 100, 8)
+    levels, sizes, points = [[0, 1], [2, 3]], [20, 20, 5, 5], [100] * 4
+    apart = reskv.residual.level_row_groups(levels, sizes, points, keys)
+    assert [group.rows for group in apart] == [[0, 1], [2, 3]]
+    monkeypatch.setattr(reskv.residual, "nearest_skips_padding", lambda keys: True)
+    assert reskv.residual.padding_free_capacity(keys) == 4 * 100 + (4 << 20) // (4 * 8)
+    together = reskv.residual.level_row_groups(levels, sizes, points, keys)
+    assert [(group.rows, group.max_size, group.equal_sizes) for group in together] == [
+        ([0, 1, 2, 3], 20, False)
+    ]

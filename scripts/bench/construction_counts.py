@@ -25,7 +25,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import reskv.compress
 import reskv.method
 import reskv.proxy
 import reskv.residual
@@ -90,8 +89,6 @@ def gpu_layout():
             (reskv.proxy, "loss_block_bytes", lambda device: H100_BLOCK_BYTES),
             (reskv.residual, "pads_within", pads_within_on_cuda),
             (reskv.residual, "nearest_skips_padding", skips_padding_on_cuda),
-            (reskv.compress, "nearest_skips_padding", skips_padding_on_cuda),
-            (reskv.proxy, "nearest_skips_padding", skips_padding_on_cuda),
             (reskv.residual, "CPU_NARROWEST_PADDED_WIDTH", 0),
             (reskv.residual, "CPU_DISTANCE_WIDTH_MULTIPLE", 1),
             (reskv.residual, "CPU_VECTORISED_ARGMIN", False),
