@@ -162,7 +162,7 @@ if triton is not None:
         best_index = tl.zeros([POINT_TILE], tl.int32)
         scanned = num_centers
         if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
-            own = tl.minimum(tl.load(center_counts + row), num_centers)
+            own = tl.minimum(tl.load(center_counts + row).to(tl.int32), num_centers)
             scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
         for start in range(0, scanned, CENTER_TILE):
             center = start + tl.arange(0, CENTER_TILE)
