@@ -67,12 +67,16 @@ FP_FUSION = False
 # heads, whose tiles spill at head dim 128) take the torch form.
 MAX_ROWS = 16
 # The view kernel's query rows a program holds (rows of one batch's configurations times their query
-# heads, all reading one values tensor), the slots it reads at a time, its warps: FlashAttention's tile
-# for a head dim of 128 in bf16, not timed on a GPU yet. The values tensors one launch reads: the shared
-# values and up to two adjusted ones (CaM's, query-aware and query-agnostic); more take the torch form.
-VIEW_ROW_TILE = 64
-VIEW_SLOT_TILE = 64
+# heads, all reading one values tensor), the slots it reads at a time, its warps: not timed on a GPU
+# yet, but sized so that ptxas keeps every tile in registers on sm_90 at head dims 64 and 128 in bf16
+# and fp16 (``python -m scripts.bench.kernel_resources``; FlashAttention's 64 x 64 tiles spill up to
+# 1 KB a thread there). In fp32 every tile tried spills (5-9 KB a thread), so fp32 caches take the
+# torch form (``VIEW_DTYPES``). The values tensors one launch reads: the shared values and up to two
+# adjusted ones (CaM's, query-aware and query-agnostic); more take the torch form.
+VIEW_ROW_TILE = 32
+VIEW_SLOT_TILE = 32
 VIEW_NUM_WARPS = 4
+VIEW_DTYPES = (torch.bfloat16, torch.float16)
 VIEW_SOURCES = 3
 
 
@@ -124,8 +128,9 @@ def gated_attention(
 
 def views_fit(queries: Tensor, sources: int) -> bool:
     """Whether ``view_partials`` takes a step of these grouped queries ``[B, H_kv, Q, d]`` (one decoded
-    token: ``Q`` query heads a KV head within a program's rows) reading ``sources`` values tensors."""
-    return queries.shape[2] <= VIEW_ROW_TILE and sources <= VIEW_SOURCES
+    token: ``Q`` query heads a KV head within a program's rows, in one of ``VIEW_DTYPES``) reading
+    ``sources`` values tensors."""
+    return queries.dtype in VIEW_DTYPES and queries.shape[2] <= VIEW_ROW_TILE and sources <= VIEW_SOURCES
 
 
 @functools.lru_cache(maxsize=64)

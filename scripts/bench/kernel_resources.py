@@ -55,8 +55,9 @@ class Resources:
 
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     """The compilations the launchers make for ``head_dim`` and a cache in ``cache_dtype``: the
-    nearest-centre kernel (fp32 points, each product form ``nearest_kernel`` offers) and the
-    gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows). A tile is
+    nearest-centre kernel (fp32 points, each product form ``nearest_kernel`` offers), the
+    gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows), and for a
+    half-precision cache the view kernel over each pool and H2O's column sums. A tile is
     a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
     dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
     nearest = [
@@ -64,8 +65,10 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
             f"nearest ({precision})",
             nearest_kernel._nearest_kernel,
             {"points": "*fp32", "centers": "*fp32", "center_norms": "*fp32", "nearest_index": "*i64"}
+            | {"point_counts": "*i64", "center_counts": "*i64"}
             | dict.fromkeys(["num_points", "num_centers", "dim"], "i32"),
             {
+                "HAS_EXTENTS": True,  # a k-means group's rows each over its own (reskv.residual._cluster)
                 "POINT_TILE": nearest_kernel.POINT_TILE,
                 "CENTER_TILE": nearest_kernel.CENTER_TILE,
                 "DIM_TILE": dim_tile,
@@ -125,8 +128,36 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
         column_sums_kernel.NUM_WARPS,
         True,
     )
-    # H2O's column sums run on CUDA for half-precision queries and keys only (reskv.scoring).
-    return nearest + [chunk, merge] + ([log_sum_exp, columns] if cache_dtype != "fp32" else [])
+    # A grid step of views: one pool's partial softmaxes, the shared slots (each row's keep mask) and
+    # the entry pool (its bias and each row's window), as ``decode_kernel.view_partials`` launches them.
+    view_shape = dict.fromkeys(["heads", "group", "slots", "dim", "rows", "chunk_slots"], "i32")
+    view_tiles = {
+        "ROW_TILE": decode_kernel.VIEW_ROW_TILE,
+        "SLOT_TILE": decode_kernel.VIEW_SLOT_TILE,
+        "DIM_TILE": dim_tile,
+        "PRECISION": "ieee" if cache_dtype == "fp32" else None,
+    }
+    pool_inputs = dict.fromkeys(["queries", "keys", "values_0", "values_1", "values_2"], f"*{cache_dtype}")
+    tiles = dict.fromkeys(["tile_first", "tile_rows", "tile_source"], "*i32")
+    views = [
+        KernelBuild(
+            f"views: {pool}",
+            decode_kernel._pool_kernel,
+            pool_inputs | reads | tiles | partials | view_shape | {"scaling": "fp32"},
+            view_tiles
+            | {"HAS_HIDDEN": pool == "shared", "HAS_BIAS": pool != "shared", "HAS_WINDOW": pool != "shared"},
+            decode_kernel.VIEW_NUM_WARPS,
+            decode_kernel.FP_FUSION,
+        )
+        for pool, reads in (
+            ("shared", {"hidden": "*u8", "bias": f"*{cache_dtype}", "first": "*i32", "last": "*i32"}),
+            ("entries", {"hidden": f"*{cache_dtype}", "bias": "*fp32", "first": "*i64", "last": "*i64"}),
+        )
+    ]
+    # H2O's column sums and the views run on CUDA for half-precision caches only (reskv.scoring,
+    # decode_kernel.VIEW_DTYPES).
+    half = [*views, log_sum_exp, columns] if cache_dtype != "fp32" else []
+    return [*nearest, chunk, merge, *half]
 
 
 def compiled_resources(build: KernelBuild, arch: int) -> Resources:

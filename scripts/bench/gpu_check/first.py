@@ -656,8 +656,9 @@ def view_check(backbone: Backbone) -> dict:
     (``CUDA_FUSED_VIEWS``) and with the torch form, each against float64 on the same inputs:
     ``VIEW_CASES`` at the backbone's heads (random queries, keys and values; rows keeping random
     slots, three values tensors, entries with counts, appended slots; the default rule), in fp32 and in
-    the backbone's dtype. It passes where, in every case, the kernel's relative error is within
-    ``DECODE_ERROR_FACTOR`` times the torch form's plus one unit of the dtype's rounding."""
+    the backbone's dtype (in fp32 both sides take the torch form: ``decode_kernel.VIEW_DTYPES``). It
+    passes where, in every case, the kernel's relative error is within ``DECODE_ERROR_FACTOR`` times
+    the torch form's plus one unit of the dtype's rounding."""
     shape, rule = model_shape(backbone), DecodeRule()
     generator = torch.Generator().manual_seed(0)
     cases = []
