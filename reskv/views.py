@@ -15,8 +15,9 @@ row), the entries of every row laid end to end in one pool (``entry_partial``, e
 own segment), and the row's appended slots (``appended_partial``). The main part (shared and appended
 merged, ``merged``) gives ``p_max = 1 / sum exp(a - max(a))``, hence ``log g``, which shifts the
 entries' part; the two are merged and normalised once. That is the rule of ``shared_softmax_attention``
-up to the rounding of a reduction in another order. On CUDA with Triton a decode
-step's shared and entry parts are ``reskv.decode_kernel``'s split-K kernel instead (``CUDA_FUSED_VIEWS``).
+up to the rounding of a reduction in another order. On CUDA with Triton a decode step's shared and
+entry parts over a half-precision cache are ``reskv.decode_kernel``'s split-K kernel instead
+(``CUDA_FUSED_VIEWS``, ``decode_kernel.VIEW_DTYPES``).
 """
 
 from __future__ import annotations
