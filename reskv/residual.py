@@ -34,19 +34,19 @@ DISTANCE_CHUNK_BYTES = 4 << 20
 # per grid level would compute mostly padding).
 CPU_PADDING_TOLERANCE = 1.25
 # On CUDA a group costs the host its launches whatever its size (about 45: four Lloyd steps of the
-# nearest-centre kernel, the sums, counts and update, and the gathers; ~20 us each) and the device its
-# padded distances. A group takes rows while the distances they pad (points x centres) stay under
-# what a group's launches cost: 45 x 20 us at the nearest-centre kernel's 24.6 TFLOP/s
-# (results/gpu/README.md) is ~2.2e10 FLOP, 2e7 points x centres at a head dim of 128 over 4 Lloyd
-# steps (2 x 128 x 4 FLOP each). AdaKV's ragged levels then cost their own FLOPs within ~2e10, where
-# one group per level padded them by 1.5x (results/README.md); a uniform level stays one group.
+# nearest-centre kernel, the sums, counts and update, and the gathers; ~20 us each) and, where the
+# nearest centres are the torch path's, the device its padded distances. A group then takes rows of
+# one level while the distances they pad (points x centres) stay under what a group's launches cost:
+# 45 x 20 us at the nearest-centre kernel's 24.6 TFLOP/s (results/gpu/README.md) is ~2.2e10 FLOP, 2e7
+# points x centres at a head dim of 128 over 4 Lloyd steps (2 x 128 x 4 FLOP each); a uniform level
+# stays one group.
 CUDA_PADDING_SLACK = 20_000_000
 # Where ``reskv.nearest_kernel`` finds the nearest centres (``nearest_skips_padding``) it scans each
 # row's own points and centres only, so padding costs no products; a padded point still costs its
 # share of the group's passes over ``[rows, E, d]``: the keys and the values gathered, upcast and
 # weighed, each Lloyd step's sums and the values' (about 52 d bytes, 6.7 KB at a head dim of 128,
-# ~2 ns at 3 TB/s). A group takes rows while the points it pads stay under what a group's ~45 launches
-# cost (~0.9 ms): ~400,000 padded points.
+# ~2 ns at 3 TB/s). A group then takes rows of every level (``level_row_groups``) while the points it
+# pads stay under what a group's ~45 launches cost (~0.9 ms): ~400,000 padded points.
 CUDA_PADDED_POINTS_SLACK = 400_000
 # Find each point's nearest centre by ``first_minimum``'s vectorised passes on CPU (a GPU's layout,
 # as ``scripts.bench.construction_counts`` counts it, uses ``argmin``).
