@@ -349,26 +349,24 @@ def padded_groups(
     CPU a row of fewer than ``CPU_NARROWEST_PADDED_WIDTH`` centres joins rows of its own size only."""
     padding_free = point_capacity is not None
     narrow = 0 if device.type == "cuda" or padding_free else CPU_NARROWEST_PADDED_WIDTH
-    groups, current, most_points, own_points, own_distances = [], [], 0, 0, 0
+    groups, current = [], []
+    most_points = own_points = own_distances = 0  # of ``current``
     for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
-        most = max(most_points, point_counts[row])
-        points, distances = own_points + point_counts[row], own_distances + sizes[row] * point_counts[row]
-        held = (len(current) + 1) * most
+        held = (len(current) + 1) * max(most_points, point_counts[row])
         if padding_free:
-            fits = held - points <= CUDA_PADDED_POINTS_SLACK and held <= point_capacity
+            padded = held - own_points - point_counts[row]
+            fits = padded <= CUDA_PADDED_POINTS_SLACK and held <= point_capacity
         else:
+            distances = own_distances + sizes[row] * point_counts[row]
             fits = pads_within(held * sizes[current[0] if current else row], distances, device)
         narrow_beside_wider = current and sizes[row] < narrow and sizes[row] != sizes[current[0]]
         if current and (narrow_beside_wider or not fits):
             groups.append(current)
-            current, most, points, distances = (
-                [],
-                point_counts[row],
-                point_counts[row],
-                sizes[row] * point_counts[row],
-            )
+            current, most_points, own_points, own_distances = [], 0, 0, 0
         current.append(row)
-        most_points, own_points, own_distances = most, points, distances
+        most_points = max(most_points, point_counts[row])
+        own_points += point_counts[row]
+        own_distances += sizes[row] * point_counts[row]
     groups.append(current)
     return [
         RowGroup(
