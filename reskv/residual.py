@@ -83,15 +83,21 @@ def pads_within(padded: int, own: int, device: torch.device) -> bool:
     return padded <= CPU_PADDING_TOLERANCE * own
 
 
-def nearest_skips_padding(keys: Tensor) -> bool:
-    """Whether the nearest-centre step of points gathered from ``keys`` runs ``reskv.nearest_kernel``
-    (``nearest_centers``: on CUDA with Triton, ``CUDA_FUSED_NEAREST``, a product form for the points),
-    which scans each row's own points and centres only."""
-    if not (keys.is_cuda and CUDA_FUSED_NEAREST):
-        return False
+def nearest_kernel_form(device: torch.device, points_in_bf16: bool) -> str | None:
+    """The product form (``reskv.nearest_kernel.PRECISIONS``) in which ``reskv.nearest_kernel`` finds
+    the nearest centres of points on ``device`` (all bf16 values, or not): on CUDA with Triton and
+    ``CUDA_FUSED_NEAREST``, where the kernel has a form for them; ``None`` where the torch path runs."""
+    if device.type != "cuda" or not CUDA_FUSED_NEAREST:
+        return None
     from reskv import nearest_kernel  # imports Triton (slow to import), which the CPU never runs
 
-    return nearest_kernel.available() and nearest_kernel.precision(keys.dtype == torch.bfloat16) is not None
+    return nearest_kernel.precision(points_in_bf16) if nearest_kernel.available() else None
+
+
+def nearest_skips_padding(keys: Tensor) -> bool:
+    """Whether the nearest-centre step of points gathered from ``keys`` runs ``reskv.nearest_kernel``
+    (``nearest_kernel_form``), which scans each row's own points and centres only."""
+    return nearest_kernel_form(keys.device, keys.dtype == torch.bfloat16) is not None
 
 
 def distance_block_bytes(device: torch.device) -> int:
@@ -203,12 +209,11 @@ def nearest_centers(
     center_norms = (centers * centers).sum(-1)
     if center_bias is not None:
         center_norms.add_(center_bias)
-    if points.is_cuda and CUDA_FUSED_NEAREST:
-        from reskv import nearest_kernel  # imports Triton (slow to import), which the CPU never runs
+    form = nearest_kernel_form(points.device, points_in_bf16)
+    if form is not None:
+        from reskv import nearest_kernel
 
-        form = nearest_kernel.precision(points_in_bf16)
-        if nearest_kernel.available() and form is not None:
-            return nearest_kernel.nearest(points, centers, center_norms, form, extents=extents)
+        return nearest_kernel.nearest(points, centers, center_norms, form, extents=extents)
     width = distance_width(centers.shape[1], points.device)
     if width > centers.shape[1]:  # padding centres at the origin with norm +inf (distance_width)
         padding = width - centers.shape[1]
