@@ -17,6 +17,7 @@ it is compressed alone, bit for bit.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -88,17 +89,22 @@ def residual_choice(config: ResidualConfig, size: int, budget: int) -> float:
 
 
 def level_groups(
-    sizes: list[int], point_counts: list[int], budgets: list[int], grid: tuple[float, ...], keys: Tensor
+    sizes: list[int],
+    point_counts: list[int],
+    budgets: list[int],
+    grid: tuple[float, ...],
+    keys: Tensor,
+    rows_each: int,
 ) -> list[RowGroup]:
-    """The final cache's k-means groups: the rows with entries by grid level (a head's ``r`` is
-    ``floor(ratio * b_h + 0.5)`` of one level, so sizes within a level are close), grouped as
-    ``reskv.residual.level_row_groups`` does (points read from ``keys``); with uniform budgets a
-    level's sizes are equal."""
+    """The final caches' k-means groups, of configurations of ``rows_each`` rows each, stacked: the
+    rows with entries by configuration and grid level (a head's ``r`` is ``floor(ratio * b_h + 0.5)``
+    of one level, so sizes within a level are close), grouped as ``reskv.residual.level_row_groups``
+    does (points read from ``keys``); with uniform budgets a level's sizes are equal."""
     capped = [min(size, points) for size, points in zip(sizes, point_counts, strict=True)]
-    levels: dict[int, list[int]] = {}
+    levels: dict[tuple[int, int], list[int]] = {}
     for row, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
         if size:
-            levels.setdefault(grid_level(grid, size, budget), []).append(row)
+            levels.setdefault((row // rows_each, grid_level(grid, size, budget)), []).append(row)
     return level_row_groups(list(levels.values()), capped, point_counts, keys)
 
 
@@ -348,7 +354,7 @@ def construct(
         shared.head_budgets(
             scorer, sorted({budget for f, _, budget in wanted if f.key[0] == key}), model_layers
         )
-    sizes, choices = {}, {}
+    sizes, asked = {}, {}
     for family, ratio, budget in wanted:
         scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
         budgets = shared.budgets_of(scorer, budget, model_layers)
@@ -357,9 +363,12 @@ def construct(
             window = min(scorer.window, seq_len)
             sizes[key] = [fixed_sizes(residual, layer_budgets, window) for layer_budgets in budgets]
         elif residual is not None and (proxy := shared.proxy(scorer, residual)) is not None:
-            choices[key] = proxy.choose(sum(budgets, []))
+            asked.setdefault(id(proxy), (proxy, {}))[1][key] = sum(budgets, [])
+    choices = {}
+    for proxy, budget_sets in asked.values():  # each proxy's configurations chosen for together
+        choices.update(zip(budget_sets, proxy.choose_each(list(budget_sets.values())), strict=True))
     sizes |= read_together(choices, num_heads)
-    built, surviving = {}, {}
+    built, deployed = {}, defaultdict(dict)
     for family, ratio, budget in wanted:
         scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
         budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
@@ -374,17 +383,20 @@ def construct(
         main_sizes = [head - size for head, size in zip(sum(budgets, []), flat_sizes, strict=True)]
         kept = select_main(all_scores, window, uploaded(main_sizes, all_scores.device), ranks)
         if residual is not None and any(flat_sizes):
-            main_counts = [kept_count(size, seq_len) for size in main_sizes]
-            entries, entry_counts = final_entries(
-                shared.stacked(), kept, all_scores, layer_sizes, main_counts, budgets, residual
-            )
-            surviving[key] = entry_counts
+            deployed[residual][key] = Deployed(kept, all_scores, layer_sizes, main_sizes, budgets)
+            entries = []  # final_entries' below
         else:
             # Zero slots hold nothing to write into, so the layers share one set: a set per layer
             # launched 3 ops each, most of a base rule's planned construction (results/README.md).
             entries = [ResidualEntries.empty(num_heads, observations[0].keys)] * len(observations)
         none = [[0] * num_heads for _ in observations]
         built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
+    surviving = {}
+    for residual, of_residual in deployed.items():  # one k-means for every configuration of a residual
+        for key, (entries, entry_counts) in zip(
+            of_residual, final_entries(shared.stacked(), list(of_residual.values()), residual), strict=True
+        ):
+            built[key].entries, surviving[key] = entries, entry_counts
     for key, entry_counts in read_together(surviving, num_heads).items():
         built[key].entry_counts = entry_counts
     return built
@@ -445,42 +457,57 @@ def compress_layers(
     return shared.states(shared.construction(scorer, residual, ratio, model_layers), scorer, residual)
 
 
+@dataclass
+class Deployed:
+    """A configuration's deployed main selection, what its final entries summarise the rest of:
+    kept tokens and the scores that ranked them ``[L * H_kv, s]``, and host ints ``[L][H_kv]`` (its
+    residual sizes and heads' budgets) and ``[L * H_kv]`` (its main sizes)."""
+
+    kept: Tensor
+    scores: Tensor
+    sizes: list[list[int]]
+    main_sizes: list[int]
+    budgets: list[list[int]]
+
+
 def final_entries(
-    stacked: LayerObservation,
-    kept: Tensor,
-    scores: Tensor,
-    sizes: list[list[int]],
-    main_counts: list[int],
-    budgets: list[list[int]],
-    config: ResidualConfig,
-) -> tuple[list[ResidualEntries], Tensor]:
-    """The deployed entries of every layer's heads (k-means of ``E = S \\ M``, reskv.md; ``kept`` and
-    ``scores`` ``[L * H_kv, s]``, ``main_counts`` per row), clustered for all layers at once, and the
-    entries kept per head ``[L * H_kv]`` on the device (empty clusters dropped).
+    stacked: LayerObservation, configurations: list[Deployed], config: ResidualConfig
+) -> list[tuple[list[ResidualEntries], Tensor]]:
+    """Each configuration's deployed entries of every layer's heads (k-means of ``E = S \\ M``,
+    reskv.md), and its entries kept per head ``[L * H_kv]`` on the device (empty clusters dropped):
+    clustered at once, every configuration's rows stacked after the last's, grouped as
+    ``level_groups`` groups them by (configuration, grid level).
 
     A layer's entries are as wide as its largest ``min(r, |E|)``, the layout a layer compressed
     alone has, so that decode reads the same buffers."""
-    num_heads, seq_len = len(sizes[0]), stacked.seq_len
-    flat_sizes = sum(sizes, [])
-    point_counts = [seq_len - count for count in main_counts]
-    device = stacked.keys.device
-    groups = level_groups(flat_sizes, point_counts, sum(budgets, []), config.grid, stacked.keys)
+    num_heads, seq_len = len(configurations[0].sizes[0]), stacked.seq_len
+    flat_sizes = [size for deployed in configurations for size in sum(deployed.sizes, [])]
+    point_counts = [
+        seq_len - kept_count(size, seq_len) for deployed in configurations for size in deployed.main_sizes
+    ]
+    budgets = [budget for deployed in configurations for budget in sum(deployed.budgets, [])]
+    rows_each = len(configurations[0].main_sizes)
+    groups = level_groups(flat_sizes, point_counts, budgets, config.grid, stacked.keys, rows_each)
     entries = build_residual(
         stacked.keys,
         stacked.values,
-        ~kept,
-        scores,
-        uploaded(flat_sizes, device),
+        ~torch.cat([deployed.kept for deployed in configurations]),
+        torch.cat([deployed.scores for deployed in configurations]),
+        uploaded(flat_sizes, stacked.keys.device),
         config.kmeans_iterations,
         groups,
     )
-    per_layer = []
-    for layer in range(len(sizes)):
-        rows = slice(layer * num_heads, (layer + 1) * num_heads)
-        width = max(min(r, e) for r, e in zip(flat_sizes[rows], point_counts[rows], strict=True))
-        per_layer.append(
-            ResidualEntries(
-                entries.keys[rows, :width], entries.values[rows, :width], entries.log_counts[rows, :width]
+    entries_per_head = entries.entries_per_head
+    found = []
+    for number, deployed in enumerate(configurations):
+        per_layer = []
+        for layer in range(len(deployed.sizes)):
+            rows = slice(number * rows_each + layer * num_heads, number * rows_each + (layer + 1) * num_heads)
+            width = max(min(r, e) for r, e in zip(flat_sizes[rows], point_counts[rows], strict=True))
+            per_layer.append(
+                ResidualEntries(
+                    entries.keys[rows, :width], entries.values[rows, :width], entries.log_counts[rows, :width]
+                )
             )
-        )
-    return per_layer, entries.entries_per_head
+        found.append((per_layer, entries_per_head[number * rows_each : (number + 1) * rows_each]))
+    return found

@@ -68,12 +68,24 @@ class CandidateCaches:
 
     def part(self, rows: slice) -> CandidateCaches:
         """The caches of ``rows`` (views), laid out as all rows' (the same slots and padding)."""
+        return self.laid_out(
+            rows, self.main_rows.shape[1], self.residual.keys.shape[1], self.main_bias is not None
+        )
+
+    def laid_out(self, rows: slice, main_slots: int, entry_slots: int, padded: bool) -> CandidateCaches:
+        """The caches of ``rows`` (views) in ``main_slots`` main and ``entry_slots`` entry slots, with
+        the main cache's padding bias only where ``padded``: a row's slots past its own are padding, so
+        rows built beside wider ones are laid out as if built alone (``ValidationProxy.candidate_sets``)."""
         residual = self.residual
         return CandidateCaches(
             self.heads[rows],
-            self.main_rows[rows],
-            None if self.main_bias is None else self.main_bias[rows],
-            ResidualEntries(residual.keys[rows], residual.values[rows], residual.log_counts[rows]),
+            self.main_rows[rows, :main_slots],
+            self.main_bias[rows, :, :main_slots] if padded else None,
+            ResidualEntries(
+                residual.keys[rows, :entry_slots],
+                residual.values[rows, :entry_slots],
+                residual.log_counts[rows, :entry_slots],
+            ),
             self.evicted_fraction[rows],
         )
 
@@ -133,13 +145,26 @@ class ValidationProxy:
     def candidates(self, budgets: list[int], sizes: list[list[int]]) -> CandidateCaches:
         """The caches over ``S'`` of candidates ``sizes`` (``[C][H]`` host ints, 0 = no entries) for
         heads with deployed budgets ``budgets``: ``m' = b - r - |validation|`` main slots each."""
+        return self.candidate_sets([(budgets, sizes)])[0]
+
+    def candidate_sets(self, sets: list[tuple[list[int], list[list[int]]]]) -> list[CandidateCaches]:
+        """``candidates`` of several sets of heads' budgets and candidates' sizes (a grid's ratios), built
+        together: one gather of the ranking, one k-means for all their rows (grouped by
+        ``level_row_groups``: where the nearest-centre step skips padding, rows of every set share
+        groups; elsewhere each candidate's rows form their own, as alone). Each set's caches are
+        views laid out as that set's built alone (``CandidateCaches.laid_out``), so its losses are
+        the same bits as alone (``caches_errors``)."""
         keys, values, window, boundary = self.obs.keys, self.obs.values, self.prefix_window, self.boundary
         device = keys.device
-        heads = [head for _ in sizes for head in range(len(budgets))]
-        residual = [size for row in sizes for size in row]
+        heads, budget_of, residual = [], [], []
+        for budgets, sizes in sets:
+            for row in sizes:
+                heads += range(len(budgets))
+                budget_of += budgets
+                residual += row
         main = [
-            max(budgets[head] - size - self.validation_count, 0)
-            for head, size in zip(heads, residual, strict=True)
+            max(budget - size - self.validation_count, 0)
+            for budget, size in zip(budget_of, residual, strict=True)
         ]
         top = [max(slots - window, 0) for slots in main]  # from the ranking; the rest from P'
         kept_window = [min(window, slots) for slots in main]
@@ -164,9 +189,15 @@ class ValidationProxy:
             dim=1,
         )
         positions = columns.sort(dim=1).values[:, :longest].clamp_(max=boundary - 1)
+        # A set's rows: its candidates in turn, each over its heads.
+        spans, start = [], 0
+        for budgets, sizes in sets:
+            spans.append((start, len(budgets), len(sizes)))
+            start += len(budgets) * len(sizes)
         levels = [
-            [row for row in range(candidate * len(budgets), (candidate + 1) * len(budgets)) if residual[row]]
-            for candidate in range(len(sizes))
+            [row for row in range(first + c * width, first + (c + 1) * width) if residual[row]]
+            for first, width, candidates in spans
+            for c in range(candidates)
         ]
         groups = level_row_groups(levels, residual, evicted, keys)
         entries = cluster_rows(
@@ -181,9 +212,15 @@ class ValidationProxy:
             self.config.kmeans_iterations,
         )
         main_rows = token_rows(heads_t, positions, keys)  # one index for both gathers
-        return CandidateCaches(
+        every_row = CandidateCaches(
             heads_t, main_rows, padding_bias(counts, device), entries, evicted_t / boundary
         )
+        laid_out = []
+        for first, width, candidates in spans:
+            rows = slice(first, first + width * candidates)
+            own = counts[rows]
+            laid_out.append(every_row.laid_out(rows, max(own), max(residual[rows]), min(own) < max(own)))
+        return laid_out
 
     def candidate(self, budgets: Tensor, sizes: Tensor) -> CandidateCaches:
         """One candidate's caches for every head (sizes ``[H]``)."""
@@ -257,24 +294,43 @@ class ValidationProxy:
         return self.errors(budgets, sizes).mean(dim=-1)
 
     def choose(self, budgets: list[int] | Tensor) -> Tensor:
-        """``r* = argmin_{r>0} L_r`` (the first candidate on ties), kept only where
-        ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible. ``[H]`` long,
-        on the device: nothing is read back."""
-        budgets = budgets.tolist() if isinstance(budgets, Tensor) else budgets
+        """``choose_each`` of one deployed cache's heads' budgets."""
+        return self.choose_each([budgets.tolist() if isinstance(budgets, Tensor) else budgets])[0]
+
+    def choose_each(self, budget_sets: list[list[int]]) -> list[Tensor]:
+        """For each of ``budget_sets`` (a deployed cache's heads' budgets: a grid's ratios),
+        ``r* = argmin_{r>0} L_r`` per head (the first candidate on ties), kept only where
+        ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible. ``[H]`` long
+        each, on the device: nothing is read back. Every set's candidates are built together
+        (``candidate_sets``), each set's losses as that set's alone."""
         device = self.obs.keys.device
-        none = torch.zeros(len(budgets), dtype=torch.long, device=device)
-        grid = candidate_sizes(self.config, budgets, self.prefix_window, self.validation_count)
-        admissible = [sizes for sizes in grid if any(sizes)]
-        if not admissible:
-            return none
-        caches = self.candidates(budgets, [[0] * len(budgets), *admissible])
-        losses = self.caches_errors(caches).mean(dim=-1).reshape(1 + len(admissible), len(budgets))
-        main_only, candidate_losses = losses[0], losses[1:]
-        sizes = uploaded(admissible, device)
-        candidate_losses = candidate_losses.masked_fill(sizes == 0, float("inf"))
-        best = candidate_losses.argmin(dim=0, keepdim=True)  # the first of equal losses
-        accepted = candidate_losses.gather(0, best)[0] < (1 - self.config.delta) * main_only
-        return sizes.gather(0, best)[0].masked_fill(~accepted, 0)
+        grids = [
+            [
+                sizes
+                for sizes in candidate_sizes(self.config, budgets, self.prefix_window, self.validation_count)
+                if any(sizes)
+            ]
+            for budgets in budget_sets
+        ]
+        judged = [
+            (budgets, [[0] * len(budgets), *admissible])
+            for budgets, admissible in zip(budget_sets, grids, strict=True)
+            if admissible
+        ]
+        caches = iter(self.candidate_sets(judged) if judged else [])
+        chosen = []
+        for budgets, admissible in zip(budget_sets, grids, strict=True):
+            if not admissible:
+                chosen.append(torch.zeros(len(budgets), dtype=torch.long, device=device))
+                continue
+            losses = self.caches_errors(next(caches)).mean(dim=-1).reshape(1 + len(admissible), len(budgets))
+            main_only, candidate_losses = losses[0], losses[1:]
+            sizes = uploaded(admissible, device)
+            candidate_losses = candidate_losses.masked_fill(sizes == 0, float("inf"))
+            best = candidate_losses.argmin(dim=0, keepdim=True)  # the first of equal losses
+            accepted = candidate_losses.gather(0, best)[0] < (1 - self.config.delta) * main_only
+            chosen.append(sizes.gather(0, best)[0].masked_fill(~accepted, 0))
+        return chosen
 
     def fit_selection(self) -> tuple[Tensor, int]:
         """Scores ``[H_kv, s]`` and protected window for ``final_selection="fit"``: the deployed cache

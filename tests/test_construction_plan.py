@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+import reskv.compress
 import reskv.residual
 from baselines import build_method, build_scorer
 from reskv.compress import compress_layer, compress_layers
@@ -271,3 +272,20 @@ def test_levels_group_apart_unless_the_kernel_skips_padding(monkeypatch):
     assert [(group.rows, group.max_size, group.equal_sizes) for group in together] == [
         ([0, 1, 2, 3], 20, False)
     ]
+
+
+def test_final_levels_of_stacked_configurations_group_as_each_alone(monkeypatch):
+    """``reskv.compress.level_groups`` of two configurations of 2 rows each, stacked (a grid's ratios'
+    final caches clustered at once): on CPU a level is a (configuration, grid level), so each
+    configuration's rows group as alone, though both have a row at grid level 0.1 (budgets 150 and 160:
+    r = 15 and 16, within the CPU's padding tolerance of each other, which one level's rows would
+    share); where the kernel skips padding every row with entries joins one group."""
+    keys = torch.zeros(2, 100, 8)
+    grid = (0.0, 0.1, 0.2)
+    # by hand: r = floor(0.1 b + 0.5) at b = 150, 160 is 15, 16; at 0.2 and b = 150, 30
+    sizes, budgets, points = [15, 30, 16, 0], [150, 150, 160, 160], [60, 70, 60, 60]
+    found = reskv.compress.level_groups(sizes, points, budgets, grid, keys, rows_each=2)
+    assert [group.rows for group in found] == [[0], [1], [2]]
+    monkeypatch.setattr(reskv.residual, "nearest_skips_padding", lambda keys: True)
+    together = reskv.compress.level_groups(sizes, points, budgets, grid, keys, rows_each=2)
+    assert [group.rows for group in together] == [[1, 2, 0]]

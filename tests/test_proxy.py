@@ -17,7 +17,7 @@ import torch
 import reskv.proxy
 from baselines import build_method, build_scorer
 from reskv.compress import ResidualConfig, budget_for, compress_layer
-from reskv.config import residual_size
+from reskv.config import candidate_sizes, residual_size
 from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.scoring import LayerObservation
@@ -360,6 +360,42 @@ def test_losses_in_blocks_of_rows_equal_the_losses_of_all_rows_at_once(observati
     monkeypatch.setattr(reskv.proxy, "loss_block_bytes", lambda device: 1)  # one row a block
     assert torch.equal(proxy.caches_errors(caches), whole)
     assert torch.equal(proxy.choose(budgets), chosen)
+
+
+@pytest.mark.parametrize("base", ["snapkv", "adakv"])
+def test_candidates_of_several_budget_sets_built_together_are_each_set_s_alone(observation, base):
+    """A grid's ratios' candidates built together (``candidate_sets``: one ranking gathered, one
+    k-means) give each set its caches laid out as alone, the same shapes and bits, and so the same
+    losses and choices (``choose_each``); ratio 0.4's heads are laid out wider than 0.6's."""
+    proxy, heads = proxy_for(observation, base), observation.num_kv_heads
+    budget_sets = [
+        reference_budgets(base, observation, budget_for(observation.seq_len, ratio))
+        for ratio in (0.4, 0.6, 0.5)
+    ]
+    window = proxy.prefix_window
+    sizes = [
+        [
+            [0] * heads,
+            *(row for row in candidate_sizes(proxy.config, budgets, window, VALIDATION) if any(row)),
+        ]
+        for budgets in budget_sets
+    ]
+    together = proxy.candidate_sets(list(zip(budget_sets, sizes, strict=True)))
+    for budgets, candidates, got in zip(budget_sets, sizes, together, strict=True):
+        alone = proxy.candidates(budgets, candidates)
+        for field in ("heads", "main_rows", "main_bias", "evicted_fraction"):
+            expected, found = getattr(alone, field), getattr(got, field)
+            assert (found is None) == (expected is None)
+            assert expected is None or (found.shape == expected.shape and torch.equal(found, expected))
+        for field in ("keys", "values", "log_counts"):
+            expected, found = getattr(alone.residual, field), getattr(got.residual, field)
+            assert found.shape == expected.shape and torch.equal(found, expected)
+        assert torch.equal(proxy.caches_errors(got), proxy.caches_errors(alone))
+    assert together[0].main_rows.shape[1] > together[1].main_rows.shape[1]  # the layouts differ
+    chosen = proxy.choose_each(budget_sets)
+    assert all(
+        torch.equal(got, proxy.choose(budgets)) for got, budgets in zip(chosen, budget_sets, strict=True)
+    )
 
 
 def test_beta_zero_keeps_the_residual_in_the_proxy(observation):
