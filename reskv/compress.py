@@ -369,9 +369,11 @@ def construct(
         choices.update(zip(budget_sets, proxy.choose_each(list(budget_sets.values())), strict=True))
     sizes |= read_together(choices, num_heads)
     built, deployed = {}, defaultdict(dict)
-    for family, ratio, budget in wanted:
-        scorer, residual, key = family.scorer, family.residual, (family.key, ratio)
-        budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
+    for family in families:  # every ratio's main selection from one pass over the family's scores
+        ratios = [(ratio, budget) for f, ratio, budget in wanted if f is family]
+        if not ratios:
+            continue
+        scorer, residual = family.scorer, family.residual
         all_scores, window, ranks = None, scorer.window, None
         if residual is not None and residual.final_selection == "fit" and residual.validate:
             proxy = shared.proxy(scorer, residual)
@@ -379,18 +381,30 @@ def construct(
                 all_scores, window = proxy.fit_selection()
         if all_scores is None:
             all_scores, ranks = shared.stacked_scores(scorer), shared.ranks(scorer)
-        flat_sizes = sum(layer_sizes, [])
-        main_sizes = [head - size for head, size in zip(sum(budgets, []), flat_sizes, strict=True)]
-        kept = select_main(all_scores, window, uploaded(main_sizes, all_scores.device), ranks)
-        if residual is not None and any(flat_sizes):
-            deployed[residual][key] = Deployed(kept, all_scores, layer_sizes, main_sizes, budgets)
-            entries = []  # final_entries' below
-        else:
-            # Zero slots hold nothing to write into, so the layers share one set: a set per layer
-            # launched 3 ops each, most of a base rule's planned construction (results/README.md).
-            entries = [ResidualEntries.empty(num_heads, observations[0].keys)] * len(observations)
-        none = [[0] * num_heads for _ in observations]
-        built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
+        main_sizes = [
+            [
+                head - size
+                for head, size in zip(
+                    sum(shared.budgets_of(scorer, budget, model_layers), []),
+                    sum(sizes[family.key, ratio], []),
+                    strict=True,
+                )
+            ]
+            for ratio, budget in ratios
+        ]
+        every_kept = select_main(all_scores, window, uploaded(main_sizes, all_scores.device), ranks)
+        for (ratio, budget), kept, ratio_main_sizes in zip(ratios, every_kept, main_sizes, strict=True):
+            key = family.key, ratio
+            budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
+            if residual is not None and any(map(any, layer_sizes)):
+                deployed[residual][key] = Deployed(kept, all_scores, layer_sizes, ratio_main_sizes, budgets)
+                entries = []  # final_entries' below
+            else:
+                # Zero slots hold nothing to write into, so the layers share one set: a set per layer
+                # launched 3 ops each, most of a base rule's planned construction (results/README.md).
+                entries = [ResidualEntries.empty(num_heads, observations[0].keys)] * len(observations)
+            none = [[0] * num_heads for _ in observations]
+            built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
     surviving = {}
     for residual, of_residual in deployed.items():  # one k-means for every configuration of a residual
         for key, (entries, entry_counts) in zip(

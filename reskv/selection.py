@@ -56,25 +56,26 @@ def prefix_ranks(scores: Tensor, window: int) -> Tensor:
 
 
 def select_main(scores: Tensor, window: int, main_sizes: Tensor, ranks: Tensor | None = None) -> Tensor:
-    """Kept-token mask ``[H, s]``: the last ``window`` tokens plus the top ``main_sizes[h] - window``
-    tokens before them (Eq. main_selection: ``M = P ∪ Top_{m-|P|}(s)``).
+    """Kept-token mask ``[..., H, s]``: the last ``window`` tokens plus the top ``main_sizes[..., h] -
+    window`` tokens before them (Eq. main_selection: ``M = P ∪ Top_{m-|P|}(s)``).
 
-    ``main_sizes`` is ``[H]`` on the scores' device (ragged budgets, e.g. AdaKV). A head whose size is
-    below the window keeps only its last ``main_sizes[h]`` tokens: the documented fallback for budgets
-    smaller than the protected window. ``ranks``: the scores' ``prefix_ranks`` for ``window``, when
-    they are at hand.
+    ``main_sizes`` is ``[..., H]`` on the scores' device (ragged budgets, e.g. AdaKV; several
+    selections of the same scores, e.g. a grid's ratios, along the leading dimensions). A head whose
+    size is below the window keeps only its last ``main_sizes[..., h]`` tokens: the documented
+    fallback for budgets smaller than the protected window. ``ranks``: the scores' ``prefix_ranks``
+    for ``window``, when they are at hand.
     """
-    num_heads, seq_len = scores.shape
+    seq_len = scores.shape[-1]
     window = min(window, seq_len)
     sizes = main_sizes.clamp(min=0, max=seq_len)
     prefix_len = seq_len - window
     ranks = prefix_ranks(scores, window) if ranks is None else ranks
-    prefix_kept = ranks < (sizes - window).clamp(min=0)[:, None]
+    prefix_kept = ranks < (sizes - window).clamp(min=0)[..., None]
     from_end = seq_len - 1 - torch.arange(window, device=scores.device)  # window positions, newest first
-    window_kept = torch.zeros(num_heads, seq_len, dtype=torch.bool, device=scores.device)
-    window_rank = torch.arange(window, device=scores.device)[None, :] < sizes[:, None]
-    window_kept[:, from_end] = window_rank
-    window_kept[:, :prefix_len] = prefix_kept
+    window_kept = torch.zeros(*sizes.shape, seq_len, dtype=torch.bool, device=scores.device)
+    window_rank = torch.arange(window, device=scores.device) < sizes[..., None]
+    window_kept[..., from_end] = window_rank
+    window_kept[..., :prefix_len] = prefix_kept
     return window_kept
 
 

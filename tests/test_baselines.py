@@ -331,6 +331,20 @@ def test_adakv_budgets_and_selection_match_plain_rule(group):
         assert int(kept.sum()) == 3 * min(budget, 36)
 
 
+def test_main_selections_of_every_budget_at_once_are_the_plain_rule_s():
+    """``select_main`` of main sizes ``[budgets, H]`` (a grid's ratios over one ranking) selects for
+    every budget what the plain rule keeps, from below the window to the whole prompt."""
+    obs, _ = make_obs(36, 3, 2, 8, seed=15)
+    scorer = AdaKV(window=4)
+    scores = scorer.prompt_scores(obs)
+    prefix = plain_snapkv(obs.queries[:, -4:], obs.query_positions[-4:], obs.keys, 2, 4, 5)
+    every = [scorer.head_budgets(scores, budget).tolist() for budget in range(42)]
+    kept = select_main(scores, 4, torch.tensor(every))
+    assert kept.shape == (42, 3, 36)
+    for sizes, found in zip(every, kept, strict=True):
+        assert torch.equal(found, plain_kept(prefix, 36, 4, sizes))
+
+
 def test_adakv_largest_remainder_ties_go_to_the_lower_head():
     """B = 2 over 3 heads; head counts (5, 0, 1) or (0, 5, 1) give caps (4.4, 0.4, 1.2) or
     (0.4, 4.4, 1.2): one slot short, remainders .4 tie and head 0 takes it."""
