@@ -512,16 +512,23 @@ def final_entries(
         groups,
     )
     entries_per_head = entries.entries_per_head
+    capped = [min(r, e) for r, e in zip(flat_sizes, point_counts, strict=True)]
     found = []
-    for number, deployed in enumerate(configurations):
-        per_layer = []
-        for layer in range(len(deployed.sizes)):
-            rows = slice(number * rows_each + layer * num_heads, number * rows_each + (layer + 1) * num_heads)
-            width = max(min(r, e) for r, e in zip(flat_sizes[rows], point_counts[rows], strict=True))
-            per_layer.append(
-                ResidualEntries(
-                    entries.keys[rows, :width], entries.values[rows, :width], entries.log_counts[rows, :width]
-                )
+    for number in range(len(configurations)):
+        first = number * rows_each
+        # Each configuration's entries a copy at its own width where several were stacked (a view
+        # would keep every configuration's, padded to the widest, alive as long as any one's), so a
+        # construction holds what it holds alone, and the stacked entries are a transient.
+        width = max(capped[first : first + rows_each])
+        own = entries
+        if len(configurations) > 1:
+            own = ResidualEntries(
+                *(part[first : first + rows_each, :width].clone() for part in entries.fields())
             )
-        found.append((per_layer, entries_per_head[number * rows_each : (number + 1) * rows_each]))
+        per_layer = []
+        for layer in range(rows_each // num_heads):
+            rows = slice(layer * num_heads, (layer + 1) * num_heads)
+            layer_width = max(capped[first + rows.start : first + rows.stop])
+            per_layer.append(ResidualEntries(*(part[rows, :layer_width] for part in own.fields())))
+        found.append((per_layer, entries_per_head[first : first + rows_each]))
     return found

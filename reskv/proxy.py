@@ -81,13 +81,14 @@ class CandidateCaches:
             self.heads[rows],
             self.main_rows[rows, :main_slots],
             self.main_bias[rows, :, :main_slots] if padded else None,
-            ResidualEntries(
-                residual.keys[rows, :entry_slots],
-                residual.values[rows, :entry_slots],
-                residual.log_counts[rows, :entry_slots],
-            ),
+            ResidualEntries(*(part[rows, :entry_slots] for part in residual.fields())),
             self.evicted_fraction[rows],
         )
+
+
+# A candidate row's int64 index tables while ``ValidationProxy.candidate_sets`` builds them, per token
+# before β at most: the ranking gathered, M''s columns, and their sort's values and indices.
+CANDIDATE_TABLE_BYTES = 4 * 8
 
 
 def loss_block_bytes(device: torch.device) -> float:
@@ -222,6 +223,24 @@ class ValidationProxy:
             laid_out.append(every_row.laid_out(rows, max(own), max(residual[rows]), min(own) < max(own)))
         return laid_out
 
+    def table_batches(
+        self, sets: list[tuple[list[int], list[list[int]]]]
+    ) -> list[list[tuple[list[int], list[list[int]]]]]:
+        """``sets`` (as ``candidate_sets`` takes them) in turn, in as few batches as keep a batch's index
+        tables (``CANDIDATE_TABLE_BYTES`` a row and token before β) within ``loss_block_bytes``, a set
+        a batch at least: at 32K tokens and the 8B shape a set's tables are ~1.6 GB, every ratio's of
+        two rules ~13 GB; on CPU one batch."""
+        limit = loss_block_bytes(self.obs.keys.device)
+        batches, held = [], 0
+        for budgets, sizes in sets:
+            table = len(budgets) * len(sizes) * self.boundary * CANDIDATE_TABLE_BYTES
+            if not batches or held + table > limit:
+                batches.append([])
+                held = 0
+            batches[-1].append((budgets, sizes))
+            held += table
+        return batches
+
     def candidate(self, budgets: Tensor, sizes: Tensor) -> CandidateCaches:
         """One candidate's caches for every head (sizes ``[H]``)."""
         return self.candidates(budgets.tolist(), [sizes.tolist()])
@@ -317,7 +336,9 @@ class ValidationProxy:
             for budgets, admissible in zip(budget_sets, grids, strict=True)
             if admissible
         ]
-        caches = iter(self.candidate_sets(judged) if judged else [])
+        caches = iter(
+            [caches for batch in self.table_batches(judged) for caches in self.candidate_sets(batch)]
+        )
         chosen = []
         for budgets, admissible in zip(budget_sets, grids, strict=True):
             if not admissible:

@@ -128,6 +128,10 @@ class ResidualEntries:
     def entries_per_head(self) -> Tensor:
         return torch.isfinite(self.log_counts).sum(dim=-1)
 
+    def fields(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values and log-counts, the order the constructor takes them."""
+        return self.keys, self.values, self.log_counts
+
     @classmethod
     def empty(cls, num_heads: int, like: Tensor) -> ResidualEntries:
         none = like.new_zeros(num_heads, 0, like.shape[-1])

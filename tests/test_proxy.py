@@ -398,6 +398,26 @@ def test_candidates_of_several_budget_sets_built_together_are_each_set_s_alone(o
     )
 
 
+def test_candidate_sets_are_built_in_batches_whose_index_tables_fit_a_loss_block(observation, monkeypatch):
+    """``table_batches``: sets of 2, 3 and 1 candidates over H heads hold index tables of 2, 3 and 1
+    times ``H * β * 32`` bytes; within 4 of those, the first set goes alone and the last two together.
+    A batch a set chooses the same sizes, bit for bit, as one batch for all."""
+    proxy, heads = proxy_for(observation, "snapkv"), observation.num_kv_heads
+    budget = budget_for(observation.seq_len, 0.4)
+    sets = [([budget] * heads, [[0] * heads] * candidates) for candidates in (2, 3, 1)]
+    unit = heads * proxy.boundary * 32  # by hand: 4 int64 tables a row and token before β
+    monkeypatch.setattr(reskv.proxy, "loss_block_bytes", lambda device: 4 * unit)
+    assert proxy.table_batches(sets) == [sets[:1], sets[1:]]
+    budget_sets = [[budget_for(observation.seq_len, ratio)] * heads for ratio in (0.4, 0.5, 0.6)]
+    monkeypatch.setattr(reskv.proxy, "loss_block_bytes", lambda device: math.inf)
+    together = proxy.choose_each(budget_sets)
+    monkeypatch.setattr(reskv.proxy, "loss_block_bytes", lambda device: 1)
+    assert len(proxy.table_batches([(budgets, [[0] * heads]) for budgets in budget_sets])) == 3
+    apart = proxy.choose_each(budget_sets)
+    assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+    assert any(int(chosen.max()) > 0 for chosen in together)
+
+
 def test_beta_zero_keeps_the_residual_in_the_proxy(observation):
     """Invariant 10 in the proxy: with beta = 0 the candidate losses are finite and a residual is
     still chosen where it helps (a NaN in the losses would silently turn it off)."""

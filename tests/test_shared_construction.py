@@ -75,6 +75,22 @@ def test_each_configuration_of_a_shared_grid_equals_its_compression_alone(prefil
             assert torch.equal(got, expected)
 
 
+def test_each_configuration_of_a_planned_grid_holds_its_entries_at_its_own_width(prefill):
+    """A setting's final entries are clustered at once (``reskv.compress.final_entries``), stacked and
+    padded to the widest configuration's; each configuration then holds entries of its own width, as
+    alone, not views that would keep the stacked entries alive."""
+    methods = [method for method in grid_methods() if method.residual is not None]
+
+    def held(cache) -> list[int]:
+        return [layer.residual.keys.untyped_storage().nbytes() for layer in cache.layers]
+
+    alone = [held(prefill.compressed(method, "aware")[0]) for method in methods]
+    with prefill.sharing_construction([(method, "aware") for method in methods]):
+        planned = [held(prefill.compressed(method, "aware")[0]) for method in methods]
+    assert planned == alone
+    assert len({sum(nbytes) for nbytes in alone}) > 2  # the configurations' widths differ
+
+
 def test_a_grid_scores_each_layer_once_per_score_and_builds_one_proxy_per_score_and_residual(
     prefill, monkeypatch
 ):
