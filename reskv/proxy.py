@@ -14,7 +14,9 @@ Every candidate of every head (and of every layer, when layers are stacked along
 integers, so no shape is read back from the device and a GPU's host issues few ops: one sort of
 the fit scores serves all candidates, since candidate ``r``'s ``M'`` is the top ``m'_r - |P'|`` of
 that ranking plus ``P'`` and its ``E'`` the rest, in ranking order; one padded k-means per grid
-level; one joint attention for all losses.
+level (and, where the nearest-centre kernel skips padding, for several levels and configurations
+together); one joint attention for a configuration's losses. A grid's configurations that share a
+proxy have their candidates built together (``candidate_sets``), each judged as alone.
 """
 
 from __future__ import annotations
