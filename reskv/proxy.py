@@ -230,8 +230,8 @@ class ValidationProxy:
     ) -> list[list[tuple[list[int], list[list[int]]]]]:
         """``sets`` (as ``candidate_sets`` takes them) in turn, in as few batches as keep a batch's index
         tables (``CANDIDATE_TABLE_BYTES`` a row and token before β) within ``loss_block_bytes``, a set
-        a batch at least: at 32K tokens and the 8B shape a set's tables are ~1.6 GB, every ratio's of
-        two rules ~13 GB; on CPU one batch."""
+        a batch at least (at 32K tokens, every ratio's of two rules would hold several loss blocks:
+        results/README.md); on CPU one batch."""
         limit = loss_block_bytes(self.obs.keys.device)
         batches, held = [], 0
         for budgets, sizes in sets:

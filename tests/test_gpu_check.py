@@ -271,8 +271,8 @@ def test_compare_paths_marks_a_path_that_chose_other_residual_sizes(monkeypatch)
     """A path whose proxy keeps no entries (a stand-in for a near tie gone the other way) is marked."""
     no_entries = (
         ValidationProxy,
-        "choose",
-        lambda self, budgets: torch.zeros(len(budgets), dtype=torch.long),
+        "choose_each",
+        lambda self, budget_sets: [torch.zeros(len(budgets), dtype=torch.long) for budgets in budget_sets],
     )
     monkeypatch.setattr(efficiency, "CONSTRUCTION_VARIANTS", {"construct_s_no_entries": no_entries})
     torch.manual_seed(0)
