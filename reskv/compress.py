@@ -381,21 +381,20 @@ def construct(
                 all_scores, window = proxy.fit_selection()
         if all_scores is None:
             all_scores, ranks = shared.stacked_scores(scorer), shared.ranks(scorer)
+        every_budgets = [shared.budgets_of(scorer, budget, model_layers) for _, budget in ratios]
         main_sizes = [
             [
                 head - size
-                for head, size in zip(
-                    sum(shared.budgets_of(scorer, budget, model_layers), []),
-                    sum(sizes[family.key, ratio], []),
-                    strict=True,
-                )
+                for head, size in zip(sum(budgets, []), sum(sizes[family.key, ratio], []), strict=True)
             ]
-            for ratio, budget in ratios
+            for (ratio, _), budgets in zip(ratios, every_budgets, strict=True)
         ]
         every_kept = select_main(all_scores, window, uploaded(main_sizes, all_scores.device), ranks)
-        for (ratio, budget), kept, ratio_main_sizes in zip(ratios, every_kept, main_sizes, strict=True):
+        for (ratio, budget), budgets, kept, ratio_main_sizes in zip(
+            ratios, every_budgets, every_kept, main_sizes, strict=True
+        ):
             key = family.key, ratio
-            budgets, layer_sizes = shared.budgets_of(scorer, budget, model_layers), sizes[key]
+            layer_sizes = sizes[key]
             if residual is not None and any(map(any, layer_sizes)):
                 deployed[residual][key] = Deployed(kept, all_scores, layer_sizes, ratio_main_sizes, budgets)
                 entries = []  # final_entries' below
