@@ -160,7 +160,9 @@ class ValidationProxy:
         keys, values, window, boundary = self.obs.keys, self.obs.values, self.prefix_window, self.boundary
         device = keys.device
         heads, budget_of, residual = [], [], []
+        spans = []  # a set's rows: (first, heads, candidates), its candidates in turn over its heads
         for budgets, sizes in sets:
+            spans.append((len(heads), len(budgets), len(sizes)))
             for row in sizes:
                 heads += range(len(budgets))
                 budget_of += budgets
@@ -192,11 +194,6 @@ class ValidationProxy:
             dim=1,
         )
         positions = columns.sort(dim=1).values[:, :longest].clamp_(max=boundary - 1)
-        # A set's rows: its candidates in turn, each over its heads.
-        spans, start = [], 0
-        for budgets, sizes in sets:
-            spans.append((start, len(budgets), len(sizes)))
-            start += len(budgets) * len(sizes)
         levels = [
             [row for row in range(first + c * width, first + (c + 1) * width) if residual[row]]
             for first, width, candidates in spans
