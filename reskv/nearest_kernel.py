@@ -132,6 +132,55 @@ if triton is not None:
             return tl.dot(point_tile.to(tl.bfloat16), tl.trans(part.to(tl.bfloat16)), accumulator)
         return tl.dot(point_tile, tl.trans(part), accumulator, input_precision="tf32")
 
+    @triton.jit
+    def nearest_in_row(
+        point_tile,
+        centers,
+        center_norms,
+        num_centers,
+        scanned,
+        dim,
+        feature,
+        POINT_TILE: tl.constexpr,
+        CENTER_TILE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        SPLIT_BF16: tl.constexpr,
+    ):
+        """Index (int32) of each of ``point_tile``'s points' nearest centre among one row's first
+        ``scanned`` centres (``centers`` ``[num_centers, dim]`` fp32 and their ``center_norms``, the
+        row's), by the rule and in the ``PRECISION`` of the module docstring: the centres a tile at a
+        time, a running minimum, no distance written."""
+        best = tl.full([POINT_TILE], float("inf"), tl.float32)
+        best_index = tl.zeros([POINT_TILE], tl.int32)
+        for start in range(0, scanned, CENTER_TILE):
+            center = start + tl.arange(0, CENTER_TILE)
+            center_tile = tl.load(
+                centers + center[:, None] * dim + feature[None, :],
+                mask=(center[:, None] < scanned) & (feature[None, :] < dim),
+                other=0.0,
+            )
+            norms = tl.load(center_norms + center, mask=center < scanned, other=float("inf"))
+            if PRECISION == "bf16x3":  # the exact split, smallest part first (module docstring)
+                high = center_tile.to(tl.bfloat16).to(tl.float32)
+                rest = center_tile - high
+                middle = rest.to(tl.bfloat16).to(tl.float32)
+                low = rest - middle
+                products = split_product(point_tile, low, None, SPLIT_BF16)
+                products = split_product(point_tile, middle, products, SPLIT_BF16)
+                products = split_product(point_tile, high, products, SPLIT_BF16)
+            else:
+                products = tl.dot(point_tile, tl.trans(center_tile), input_precision=PRECISION)
+            distances = norms[None, :] - 2.0 * products
+            tile_best = tl.min(distances, axis=1)
+            # The tile's first minimum, written out: the interpreter's argmin ignores tie_break_left.
+            tile_index = tl.min(
+                tl.where(distances == tile_best[:, None], center[None, :], num_centers), axis=1
+            )
+            better = tile_best < best
+            best = tl.where(better, tile_best, best)
+            best_index = tl.where(better, tile_index, best_index)
+        return best_index
+
     @triton.jit(do_not_specialize=["num_points", "num_centers"])  # one compilation per head dim
     def _nearest_kernel(
         points,
@@ -158,39 +207,12 @@ if triton is not None:
             mask=(point[:, None] < num_points) & (feature[None, :] < dim),
             other=0.0,
         )
-        best = tl.full([POINT_TILE], float("inf"), tl.float32)
-        best_index = tl.zeros([POINT_TILE], tl.int32)
         scanned = num_centers
         if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
             own = tl.minimum(tl.load(center_counts + row).to(tl.int32), num_centers)
             scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
-        for start in range(0, scanned, CENTER_TILE):
-            center = start + tl.arange(0, CENTER_TILE)
-            center_tile = tl.load(
-                centers + (row * num_centers + center[:, None]) * dim + feature[None, :],
-                mask=(center[:, None] < scanned) & (feature[None, :] < dim),
-                other=0.0,
-            )
-            norms = tl.load(
-                center_norms + row * num_centers + center, mask=center < scanned, other=float("inf")
-            )
-            if PRECISION == "bf16x3":  # the exact split, smallest part first (module docstring)
-                high = center_tile.to(tl.bfloat16).to(tl.float32)
-                rest = center_tile - high
-                middle = rest.to(tl.bfloat16).to(tl.float32)
-                low = rest - middle
-                products = split_product(point_tile, low, None, SPLIT_BF16)
-                products = split_product(point_tile, middle, products, SPLIT_BF16)
-                products = split_product(point_tile, high, products, SPLIT_BF16)
-            else:
-                products = tl.dot(point_tile, tl.trans(center_tile), input_precision=PRECISION)
-            distances = norms[None, :] - 2.0 * products
-            tile_best = tl.min(distances, axis=1)
-            # The tile's first minimum, written out: the interpreter's argmin ignores tie_break_left.
-            tile_index = tl.min(
-                tl.where(distances == tile_best[:, None], center[None, :], num_centers), axis=1
-            )
-            better = tile_best < best
-            best = tl.where(better, tile_best, best)
-            best_index = tl.where(better, tile_index, best_index)
+        best_index = nearest_in_row(
+            point_tile, centers + row * num_centers * dim, center_norms + row * num_centers,
+            num_centers, scanned, dim, feature, POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
+        )  # fmt: skip
         tl.store(nearest_index + row * num_points + point, best_index.to(tl.int64), mask=point < num_points)

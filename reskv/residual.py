@@ -56,6 +56,13 @@ CPU_VECTORISED_ARGMIN = True
 # (``nearest_kernel.precision``: bf16 keys' on tensor cores); off, or for other points, by the torch
 # path below.
 CUDA_FUSED_NEAREST = True
+# On CUDA with Triton, run each k-means group's Lloyd steps as ``reskv.lloyd_kernel`` where the nearest
+# centres of the keys have a kernel form (``nearest_kernel_form``: bf16 keys): its points read by index
+# from the keys and values (no fp32 copy of them), a zeroed scratch and 1 + 2 x iterations launches a
+# group (10 ops) where the torch path launches ~86 (``scripts.bench.grid_constructions --fused-lloyd``
+# counts both). Off until a GPU has checked and timed it (``scripts.bench.gpu_check.first``'s kernels
+# and profile stages).
+CUDA_FUSED_LLOYD = False
 # On CUDA, sum each cluster's points by ``sorted_cluster_sums`` (a sort and a segment sum, in point
 # order: the same sums from run to run) instead of ``index_add_``'s atomics, a visible share of the
 # construction's device time on a GPU (results/gpu/README.md). Off until a GPU has timed it
@@ -98,6 +105,14 @@ def nearest_skips_padding(keys: Tensor) -> bool:
     """Whether the nearest-centre step of points gathered from ``keys`` runs ``reskv.nearest_kernel``
     (``nearest_kernel_form``), which scans each row's own points and centres only."""
     return nearest_kernel_form(keys.device, keys.dtype == torch.bfloat16) is not None
+
+
+def fused_lloyd_form(keys: Tensor) -> str | None:
+    """The product form in which ``reskv.lloyd_kernel`` clusters points of ``keys`` (``CUDA_FUSED_LLOYD``
+    and the nearest-centre kernel's form for them, ``nearest_kernel_form``); ``None``: the torch path."""
+    if not CUDA_FUSED_LLOYD:
+        return None
+    return nearest_kernel_form(keys.device, keys.dtype == torch.bfloat16)
 
 
 def distance_block_bytes(device: torch.device) -> int:
@@ -429,7 +444,8 @@ def cluster_rows(
     of one head evict nested suffixes of one ranking (reskv.md: ``E' = S' \\ M'``, ``M'`` the top
     of that ranking), so one sort serves them all. ``sizes[i] <= point_counts[i]``; rows in no group
     get no entries. A group is one padded k-means whose rows get the entries they get alone:
-    padded points weigh 0 and padded centres never win (``nearest_centers``).
+    padded points weigh 0 and padded centres never win (``nearest_centers``); on CUDA with
+    ``CUDA_FUSED_LLOYD``, ``reskv.lloyd_kernel`` clusters it, each row over its own points and centres.
     """
     rows, dim = order.shape[0], keys.shape[-1]
     max_size = max((group.max_size for group in row_groups), default=0)
@@ -438,7 +454,14 @@ def cluster_rows(
         values.new_zeros(rows, max_size, dim),
         torch.full((rows, max_size), float("-inf"), device=keys.device),
     )
+    fused_form = fused_lloyd_form(keys)
     for group in row_groups:
+        if fused_form is not None:
+            from reskv import lloyd_kernel
+
+            arguments = (order, point_offsets, point_counts, sizes, group, iterations, entries, fused_form)
+            lloyd_kernel.cluster(keys, values, heads, *arguments)
+            continue
         first, last = group.rows[0], group.rows[-1]
         contiguous = group.rows == list(range(first, last + 1))
         # Rows in one run are a slice: a view, where an index tensor gathers copies.

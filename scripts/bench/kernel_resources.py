@@ -5,7 +5,7 @@
 
 Triton compiles each kernel for the GPU architecture with its own bundled toolchain (the one it uses
 on the GPU, so the figures are the GPU's for the installed Triton), at the tiles and warps its
-launcher uses (``reskv.nearest_kernel``'s, ``reskv.decode_kernel``'s and
+launcher uses (``reskv.nearest_kernel``'s, ``reskv.lloyd_kernel``'s, ``reskv.decode_kernel``'s and
 ``reskv.column_sums_kernel``'s constants), for the head
 dims of the paper's backbones (128) and the embedded model (64) and each cache dtype. Triton's
 ``cuobjdump`` then reads the registers a thread holds and the stack bytes it keeps in local memory:
@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from reskv import column_sums_kernel, decode_kernel, nearest_kernel
+from reskv import column_sums_kernel, decode_kernel, lloyd_kernel, nearest_kernel
 
 HEAD_DIMS = (64, 128)
 CACHE_DTYPES = ("fp32", "bf16", "fp16")
@@ -55,8 +55,9 @@ class Resources:
 
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     """The compilations the launchers make for ``head_dim`` and a cache in ``cache_dtype``: the
-    nearest-centre kernel (fp32 points, each product form ``nearest_kernel`` offers), the
-    gated decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows), and for a
+    nearest-centre kernel (fp32 points, each product form ``nearest_kernel`` offers), the Lloyd steps'
+    kernels where the nearest centres of the cache's keys have a form (``lloyd_builds``), the gated
+    decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows), and for a
     half-precision cache the view kernel over each pool and H2O's column sums. A tile is
     a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
     dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
@@ -157,7 +158,49 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     # H2O's column sums and the views run on CUDA for half-precision caches only (reskv.scoring,
     # decode_kernel.VIEW_DTYPES).
     half = [*views, log_sum_exp, columns] if cache_dtype != "fp32" else []
-    return [*nearest, chunk, merge, *half]
+    return [*nearest, *lloyd_builds(dim_tile, cache_dtype), chunk, merge, *half]
+
+
+def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
+    """``reskv.lloyd_kernel``'s compilations for keys and values in ``cache_dtype``, where the nearest
+    centres of such keys have a product form (``nearest_kernel.precision``; none: no build): its
+    assignment step, without the values and with them, and its centres' three modes."""
+    form = nearest_kernel.precision(cache_dtype == "bf16")
+    if form is None:
+        return []
+    layout = (
+        dict.fromkeys(["key_rows"], f"*{cache_dtype}")
+        | dict.fromkeys(["order", "offsets", "heads", "sizes", "rows_index"], "*i64")
+        | dict.fromkeys(["scratch", "centers", "center_norms"], "*fp32")
+    )
+    shape = dict.fromkeys(["row_stride", "order_length", "num_centers", "dim"], "i32")
+    tiles = {"HAS_OFFSETS": True, "CENTER_TILE": nearest_kernel.CENTER_TILE, "DIM_TILE": dim_tile}
+    assign = [
+        KernelBuild(
+            f"lloyd assign ({form}{', values' if with_values else ''})",
+            lloyd_kernel._assign_kernel,
+            layout | {"value_rows": f"*{cache_dtype}", "point_counts": "*i64", "num_points": "i32"} | shape,
+            tiles
+            | {"WITH_VALUES": with_values, "POINT_TILE": nearest_kernel.POINT_TILE, "PRECISION": form}
+            | {"SPLIT_BF16": nearest_kernel.SPLIT_OPERANDS == "bf16"},
+            nearest_kernel.NUM_WARPS,
+            True,  # Triton's default: the launcher names none
+        )
+        for with_values in (False, True)
+    ]
+    entries = dict.fromkeys(["entry_keys", "entry_values"], f"*{cache_dtype}") | {"entry_log_counts": "*fp32"}
+    centres = [
+        KernelBuild(
+            f"lloyd centres ({mode})",
+            lloyd_kernel._centres_kernel,
+            layout | entries | {"entry_width": "i32"} | shape,
+            tiles | {"MODE": mode},
+            nearest_kernel.NUM_WARPS,
+            True,
+        )
+        for mode in lloyd_kernel.CENTRE_MODES
+    ]
+    return [*assign, *centres]
 
 
 def compiled_resources(build: KernelBuild, arch: int) -> Resources:

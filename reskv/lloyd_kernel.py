@@ -1,0 +1,273 @@
+"""A k-means group's Lloyd steps in Triton, its points read by index from the keys and values, nothing
+the size of its points written (``../shared/design/gpu-path.md``).
+
+``reskv.residual``'s torch path (``_cluster``) copies a group's points out of the cache into fp32
+``[A, E, d]`` (the keys, then the values), and launches about 13 ops a Lloyd step (the centres' norms,
+the nearest centres, the flat cluster index, the sums and counts, the update): about 86 a group. On a
+GPU each launch costs the host ~20 us whatever its size, and each copy a pass over the points. Here a
+group (``reskv.residual.RowGroup``) is one zeroed allocation and 1 + 2 x iterations launches (9 at 4 steps):
+
+- a zeroed scratch ``[A, r, 2d + 1]`` fp32: each cluster's key sums, member count and value sums;
+- ``_centres_kernel``, ``"init"``: each row's first ``sizes[i]`` points (its best-scored evicted tokens)
+  as its initial centres, and their squared norms (``+inf`` past the row's size: never nearest);
+- each Lloyd step, ``_assign_kernel``: a tile of one row's points read by index from the keys (row
+  ``i``: head ``heads[i]``'s tokens ``order[i, offset_i :]``, its first ``point_counts[i]``; the
+  layout ``reskv.residual.cluster_rows`` takes), each point's nearest centre
+  (``nearest_kernel.nearest_in_row``, distances never written), and the point added to its cluster's
+  sums and count; on the last step its value too, read by the same index;
+- between steps, ``_centres_kernel``, ``"update"``: each centre moved to its cluster's mean (an empty
+  cluster's kept), its norm, and the sums zeroed for the next step;
+- ``_centres_kernel``, ``"final"``: the entries (reskv.md, Residual entries), the mean key and value
+  (``sums / max(count, 1)``: an empty slot's stay 0) and ``log(count)`` (``-inf`` for an empty one),
+  written into the group's rows of the entries in their dtype.
+
+The rule is the torch path's; the arithmetic differs in its order only. The norms are summed by the
+kernel, the products are ``nearest_kernel``'s, and the sums are added by atomics in whatever order the
+device runs them (as CUDA's ``index_add_`` does): near ties may go another way, and sums differ in
+their last bits from run to run. CPU keeps the torch path. Tested on CPU under ``TRITON_INTERPRET=1``
+(tests/test_lloyd_kernel.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from reskv.nearest_kernel import CENTER_TILE, NUM_WARPS, POINT_TILE, SPLIT_OPERANDS, triton
+from reskv.selection import row_stride, storage_rows, uploaded
+
+if TYPE_CHECKING:
+    from reskv.residual import ResidualEntries, RowGroup
+
+if triton is not None:
+    import triton.language as tl
+
+    from reskv.nearest_kernel import nearest_in_row
+
+# ``_centres_kernel``'s modes (module docstring).
+CENTRE_MODES = ("init", "update", "final")
+
+
+def cluster(
+    keys: Tensor,
+    values: Tensor,
+    heads: Tensor,
+    order: Tensor,
+    offsets: Tensor | None,
+    point_counts: Tensor,
+    sizes: Tensor,
+    group: RowGroup,
+    iterations: int,
+    entries: ResidualEntries,
+    form: str,
+    split_operands: str | None = None,
+) -> ResidualEntries:
+    """``group``'s rows of ``entries`` after ``iterations`` Lloyd steps, as ``reskv.residual.cluster_rows``
+    computes them (its arguments, ``sizes[i] <= point_counts[i]``), written in place; ``entries``.
+
+    ``keys`` and ``values`` ``[H, s, d]`` share their storage's layout (``token_rows``); ``form`` and
+    ``split_operands`` are the nearest centres' products (``reskv.nearest_kernel.nearest``)."""
+    device, dim = keys.device, keys.shape[-1]
+    num_rows, num_centers = len(group.rows), group.max_size
+    rows_index = uploaded(group.rows, device)
+    scratch = torch.zeros(num_rows, num_centers, 2 * dim + 1, device=device)
+    centers = torch.empty(num_rows, num_centers, dim, device=device)
+    center_norms = torch.empty(num_rows, num_centers, device=device)
+    has_offsets = offsets is not None
+    layout = dict(
+        key_rows=storage_rows(keys),
+        order=order,
+        offsets=offsets if has_offsets else point_counts,  # not read without offsets
+        heads=heads,
+        sizes=sizes,
+        rows_index=rows_index,
+        scratch=scratch,
+        centers=centers,
+        center_norms=center_norms,
+        row_stride=row_stride(keys),
+        order_length=order.shape[1],
+        num_centers=num_centers,
+        dim=dim,
+        HAS_OFFSETS=has_offsets,
+        DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
+        CENTER_TILE=CENTER_TILE,
+        num_warps=NUM_WARPS,
+    )
+    centres_grid = (num_rows, triton.cdiv(num_centers, CENTER_TILE))
+    outputs = dict(entry_keys=entries.keys, entry_values=entries.values, entry_log_counts=entries.log_counts)
+    unused = dict(entry_keys=centers, entry_values=centers, entry_log_counts=center_norms)
+    _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="init")
+    for step in range(iterations):
+        last = step + 1 == iterations
+        _assign_kernel[(num_rows, triton.cdiv(group.max_points, POINT_TILE))](
+            **layout,
+            value_rows=storage_rows(values),
+            point_counts=point_counts,
+            num_points=group.max_points,
+            WITH_VALUES=last,
+            POINT_TILE=POINT_TILE,
+            PRECISION=form,
+            SPLIT_BF16=(split_operands or SPLIT_OPERANDS) == "bf16",
+        )
+        if not last:
+            _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="update")
+    _centres_kernel[centres_grid](**layout, **outputs, entry_width=entries.keys.shape[1], MODE="final")
+    return entries
+
+
+if triton is not None:
+
+    @triton.jit
+    def point_tokens(
+        order, offsets, heads, table_row, slot, valid, row_stride, order_length, HAS_OFFSETS: tl.constexpr
+    ):
+        """Rows of the keys' storage (``storage_rows``) of the points at ``slot`` of table row
+        ``table_row`` (``cluster``'s layout), 0 where not ``valid``."""
+        start = tl.load(offsets + table_row) if HAS_OFFSETS else 0
+        position = tl.load(order + table_row * order_length + start + slot, mask=valid, other=0)
+        return tl.load(heads + table_row) * row_stride + position
+
+    @triton.jit
+    def rounded(means, dtype: tl.constexpr):
+        """fp32 ``means`` in ``dtype`` to nearest, ties to even, as torch's ``to``: bf16 by its bits
+        (finite values), since Triton's interpreter truncates a cast to bf16; others by a cast."""
+        if dtype == tl.bfloat16:
+            bits = means.to(tl.uint32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return means.to(dtype)
+
+    @triton.jit(do_not_specialize=["row_stride", "order_length", "num_centers", "entry_width"])
+    def _centres_kernel(
+        key_rows,
+        order,
+        offsets,
+        heads,
+        sizes,
+        rows_index,
+        scratch,
+        centers,
+        center_norms,
+        entry_keys,
+        entry_values,
+        entry_log_counts,
+        entry_width,
+        row_stride,
+        order_length,
+        num_centers,
+        dim,
+        MODE: tl.constexpr,
+        HAS_OFFSETS: tl.constexpr,
+        CENTER_TILE: tl.constexpr,
+        DIM_TILE: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        table_row = tl.load(rows_index + row)
+        center = tl.program_id(1) * CENTER_TILE + tl.arange(0, CENTER_TILE)
+        feature = tl.arange(0, DIM_TILE)
+        in_row = center < num_centers
+        tile_mask = in_row[:, None] & (feature[None, :] < dim)
+        slot = row * num_centers + center  # the centre's row of ``centers`` and of the scratch
+        sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
+        counts_at = scratch + slot * (2 * dim + 1) + dim
+        if MODE == "final":
+            counts = tl.load(counts_at, mask=in_row, other=0.0)
+            denominators = tl.maximum(counts, 1.0)[:, None]
+            key_sums = tl.load(sums_at, mask=tile_mask, other=0.0)
+            value_sums = tl.load(sums_at + dim + 1, mask=tile_mask, other=0.0)
+            out = table_row * entry_width + center
+            out_at = out[:, None] * dim + feature[None, :]
+            tl.store(
+                entry_keys + out_at,
+                rounded(key_sums / denominators, entry_keys.dtype.element_ty),
+                mask=tile_mask,
+            )
+            tl.store(
+                entry_values + out_at,
+                rounded(value_sums / denominators, entry_values.dtype.element_ty),
+                mask=tile_mask,
+            )
+            tl.store(entry_log_counts + out, tl.log(counts), mask=in_row)
+        else:
+            real = center < tl.load(sizes + table_row)  # the row's own centres
+            if MODE == "init":  # the row's first points, best-scored first
+                tokens = point_tokens(
+                    order, offsets, heads, table_row, center, real, row_stride, order_length, HAS_OFFSETS
+                )
+                tile = tl.load(
+                    key_rows + tokens[:, None] * dim + feature[None, :],
+                    mask=real[:, None] & tile_mask,
+                    other=0.0,
+                ).to(tl.float32)
+            else:
+                counts = tl.load(counts_at, mask=in_row, other=0.0)
+                previous = tl.load(
+                    centers + slot[:, None] * dim + feature[None, :], mask=tile_mask, other=0.0
+                )
+                # An empty cluster's 0 / 0 is discarded: its centre keeps its position.
+                tile = tl.where(
+                    counts[:, None] > 0,
+                    tl.load(sums_at, mask=tile_mask, other=0.0) / counts[:, None],
+                    previous,
+                )
+                tl.store(sums_at, tl.zeros([CENTER_TILE, DIM_TILE], tl.float32), mask=tile_mask)
+                tl.store(counts_at, tl.zeros([CENTER_TILE], tl.float32), mask=in_row)
+            tl.store(centers + slot[:, None] * dim + feature[None, :], tile, mask=tile_mask)
+            norms = tl.where(real, tl.sum(tile * tile, axis=1), float("inf"))
+            tl.store(center_norms + slot, norms, mask=in_row)
+
+    @triton.jit(do_not_specialize=["row_stride", "order_length", "num_centers", "num_points"])
+    def _assign_kernel(
+        key_rows,
+        value_rows,
+        order,
+        offsets,
+        heads,
+        point_counts,
+        sizes,
+        rows_index,
+        scratch,
+        centers,
+        center_norms,
+        row_stride,
+        order_length,
+        num_points,
+        num_centers,
+        dim,
+        HAS_OFFSETS: tl.constexpr,
+        WITH_VALUES: tl.constexpr,
+        POINT_TILE: tl.constexpr,
+        CENTER_TILE: tl.constexpr,
+        DIM_TILE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        SPLIT_BF16: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        table_row = tl.load(rows_index + row)
+        point = tl.program_id(1) * POINT_TILE + tl.arange(0, POINT_TILE)
+        feature = tl.arange(0, DIM_TILE)
+        own_points = tl.load(point_counts + table_row)
+        valid = point < own_points
+        tile_mask = valid[:, None] & (feature[None, :] < dim)
+        tokens = point_tokens(
+            order, offsets, heads, table_row, point, valid, row_stride, order_length, HAS_OFFSETS
+        )
+        token_at = tokens[:, None] * dim + feature[None, :]
+        point_tile = tl.load(key_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)
+        # The row's own centres; none for a tile wholly past its points.
+        scanned = tl.where(tl.program_id(1) * POINT_TILE < own_points, tl.load(sizes + table_row), 0)
+        nearest = nearest_in_row(
+            point_tile, centers + row * num_centers * dim, center_norms + row * num_centers,
+            num_centers, scanned.to(tl.int32), dim, feature, POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
+        )  # fmt: skip
+        slot = row * num_centers + nearest
+        sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
+        tl.atomic_add(sums_at, point_tile, mask=tile_mask)
+        tl.atomic_add(
+            scratch + slot * (2 * dim + 1) + dim, tl.full([POINT_TILE], 1.0, tl.float32), mask=valid
+        )
+        if WITH_VALUES:
+            value_tile = tl.load(value_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)
+            tl.atomic_add(sums_at + dim + 1, value_tile, mask=tile_mask)

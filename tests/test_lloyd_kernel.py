@@ -1,0 +1,168 @@
+"""``reskv/lloyd_kernel.py`` under Triton's interpreter on CPU: a k-means group's entries, read by index
+from the keys and values, against the plain per-head loop of the spec."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import reskv.residual
+from reskv.residual import ResidualEntries, RowGroup
+from tests.conftest import interpreted
+from tests.test_construction_plan import plain_entries
+
+ENTRY_WIDTH = 45  # wider than any group's residual size: the slots past it stay unused
+
+
+def clustered_fields(*case):
+    """``lloyd_kernel.cluster`` of a case, its entries' fields (what the interpreter's child returns)."""
+    from reskv import lloyd_kernel  # imports Triton
+
+    return lloyd_kernel.cluster(*case).fields()
+
+
+def clustered_keys(generator, heads: int, seq_len: int, dim: int, dtype) -> torch.Tensor:
+    """Keys drawn around 6 centres a head, as real keys cluster, in ``dtype``."""
+    centres = torch.randn(heads, 6, dim, generator=generator) * 4
+    member = torch.randint(0, 6, (heads, seq_len), generator=generator)
+    keys = centres.gather(1, member[..., None].expand(-1, -1, dim))
+    return (keys + torch.randn(heads, seq_len, dim, generator=generator)).to(dtype)
+
+
+def case(generator, dtype, dim, offsets, point_counts, sizes, rows, iterations, repeated=False, form="ieee"):
+    """A group of ``rows`` of ``len(point_counts)`` rows over 3 heads of 150 tokens, the keys and values
+    a prefix view of 170 tokens' (``reskv.selection.row_stride``); with ``repeated``, each head's tokens
+    are 25 distinct ones, repeated, so that initial centres tie and clusters end empty."""
+    num_rows, seq_len = len(point_counts), 150
+    keys = clustered_keys(generator, 3, seq_len + 20, dim, dtype)
+    values = torch.randn(3, seq_len + 20, dim, generator=generator).to(dtype)
+    if repeated:
+        keys[:, :seq_len] = keys[:, torch.arange(seq_len) % 25]
+        values[:, :seq_len] = values[:, torch.arange(seq_len) % 25]
+    keys, values = keys[:, :seq_len], values[:, :seq_len]
+    order = torch.stack([torch.randperm(seq_len, generator=generator) for _ in range(num_rows)])
+    point_counts, sizes = torch.tensor(point_counts), torch.tensor(sizes)
+    group = RowGroup(rows, max(sizes[rows].tolist()), max(point_counts[rows].tolist()), equal_sizes=False)
+    entries = ResidualEntries(
+        keys.new_zeros(num_rows, ENTRY_WIDTH, dim),
+        values.new_zeros(num_rows, ENTRY_WIDTH, dim),
+        torch.full((num_rows, ENTRY_WIDTH), float("-inf")),
+    )
+    offsets = None if offsets is None else torch.tensor(offsets)
+    heads = torch.arange(num_rows) % 3
+    # The bf16 split on TF32 operands: the interpreter multiplies bf16 ones wrongly (reskv/nearest_kernel.py).
+    return (
+        keys,
+        values,
+        heads,
+        order,
+        offsets,
+        point_counts,
+        sizes,
+        group,
+        iterations,
+        entries,
+        form,
+        "tf32",
+    )
+
+
+def within_one_ulp(found: torch.Tensor, plain: torch.Tensor) -> bool:
+    """Each of ``found`` is ``plain`` or one of its fp32 neighbours (``log`` rounds by its library)."""
+    up, down = torch.nextafter(plain, plain + 1), torch.nextafter(plain, plain - 1)
+    return bool(((found == plain) | (found == up) | (found == down)).all())
+
+
+def test_fused_lloyd_gives_each_row_the_plain_loops_entries(tmp_path):
+    """Each case's group, clustered by the kernel, gives every row of it the plain per-head loop's
+    entries (``plain_entries``: the row's points ``order[i, offset_i :][: point_counts[i]]`` of head
+    ``i % 3``, its ``min(sizes[i], |E|)`` best-scored as the initial centres) bit for bit in the keys and
+    values, and its log-counts within one fp32 ulp, the non-empty clusters in centre order and the rest
+    unused; rows outside the group, and slots past its size, are untouched. The cases: fp32 keys (IEEE
+    and TF32x3 products; both exact on the interpreter) of a head dim that is no power of two, rows
+    given out of order, point offsets, sizes and counts of every row its own, one row outside the group;
+    bf16 keys (the exact bf16 split), without offsets, one step and three, each head's tokens repeated
+    so that initial centres tie and clusters end empty."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(0)
+    ragged = dict(offsets=[0, 3, 10, 0, 7, 2], point_counts=[140, 120, 100, 90, 143, 60])
+    cases = [
+        case(
+            generator,
+            torch.float32,
+            24,
+            **ragged,
+            sizes=[40, 33, 7, 40, 12, 9],
+            rows=[0, 1, 3, 4, 2],
+            iterations=4,
+        )
+    ]
+    cases += [cases[0][:-2] + ("tf32x3", "tf32")]
+    for iterations in (1, 3):
+        cases.append(
+            case(
+                generator, torch.bfloat16, 64, None, [150, 130, 149, 150], [40, 5, 31, 1], [0, 1, 2, 3],
+                iterations, repeated=True, form="bf16x3",
+            )
+        )  # fmt: skip
+    found_cases = interpreted("tests.test_lloyd_kernel:clustered_fields", cases, tmp_path)
+    empty_slots = 0
+    for (keys, values, heads, order, offsets, counts, sizes, group, iterations, *_), found in zip(
+        cases, found_cases, strict=True
+    ):
+        found_keys, found_values, found_log_counts = found
+        for row in range(order.shape[0]):
+            used = torch.isfinite(found_log_counts[row])
+            if row not in group.rows:
+                assert not used.any() and not found_keys[row].any() and not found_values[row].any()
+                continue
+            start = 0 if offsets is None else int(offsets[row])
+            points = order[row, start : start + int(counts[row])].tolist()
+            head = int(heads[row])
+            plain_keys, plain_values, plain_log_counts = plain_entries(
+                keys[head], values[head], points, int(sizes[row]), iterations
+            )
+            assert used.nonzero().max() < sizes[row]
+            assert torch.equal(found_keys[row, used], plain_keys.to(keys.dtype))
+            assert torch.equal(found_values[row, used], plain_values.to(values.dtype))
+            assert within_one_ulp(found_log_counts[row, used], plain_log_counts)
+            assert not found_keys[row, ~used].any() and not found_values[row, ~used].any()
+            empty_slots += int(sizes[row]) - int(used.sum())
+    assert empty_slots > 0  # the repeated tokens left clusters empty
+
+
+def built_by_the_kernel(keys, values, evicted, scores, sizes):
+    """``build_residual`` with its groups clustered by ``lloyd_kernel`` (as ``CUDA_FUSED_LLOYD`` on a GPU),
+    IEEE products; the entries' fields, and the groups the kernel clustered."""
+    from reskv import lloyd_kernel  # imports Triton
+
+    with (
+        mock.patch.object(reskv.residual, "fused_lloyd_form", lambda keys: "ieee"),
+        mock.patch.object(lloyd_kernel, "cluster", wraps=lloyd_kernel.cluster) as cluster,
+    ):
+        entries = reskv.residual.build_residual(keys, values, evicted, scores, sizes, iterations=4)
+    return entries.fields(), cluster.call_count
+
+
+def test_build_residual_clusters_by_the_kernel_where_the_fused_lloyd_form_says(tmp_path):
+    """``reskv.residual.cluster_rows`` hands each group to the kernel where ``fused_lloyd_form`` names a
+    form: ``build_residual`` of 4 rows over 2 heads (evicted sets and sizes of each its own, one row
+    with none) gives the torch path's entries, bit for bit in the keys and values, the log-counts
+    within one fp32 ulp."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(1)
+    keys = clustered_keys(generator, 2, 120, 32, torch.float32)
+    values = torch.randn(2, 120, 32, generator=generator)
+    evicted = torch.rand(4, 120, generator=generator) < torch.tensor([0.9, 0.5, 0.7, 0.0])[:, None]
+    scores = torch.rand(4, 120, generator=generator)
+    sizes = torch.tensor([20, 9, 33, 5])
+    plain = reskv.residual.build_residual(keys, values, evicted, scores, sizes, iterations=4)
+    [(found, groups)] = interpreted(
+        "tests.test_lloyd_kernel:built_by_the_kernel", [(keys, values, evicted, scores, sizes)], tmp_path
+    )
+    assert groups > 0
+    assert torch.equal(found[0], plain.keys) and torch.equal(found[1], plain.values)
+    assert within_one_ulp(found[2], plain.log_counts)
+    assert torch.isfinite(plain.log_counts).sum(-1).tolist()[3] == 0
