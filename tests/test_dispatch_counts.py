@@ -15,7 +15,7 @@ from reskv.decode_rule import DecodeRule
 from reskv.decoding import compiled_next_logits, static_cache
 from scripts.bench.construction_counts import LLAMA_ATTENTION, count_compression, synthetic_prefilled_cache
 from scripts.bench.decode_counts import narrow_llama_8b_attention
-from scripts.bench.dispatch_counts import compiled_kernels, count_dispatch
+from scripts.bench.dispatch_counts import compiled_kernels, count_dispatch, launched, uncounted
 
 
 def test_counter_counts_launching_ops_and_syncs_by_hand():
@@ -171,3 +171,50 @@ def test_the_compiled_decode_step_attends_a_base_layer_by_one_sdpa_call_and_a_re
     for name in ("snapkv+reskv", "adakv+reskv"):
         assert attention(kernels[name]) == {"extern_kernels.baddbmm": 2, "extern_kernels.bmm": 2}
         assert kernels[name] == kernels["snapkv+reskv"]
+
+
+def test_launches_no_op_shows_count_as_ops_and_uncounted_work_counts_nothing():
+    """``launched`` counts one op with its fp32 bytes in the current count (none outside a count);
+    under ``uncounted`` neither ops, syncs nor ``launched`` count."""
+    launched("kernel outside a count", 8)
+    with count_dispatch() as counts:
+        launched("kernel", 400)
+        with uncounted():
+            (torch.ones(3) + 1).tolist()
+            launched("kernel", 400)
+            torch.tensor([1], device="cpu")
+    assert (counts.ops, counts.syncs, counts.by_op) == (1, 0, {"kernel": 1})
+    assert counts.fp32_bytes_by_stage["other"] == 400
+
+
+def test_a_group_clustered_by_the_fused_lloyd_kernel_counts_its_launches_by_hand():
+    """Under ``grid_constructions.fused_lloyd_launches`` a k-means group of bf16 keys takes, besides the
+    entries' three allocations, one zeroed scratch and 1 + 2 x 4 launches of ``reskv.lloyd_kernel``
+    (init, four assignment steps, three updates, final), and its entries are the torch path's."""
+    pytest.importorskip("triton")
+    import reskv.residual
+    from scripts.bench.grid_constructions import fused_lloyd_launches
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 100, 16, generator=generator).bfloat16()
+    values = torch.randn(2, 100, 16, generator=generator).bfloat16()
+    heads, order = (
+        torch.arange(3) % 2,
+        torch.stack([torch.randperm(100, generator=generator) for _ in range(3)]),
+    )
+    counts_, sizes = torch.tensor([90, 80, 70]), torch.tensor([12, 9, 12])
+    group = reskv.residual.RowGroup([0, 2, 1], 12, 90, equal_sizes=False)
+    arguments = (keys, values, heads, order, None, counts_, sizes, [group], 4)
+    with fused_lloyd_launches(), count_dispatch() as counts:
+        entries = reskv.residual.cluster_rows(*arguments)
+    plain = reskv.residual.cluster_rows(*arguments)
+    assert counts.ops == 3 + 1 + 9 and counts.syncs == 0
+    lloyd = {name: n for name, n in counts.by_op.items() if name.startswith("lloyd")}
+    assert lloyd == {
+        "lloyd centres init": 1,
+        "lloyd assign": 4,
+        "lloyd centres update": 3,
+        "lloyd centres final": 1,
+    }
+    for found, expected in zip(entries.fields(), plain.fields(), strict=True):
+        assert torch.equal(found, expected)

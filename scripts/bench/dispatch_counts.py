@@ -68,6 +68,8 @@ class DispatchCounts:
     largest_fp32_bytes: int = 0  # the largest fp32 result one op wrote
 
     def op(self, name: str, fp32_bytes: int = 0) -> None:
+        if _PAUSED.get():
+            return
         self.ops += 1
         self.by_op[name] += 1
         self.ops_by_stage[_STAGE.get()] += 1
@@ -75,6 +77,8 @@ class DispatchCounts:
         self.largest_fp32_bytes = max(self.largest_fp32_bytes, fp32_bytes)
 
     def sync(self, name: str) -> None:
+        if _PAUSED.get():
+            return
         self.syncs += 1
         self.syncs_by_op[name] += 1
         self.syncs_by_stage[_STAGE.get()] += 1
@@ -82,6 +86,28 @@ class DispatchCounts:
 
 # The stage counted ops and syncs are attributed to (``stage``).
 _STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("stage", default="other")
+# The counts of the innermost ``count_dispatch``, for launches no dispatch mode sees (``launched``).
+_ACTIVE: contextvars.ContextVar[DispatchCounts | None] = contextvars.ContextVar("counts", default=None)
+# Whether counting is paused (``uncounted``).
+_PAUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("paused", default=False)
+
+
+def launched(name: str, fp32_bytes: int = 0) -> None:
+    """Count one launch that no aten op shows (a Triton kernel's) as an op of the current count."""
+    counts = _ACTIVE.get()
+    if counts is not None:
+        counts.op(name, fp32_bytes)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """``with uncounted(): ...``: the block's ops and syncs are not counted (a stand-in's own work,
+    computing what a launch counted by ``launched`` would have)."""
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
 
 
 def current_stage() -> str:
@@ -203,10 +229,12 @@ def count_dispatch():
         return original_tolist(tensor)
 
     torch.Tensor.tolist = counted_tolist
+    token = _ACTIVE.set(counts)
     try:
         with _counted_host_copies(counts), _Counter(counts):
             yield counts
     finally:
+        _ACTIVE.reset(token)
         torch.Tensor.tolist = original_tolist
 
 

@@ -1,7 +1,7 @@
 """What one sample's paper RULER grid constructs, against its floor: host syncs, ops, k-means FLOPs and
 fp32 bytes, counted on CPU as a GPU would run them.
 
-    python -m scripts.bench.grid_constructions [--length 4096] [--out FILE]
+    python -m scripts.bench.grid_constructions [--length 4096] [--fused-lloyd] [--out FILE]
 
 The 72 compressed configurations of ``configs/grid/paper_ruler.yaml`` (``grid_gpu.paper_ruler_requests``:
 H2O, TOVA, SnapKV, AdaKV and each +ResKV, CaM, at ratios 0.6-0.9, both settings; the full cache, the
@@ -23,6 +23,10 @@ methods in the whole grid then counted as its own):
   distance blocks (the torch path's here; on CUDA the kernel writes none, ``reskv.nearest_kernel``),
   which are given beside them; and the largest fp32 result one op wrote.
 
+With ``--fused-lloyd`` the k-means groups of bf16 keys are clustered as on a GPU with
+``reskv.residual.CUDA_FUSED_LLOYD`` (``fused_lloyd_launches``): each group's launches of
+``reskv.lloyd_kernel`` are counted, and its entries computed by the torch path uncounted.
+
 The counts depend on the shapes the data decides (AdaKV's budgets, the residual sizes the proxies
 chose on this random model), not on the weights otherwise. A few minutes of CPU at 2K tokens, tens
 at 4K.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -47,7 +52,14 @@ import reskv.residual
 from reskv.engine import Prefill
 from scripts.bench.construction_counts import gpu_layout
 from scripts.bench.decode_counts import narrow_llama_8b_attention
-from scripts.bench.dispatch_counts import DispatchCounts, count_dispatch, current_stage, stage
+from scripts.bench.dispatch_counts import (
+    DispatchCounts,
+    count_dispatch,
+    current_stage,
+    launched,
+    stage,
+    uncounted,
+)
 from scripts.bench.grid_counts import QUESTION_TOKENS
 from scripts.bench.grid_gpu import paper_ruler_requests
 from scripts.machine import machine
@@ -111,6 +123,61 @@ def probed(work: dict[str, KmeansWork]):
         yield
 
 
+class CountedKernel:
+    """A Triton kernel of ``reskv.lloyd_kernel`` that runs nothing: each launch counted as one op
+    (``dispatch_counts.launched``) writing the fp32 bytes of its outputs (the scratch of an assignment
+    step; the centres and norms of an init or update; the log-counts of the final entries)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, **arguments) -> None:
+        mode = arguments.get("MODE")
+        if mode is None:
+            written = [arguments["scratch"]]
+        elif mode == "final":
+            written = [arguments["center_norms"]]  # the group's log-counts: as many as its centres' norms
+        else:
+            written = [arguments["centers"], arguments["center_norms"]]
+        launched(f"{self.name} {mode or ''}".strip(), sum(4 * tensor.numel() for tensor in written))
+
+
+@contextlib.contextmanager
+def fused_lloyd_launches():
+    """The k-means groups of bf16 keys clustered as on a GPU with ``reskv.residual.CUDA_FUSED_LLOYD``:
+    by ``reskv.lloyd_kernel.cluster``, whose launches are counted (``CountedKernel``) while its entries
+    are computed by the torch path, uncounted."""
+    from reskv import lloyd_kernel  # imports Triton
+
+    cluster = lloyd_kernel.cluster
+
+    def counted_cluster(
+        keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form
+    ):
+        cluster(keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form)
+        with uncounted(), mock.patch.object(reskv.residual, "fused_lloyd_form", lambda keys: None):
+            alone = reskv.residual.cluster_rows(
+                keys, values, heads, order, offsets, point_counts, sizes, [group], iterations
+            )
+            for field, computed in zip(entries.fields(), alone.fields(), strict=True):
+                field[group.rows, : group.max_size] = computed[group.rows]
+        return entries
+
+    def bf16_form(keys):
+        return "bf16x3" if keys.dtype == torch.bfloat16 else None
+
+    with (
+        mock.patch.object(reskv.residual, "fused_lloyd_form", bf16_form),
+        mock.patch.object(lloyd_kernel, "cluster", counted_cluster),
+        mock.patch.object(lloyd_kernel, "_assign_kernel", CountedKernel("lloyd assign")),
+        mock.patch.object(lloyd_kernel, "_centres_kernel", CountedKernel("lloyd centres")),
+    ):
+        yield
+
+
 def counted(prefill: Prefill, requests: list) -> tuple[DispatchCounts, dict[str, KmeansWork]]:
     """The counts of ``requests``' constructions, shared and planned as a grid's (module docstring),
     and their k-means work per (method, setting)."""
@@ -121,18 +188,19 @@ def counted(prefill: Prefill, requests: list) -> tuple[DispatchCounts, dict[str,
     return counts, work
 
 
-def count_constructions(length: int) -> dict:
+def count_constructions(length: int, fused_lloyd: bool = False) -> dict:
     """The figures (``figures``) of one sample's 72 constructions at ``length`` tokens: the grid's, and
     each (method, setting)'s four ratios constructed as a grid of their own (work it shares with other
     methods in the whole grid is then its own); and every construction matmul's GFLOP
-    (``FlopCounterMode``) in the grid."""
+    (``FlopCounterMode``) in the grid. ``fused_lloyd``: the k-means by ``fused_lloyd_launches``."""
     backbone = narrow_llama_8b_attention()
     prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
     requests = [(method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None]
     families = defaultdict(list)
     for method, setting in requests:
         families[f"{method.name} {setting}"].append((method, setting))
-    with torch.inference_mode(), gpu_layout():
+    lloyd = fused_lloyd_launches() if fused_lloyd else contextlib.nullcontext()
+    with torch.inference_mode(), gpu_layout(), lloyd:
         prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
         prefill.prefilled("aware")
         with FlopCounterMode(display=False) as flops:
@@ -194,9 +262,13 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument(
+        "--fused-lloyd", action="store_true", help="the k-means as reskv.lloyd_kernel launches it on a GPU"
+    )
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    found = count_constructions(args.length) | {"length": args.length, "machine": machine()}
+    found = count_constructions(args.length, args.fused_lloyd)
+    found |= {"length": args.length, "fused_lloyd": args.fused_lloyd, "machine": machine()}
     grid = found["grid"]
     console = Console(width=200)
     console.print(figures_table(found, args.length))
