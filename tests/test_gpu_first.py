@@ -94,6 +94,10 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     assert sums["passed"] and [case["queries"] for case in sums["cases"]] == [300, first.QUESTION_TOKENS]
     for case in sums["cases"]:
         assert case["kernel_error"] == case["torch_error"] < 1e-5
+    lloyd = first.lloyd_check(prefill, build_method("snapkv+reskv", 0.5))  # 0.9 leaves no entries here
+    assert lloyd["passed"] and lloyd["heads"] == 2 * 2
+    assert lloyd["entry_keys_relative_difference"] == lloyd["entry_values_relative_difference"] == 0
+    assert lloyd["log_counts_difference"] == 0
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,10 @@ TORCH_DECODE = (reskv.attention, "CUDA_FUSED_DECODE", False)
 # H2O's column sums by their torch path (``reskv.scoring.CUDA_FUSED_COLUMN_SUMS``; the kernel is off
 # by default until a GPU has checked it, and this switch keeps it off).
 TORCH_COLUMN_SUMS = (reskv.scoring, "CUDA_FUSED_COLUMN_SUMS", False)
-KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_COLUMN_SUMS)
+# The k-means' Lloyd steps by their torch path (``reskv.residual.CUDA_FUSED_LLOYD``; the kernel is off
+# by default until a GPU has checked and timed it, and this switch keeps it off).
+TORCH_LLOYD = (reskv.residual, "CUDA_FUSED_LLOYD", False)
+KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_COLUMN_SUMS, TORCH_LLOYD)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)

@@ -11,9 +11,10 @@ budget left is below what it needs (``STAGE_SECONDS``):
    0.9): the fused nearest-centre kernel must give the torch path's residual sizes in every head, the
    fused decode kernel an attention output no further from float64 than the torch form's
    (``decode_check``), H2O's column-sum kernel sums no further from float64 than the torch path's
-   (``column_sums_check``); a mismatch or an error switches the kernel off for the rest of the call
-   (``KERNEL_SWITCHES``) and the report says so, and the column-sum kernel, off by default, is
-   switched on for the rest of the call where it passes;
+   (``column_sums_check``), the Lloyd kernel the torch path's residual sizes in every head
+   (``lloyd_check``); a mismatch or an error switches the kernel off for the rest of the call
+   (``KERNEL_SWITCHES``) and the report says so, and the kernels off by default (``OFF_BY_DEFAULT``:
+   the column sums, the Lloyd steps) are switched on for the rest of the call where they pass;
 2. ``nearest``: the nearest-centre step's forms (the torch path, the kernel's IEEE, TF32x3 and
    bf16x3 products) on one layer's k-means at the longest length's shape, TFLOP/s and choices
    against float64's, then a +ResKV construction with each; the fastest that keeps the torch path's
@@ -24,8 +25,9 @@ budget left is below what it needs (``STAGE_SECONDS``):
    (``CONSTRUCTION_SHARE``) is spent: where a sample's construction time goes, by method, setting
    and ratio;
 4. ``profile``: at the longest length, the prefill with and without H2O's accumulated attention;
-   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built
-   alone and as the grid builds it, then profiled: kernels, launches, the host's waits and copies;
+   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built alone (where the kernels stage switched
+   the Lloyd kernel on, by its torch path too) and as the grid builds it, then profiled: kernels,
+   launches, the host's waits and copies;
 5. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
    at 32K and at 4K against one full-cache request, warm against warm (a short grid first compiles
    the step's graphs, the request is timed on its second run), then a second 32K sample in the same
@@ -74,7 +76,7 @@ from reskv import views as views_module
 from reskv.attention import RowGates
 from reskv.backbones import Backbone
 from reskv.batching import FP32_BYTES, ModelShape, ViewRow, values_order, view_step_slots
-from reskv.cache import ObservedLayer
+from reskv.cache import CompressedLayer, ObservedLayer
 from reskv.compress import kept_positions
 from reskv.config import SETTINGS
 from reskv.decode_rule import DecodeRule
@@ -85,6 +87,7 @@ from reskv.views import RowView, ViewLayer, view_cache
 from scripts.bench.gpu_check.efficiency import (
     TORCH_COLUMN_SUMS,
     TORCH_DECODE,
+    TORCH_LLOYD,
     TORCH_NEAREST,
     device_profile,
     efficiency_rows,
@@ -115,6 +118,12 @@ STAGE_SECONDS = {
     "decode": 40,
     "efficiency": 45,
     "views": 40,
+}
+# The kernels off by default until a GPU has checked them (report key: module, flag, value): the
+# kernels stage switches each on for the rest of the call where its check passes.
+OFF_BY_DEFAULT = {
+    "h2o_column_sums": (scoring, "CUDA_FUSED_COLUMN_SUMS", True),
+    "lloyd_steps": (residual, "CUDA_FUSED_LLOYD", True),
 }
 # The nearest-centre step's forms the nearest stage compares: switches (module, flag, value) each sets.
 NEAREST_FORMS = {
@@ -182,11 +191,13 @@ def kernels(
         "nearest_centers": (nearest_check, TORCH_NEAREST),
         "gated_decode_attention": (decode_check, TORCH_DECODE),
         "h2o_column_sums": (column_sums_check, TORCH_COLUMN_SUMS),
+        "lloyd_steps": (lloyd_check, TORCH_LLOYD),
     }
     report = checked(checks, prefill, method)
-    if report["h2o_column_sums"]["passed"]:  # off by default until checked: on for the rest of the call
-        mock.patch.object(scoring, "CUDA_FUSED_COLUMN_SUMS", True).start()
-        report["h2o_column_sums"]["switched_on"] = True
+    for name, switch in OFF_BY_DEFAULT.items():
+        if report[name]["passed"]:  # off by default until checked: on for the rest of the call
+            mock.patch.object(*switch).start()
+            report[name]["switched_on"] = True
     return report
 
 
@@ -217,6 +228,40 @@ def nearest_check(prefill: Prefill, method) -> dict:
         torch_cache, _ = prefill.compressed(method, "aware")
     same = kernel_cache.slots() == torch_cache.slots()
     return {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
+
+
+def lloyd_check(prefill: Prefill, method) -> dict:
+    """The residual sizes and attended slots of every head with the Lloyd kernel (``CUDA_FUSED_LLOYD``)
+    and with the torch path; where they are the same, the largest difference of the entries' keys and
+    values over the largest of the torch path's, and of their log-counts (the kernel's sums run in
+    another order: bf16 roundings of the means may differ by a unit, a near tie move a point)."""
+    with mock.patch.object(residual, "CUDA_FUSED_LLOYD", True):
+        kernel_cache, _ = prefill.compressed(method, "aware")
+    with mock.patch.object(*TORCH_LLOYD):
+        torch_cache, _ = prefill.compressed(method, "aware")
+    same = kernel_cache.slots() == torch_cache.slots()
+    report = {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
+    pairs = [
+        (kernel.residual, plain.residual)
+        for kernel, plain in zip(kernel_cache.layers, torch_cache.layers, strict=True)
+        if isinstance(plain, CompressedLayer) and plain.residual.keys.numel()
+    ]
+    if same and pairs:
+        for name in ("keys", "values"):
+            largest = max(float(getattr(plain, name).abs().max()) for _, plain in pairs)
+            difference = max(
+                float((getattr(kernel, name) - getattr(plain, name)).abs().max()) for kernel, plain in pairs
+            )
+            report[f"entry_{name}_relative_difference"] = difference / largest
+        report["log_counts_difference"] = max(
+            float(
+                torch.where(torch.isfinite(plain.log_counts), kernel.log_counts - plain.log_counts, 0)
+                .abs()
+                .max()
+            )
+            for kernel, plain in pairs
+        )
+    return report
 
 
 def decode_check(prefill: Prefill, method) -> dict:
@@ -462,8 +507,13 @@ def profile(
                 backbone.device, prefilled, backbone, prompt, prefilled_for
             )
         save(report)
+    report["lloyd_kernel"] = residual.CUDA_FUSED_LLOYD
     for method in methods:
         report["alone_s"][method.ratio] = timed(backbone.device, prefill.compressed, method, "aware")[1]
+        if residual.CUDA_FUSED_LLOYD:  # switched on by the kernels stage: its torch path beside it
+            with mock.patch.object(*TORCH_LLOYD):
+                seconds = timed(backbone.device, prefill.compressed, method, "aware")[1]
+            report.setdefault("alone_s_torch_lloyd", {})[method.ratio] = seconds
         save(report)
     with prefill.sharing_construction():
         prefill.compressed(build_method("snapkv", 0.9), "aware")  # the scores and stacked layers
