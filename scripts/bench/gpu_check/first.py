@@ -993,6 +993,7 @@ def summary(stage: str, result: dict) -> str:
     if stage == "profile":
         return (
             f"{seconds}; prefill {result['prefill_s']}; alone {result['alone_s']}; "
+            f"alone, the Lloyd steps' torch path {result.get('alone_s_torch_lloyd', '-')}; "
             f"shared {result['shared_s']}; "
             + "; ".join(
                 f"{ratio}: busy {row['device_busy_s']:.2f}s of {row['profiled_s']:.2f}s, "
