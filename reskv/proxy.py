@@ -29,6 +29,7 @@ from torch import Tensor
 
 from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, candidate_sizes
+from reskv.decode_rule import DecodeRule
 from reskv.residual import ResidualEntries, cluster_rows, level_row_groups
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
@@ -86,6 +87,23 @@ class CandidateCaches:
             ResidualEntries(*(part[rows, :entry_slots] for part in residual.fields())),
             self.evicted_fraction[rows],
         )
+
+
+# On CUDA with Triton, a configuration's errors come from ``reskv.loss_kernel`` (one launch for every
+# row, M' read by index, no joined buffers: ~45 ops a pass fewer on the host) where the rule is the
+# shared softmax (``fused_losses``). Off until a GPU has checked and timed it
+# (``scripts.bench.gpu_check.first``'s kernels and profile stages).
+CUDA_FUSED_LOSSES = False
+
+
+def fused_losses(keys: Tensor, rule: DecodeRule) -> bool:
+    """Whether ``reskv.loss_kernel`` computes the errors of candidates over ``keys`` under ``rule``:
+    ``CUDA_FUSED_LOSSES``, CUDA with Triton, and the shared softmax."""
+    if not (CUDA_FUSED_LOSSES and keys.is_cuda and rule.shared_softmax):
+        return False
+    from reskv import nearest_kernel  # imports Triton (slow to import), which the CPU never runs
+
+    return nearest_kernel.available()
 
 
 # A candidate row's int64 index tables while ``ValidationProxy.candidate_sets`` builds them, per token
@@ -248,8 +266,17 @@ class ValidationProxy:
         """``||ô_r(q) - o_S(q)||²`` ``[rows, G * |validation|]`` per validation query and group head
         (grouped order: query head major), ``ô_r`` the decode rule with its gate over ``M' ∪ {β..t}``:
         ``block_errors`` of blocks of rows within ``loss_block_bytes``, every block laid out as all
-        rows would be (the same slots, so the same bits)."""
+        rows would be (the same slots, so the same bits); where ``fused_losses``, ``reskv.loss_kernel``'s
+        for every row at once."""
         obs, rows = self.obs, caches.heads.shape[0]
+        if fused_losses(obs.keys, self.config):
+            from reskv import loss_kernel
+
+            return loss_kernel.errors(
+                self.validation_queries, self.full_output, obs.keys, obs.values, caches.heads,
+                caches.main_rows, caches.main_bias, caches.residual, self.boundary, self.validation_count,
+                obs.scaling, self.config,
+            )  # fmt: skip
         slots = caches.residual.keys.shape[1] + caches.main_rows.shape[1] + obs.seq_len - self.boundary
         queries, dim = self.validation_queries.shape[1], obs.keys.shape[-1]
         # A row's gathered main cache, its joined fp32 keys and values, and its logits.

@@ -5,8 +5,8 @@
 
 Triton compiles each kernel for the GPU architecture with its own bundled toolchain (the one it uses
 on the GPU, so the figures are the GPU's for the installed Triton), at the tiles and warps its
-launcher uses (``reskv.nearest_kernel``'s, ``reskv.lloyd_kernel``'s, ``reskv.decode_kernel``'s and
-``reskv.column_sums_kernel``'s constants), for the head
+launcher uses (the constants of ``reskv.nearest_kernel``, ``reskv.lloyd_kernel``, ``reskv.loss_kernel``,
+``reskv.decode_kernel`` and ``reskv.column_sums_kernel``), for the head
 dims of the paper's backbones (128) and the embedded model (64) and each cache dtype. Triton's
 ``cuobjdump`` then reads the registers a thread holds and the stack bytes it keeps in local memory:
 a kernel whose tiles do not fit its registers spills them there and reads them back in its inner
@@ -22,13 +22,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from reskv import column_sums_kernel, decode_kernel, lloyd_kernel, nearest_kernel
+from reskv import column_sums_kernel, decode_kernel, lloyd_kernel, loss_kernel, nearest_kernel
 
 HEAD_DIMS = (64, 128)
 CACHE_DTYPES = ("fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,9 @@ class Resources:
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     """The compilations the launchers make for ``head_dim`` and a cache in ``cache_dtype``: the
     nearest-centre kernel (fp32 points, each product form ``nearest_kernel`` offers), the Lloyd steps'
-    kernels where the nearest centres of the cache's keys have a form (``lloyd_builds``), the gated
-    decode step's two kernels (the largest row tile, ``decode_kernel.MAX_ROWS`` rows), and for a
+    kernels where the nearest centres of the cache's keys have a form (``lloyd_builds``), the proxy's
+    errors (``loss_build``), the gated decode step's two kernels (the largest row tile,
+    ``decode_kernel.MAX_ROWS`` rows), and for a
     half-precision cache the view kernel over each pool and H2O's column sums. A tile is
     a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
     dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
@@ -158,7 +161,47 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     # H2O's column sums and the views run on CUDA for half-precision caches only (reskv.scoring,
     # decode_kernel.VIEW_DTYPES).
     half = [*views, log_sum_exp, columns] if cache_dtype != "fp32" else []
-    return [*nearest, *lloyd_builds(dim_tile, cache_dtype), chunk, merge, *half]
+    return [
+        *nearest,
+        *lloyd_builds(dim_tile, cache_dtype),
+        loss_build(dim_tile, cache_dtype),
+        chunk,
+        merge,
+        *half,
+    ]
+
+
+def loss_build(dim_tile: int, cache_dtype: str) -> KernelBuild:
+    """``reskv.loss_kernel``'s compilation for a cache in ``cache_dtype``: padded main caches, the gate
+    open and clamped, a population weight other than 1 (every branch the paper grid's rule and its
+    ablations take)."""
+    strides = [
+        "queries_head", "queries_query", "full_head", "full_query", "main_rows_stride",
+        "main_bias_row_stride", "entry_keys_row", "entry_keys_slot", "entry_values_row",
+        "entry_values_slot", "log_counts_row", "row_stride", "num_queries", "main_slots",
+        "entry_slots", "boundary", "exact_count", "validation_count", "dim",
+    ]  # fmt: skip
+    return KernelBuild(
+        "proxy errors",
+        loss_kernel._errors_kernel,
+        dict.fromkeys(["queries", "key_rows", "value_rows", "entry_keys", "entry_values"], f"*{cache_dtype}")
+        | dict.fromkeys(["full_output", "main_bias", "log_counts", "found"], "*fp32")
+        | dict.fromkeys(["heads", "main_rows"], "*i64")
+        | dict.fromkeys(strides, "i32")
+        | dict.fromkeys(["scaling", "tau", "alpha", "g_min", "population_weight"], "fp32"),
+        {
+            "HAS_BIAS": True,
+            "GATE_OPEN": True,
+            "CLAMP_GATE": True,
+            "UNIT_POPULATION_WEIGHT": False,
+            "QUERY_TILE": loss_kernel.QUERY_TILE,
+            "SLOT_TILE": loss_kernel.SLOT_TILE,
+            "DIM_TILE": dim_tile,
+            "PRECISION": loss_kernel.product_precision(TORCH_DTYPES[cache_dtype]),
+        },
+        loss_kernel.NUM_WARPS,
+        True,  # Triton's default: the launcher names none
+    )
 
 
 def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:

@@ -1,0 +1,115 @@
+"""``reskv/loss_kernel.py`` under Triton's interpreter on CPU: a validation proxy's errors for every
+candidate row, against the proxy's torch path (``ValidationProxy.caches_errors``, which
+tests/test_proxy.py checks against a float64 loop written from the spec)."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+import reskv.proxy
+from baselines import build_method, build_scorer
+from reskv.config import ResidualConfig, budget_for, candidate_sizes
+from reskv.engine import Prefill
+from reskv.proxy import ValidationProxy, observation_split
+from scripts.measure import random_prompt
+from tests.conftest import TOKENS, cached_tiny_backbone, interpreted
+
+PROMPT_LENGTH = 300
+# The rules the kernel computes: the paper's, the gate closed, a clamped gate, a population weight.
+RULES = {
+    "paper": ResidualConfig(),
+    "no gate": ResidualConfig(gate=False),
+    "clamped gate": ResidualConfig(g_min=0.9, tau=0.05),  # sigmoid(alpha (tau - p_max)) < 0.65: clamped
+    "beta 0.5": ResidualConfig(beta=0.5),
+}
+
+
+def kernel_errors(proxy_inputs, caches, rule):
+    """``loss_kernel.errors`` of ``caches`` (``proxy_inputs``: what it reads of the proxy), IEEE products."""
+    from reskv import loss_kernel  # imports Triton
+
+    queries, full_output, keys, values, boundary, validation_count, scaling = proxy_inputs
+    return loss_kernel.errors(
+        queries, full_output, keys, values, caches.heads, caches.main_rows, caches.main_bias,
+        caches.residual, boundary, validation_count, scaling, rule, "ieee",
+    )  # fmt: skip
+
+
+def proxies_and_caches(base: str = "adakv"):
+    """For each of ``RULES``, a proxy over layer 1 of a tiny Qwen2 (3 query heads a KV head) prefilled
+    on a 300-token prompt, and all its candidates' caches at ratio 0.5 under ``base`` (AdaKV: budgets
+    of every head its own, so main caches are padded; candidates of every grid level, and the
+    main-only one with no entries)."""
+    prefill = Prefill(
+        cached_tiny_backbone("tiny-qwen2", 6, 2), random_prompt(TOKENS, PROMPT_LENGTH, seed=11),
+        PROMPT_LENGTH, [build_method("h2o", 0.5)],
+    )  # fmt: skip
+    obs = prefill.prefilled("agnostic").cache.layers[1].observation(1, prefill.scaling)
+    scorer = build_scorer(base)
+    budgets = scorer.head_budgets(scorer.prompt_scores(obs), budget_for(PROMPT_LENGTH, 0.5)).tolist()
+    for rule in RULES.values():
+        proxy = ValidationProxy(obs, scorer, rule, observation_split(obs, rule))
+        sizes = candidate_sizes(rule, budgets, proxy.prefix_window, proxy.validation_count)
+        yield proxy, proxy.candidates(budgets, [[0] * len(budgets), *sizes])
+
+
+def test_fused_losses_equal_the_torch_paths_within_fp32_rounding(tmp_path):
+    """Every candidate's errors per validation query, under each of ``RULES``: the kernel's equal the
+    torch path's within fp32 rounding (online softmaxes, another summation order), and their means
+    choose the same size in every head."""
+    pytest.importorskip("triton")
+    cases, expected = [], []
+    for proxy, caches in proxies_and_caches():
+        inputs = (
+            proxy.validation_queries, proxy.full_output, proxy.obs.keys, proxy.obs.values, proxy.boundary,
+            proxy.validation_count, proxy.obs.scaling,
+        )  # fmt: skip
+        cases.append((inputs, caches, proxy.config))
+        expected.append(proxy.caches_errors(caches))
+    assert all(caches.main_bias is not None for _, caches, _ in cases)  # padded main caches
+    heads = proxy.obs.num_kv_heads
+    for kernel, plain in zip(
+        interpreted("tests.test_loss_kernel:kernel_errors", cases, tmp_path), expected, strict=True
+    ):
+        assert kernel.shape == plain.shape and torch.isfinite(kernel).all()
+        torch.testing.assert_close(kernel, plain, rtol=2e-5, atol=1e-7)
+        assert torch.equal(
+            kernel.mean(-1).reshape(-1, heads).argmin(0), plain.mean(-1).reshape(-1, heads).argmin(0)
+        )
+
+
+def errors_through_the_proxy(proxy, caches):
+    """``proxy.caches_errors`` with ``fused_losses`` on (as ``CUDA_FUSED_LOSSES`` on a GPU); the errors,
+    and the calls of ``loss_kernel.errors``."""
+    from reskv import loss_kernel  # imports Triton
+
+    with (
+        mock.patch.object(reskv.proxy, "fused_losses", lambda keys, rule: True),
+        mock.patch.object(loss_kernel, "errors", wraps=loss_kernel.errors) as kernel,
+    ):
+        return proxy.caches_errors(caches), kernel.call_count
+
+
+def test_the_proxy_takes_the_kernels_errors_where_fused_losses_says(tmp_path):
+    """``ValidationProxy.caches_errors`` hands its rows to the kernel where ``fused_losses`` says so:
+    one call, errors within fp32 rounding of the torch path's."""
+    pytest.importorskip("triton")
+    proxy, caches = next(proxies_and_caches("snapkv"))
+    [(found, calls)] = interpreted(
+        "tests.test_loss_kernel:errors_through_the_proxy", [(proxy, caches)], tmp_path
+    )
+    assert calls == 1
+    torch.testing.assert_close(found, proxy.caches_errors(caches), rtol=2e-5, atol=1e-7)
+
+
+def test_fused_losses_refuse_the_ablation_without_the_shared_softmax():
+    pytest.importorskip("triton")
+    from reskv import loss_kernel
+
+    rule = dataclasses.replace(ResidualConfig(), shared_softmax=False)
+    with pytest.raises(ValueError, match="shared softmax only"):
+        loss_kernel.errors(*([None] * 11), rule)
