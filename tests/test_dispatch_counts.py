@@ -218,3 +218,19 @@ def test_a_group_clustered_by_the_fused_lloyd_kernel_counts_its_launches_by_hand
     }
     for found, expected in zip(entries.fields(), plain.fields(), strict=True):
         assert torch.equal(found, expected)
+
+
+def test_a_proxys_errors_by_the_fused_loss_kernel_count_one_launch():
+    """Under ``grid_constructions.fused_loss_launches`` a validation proxy's errors of a candidate set
+    take one launch of ``reskv.loss_kernel`` (its output an allocation, which launches nothing), and are
+    the torch path's."""
+    pytest.importorskip("triton")
+    from scripts.bench.grid_constructions import fused_loss_launches
+    from tests.test_loss_kernel import proxies_and_caches
+
+    proxy, caches = next(proxies_and_caches("snapkv"))
+    with fused_loss_launches(), count_dispatch() as counts:
+        errors = proxy.caches_errors(caches)
+    assert (counts.ops, counts.syncs, dict(counts.by_op)) == (1, 0, {"proxy errors": 1})
+    assert counts.fp32_bytes_by_stage["other"] == 4 * errors.numel()
+    assert torch.equal(errors, proxy.caches_errors(caches))

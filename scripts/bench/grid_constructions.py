@@ -1,7 +1,7 @@
 """What one sample's paper RULER grid constructs, against its floor: host syncs, ops, k-means FLOPs and
 fp32 bytes, counted on CPU as a GPU would run them.
 
-    python -m scripts.bench.grid_constructions [--length 4096] [--fused-lloyd] [--out FILE]
+    python -m scripts.bench.grid_constructions [--length 4096] [--fused-lloyd] [--fused-losses] [--out FILE]
 
 The 72 compressed configurations of ``configs/grid/paper_ruler.yaml`` (``grid_gpu.paper_ruler_requests``:
 H2O, TOVA, SnapKV, AdaKV and each +ResKV, CaM, at ratios 0.6-0.9, both settings; the full cache, the
@@ -25,7 +25,9 @@ methods in the whole grid then counted as its own):
 
 With ``--fused-lloyd`` the k-means groups of bf16 keys are clustered as on a GPU with
 ``reskv.residual.CUDA_FUSED_LLOYD`` (``fused_lloyd_launches``): each group's launches of
-``reskv.lloyd_kernel`` are counted, and its entries computed by the torch path uncounted.
+``reskv.lloyd_kernel`` are counted, and its entries computed by the torch path uncounted; with
+``--fused-losses`` the validation proxies' errors as on a GPU with ``reskv.proxy.CUDA_FUSED_LOSSES``
+(``fused_loss_launches``), likewise.
 
 The counts depend on the shapes the data decides (AdaKV's budgets, the residual sizes the proxies
 chose on this random model), not on the weights otherwise. A few minutes of CPU at 2K tokens, tens
@@ -40,6 +42,7 @@ import dataclasses
 import functools
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -48,8 +51,10 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.flop_counter import FlopCounterMode
 
+import reskv.proxy
 import reskv.residual
 from reskv.engine import Prefill
+from reskv.proxy import ValidationProxy
 from scripts.bench.construction_counts import gpu_layout
 from scripts.bench.decode_counts import narrow_llama_8b_attention
 from scripts.bench.dispatch_counts import (
@@ -124,25 +129,30 @@ def probed(work: dict[str, KmeansWork]):
 
 
 class CountedKernel:
-    """A Triton kernel of ``reskv.lloyd_kernel`` that runs nothing: each launch counted as one op
-    (``dispatch_counts.launched``) writing the fp32 bytes of its outputs (the scratch of an assignment
-    step; the centres and norms of an init or update; the log-counts of the final entries)."""
+    """A Triton kernel that runs nothing: each launch counted as one op (``dispatch_counts.launched``)
+    writing the fp32 bytes of the tensors ``written`` names among its arguments."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, written: Callable[[dict], list[torch.Tensor]]):
+        self.name, self.written = name, written
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, **arguments) -> None:
-        mode = arguments.get("MODE")
-        if mode is None:
-            written = [arguments["scratch"]]
-        elif mode == "final":
-            written = [arguments["center_norms"]]  # the group's log-counts: as many as its centres' norms
-        else:
-            written = [arguments["centers"], arguments["center_norms"]]
-        launched(f"{self.name} {mode or ''}".strip(), sum(4 * tensor.numel() for tensor in written))
+        mode = arguments.get("MODE", "")
+        written = sum(4 * tensor.numel() for tensor in self.written(arguments))
+        launched(f"{self.name} {mode}".strip(), written)
+
+
+def lloyd_writes(arguments: dict) -> list[torch.Tensor]:
+    """What a ``reskv.lloyd_kernel`` launch writes in fp32: an assignment step its scratch; an init or
+    update the centres and their norms; the final entries their log-counts (as many as the norms)."""
+    mode = arguments.get("MODE")
+    if mode is None:
+        return [arguments["scratch"]]
+    if mode == "final":
+        return [arguments["center_norms"]]
+    return [arguments["centers"], arguments["center_norms"]]
 
 
 @contextlib.contextmanager
@@ -172,8 +182,32 @@ def fused_lloyd_launches():
     with (
         mock.patch.object(reskv.residual, "fused_lloyd_form", bf16_form),
         mock.patch.object(lloyd_kernel, "cluster", counted_cluster),
-        mock.patch.object(lloyd_kernel, "_assign_kernel", CountedKernel("lloyd assign")),
-        mock.patch.object(lloyd_kernel, "_centres_kernel", CountedKernel("lloyd centres")),
+        mock.patch.object(lloyd_kernel, "_assign_kernel", CountedKernel("lloyd assign", lloyd_writes)),
+        mock.patch.object(lloyd_kernel, "_centres_kernel", CountedKernel("lloyd centres", lloyd_writes)),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def fused_loss_launches():
+    """The validation proxies' errors as on a GPU with ``reskv.proxy.CUDA_FUSED_LOSSES``: by
+    ``reskv.loss_kernel.errors``, whose launch is counted (``CountedKernel``) while the errors are
+    computed by the torch path, uncounted."""
+    from reskv import loss_kernel  # imports Triton
+
+    caches_errors = ValidationProxy.caches_errors
+
+    def counted_errors(proxy, caches):
+        with mock.patch.object(reskv.proxy, "fused_losses", lambda keys, rule: rule.shared_softmax):
+            caches_errors(proxy, caches)
+        with uncounted():
+            return caches_errors(proxy, caches)
+
+    with (
+        mock.patch.object(ValidationProxy, "caches_errors", counted_errors),
+        mock.patch.object(
+            loss_kernel, "_errors_kernel", CountedKernel("proxy errors", lambda a: [a["found"]])
+        ),
     ):
         yield
 
@@ -188,11 +222,12 @@ def counted(prefill: Prefill, requests: list) -> tuple[DispatchCounts, dict[str,
     return counts, work
 
 
-def count_constructions(length: int, fused_lloyd: bool = False) -> dict:
+def count_constructions(length: int, fused_lloyd: bool = False, fused_losses: bool = False) -> dict:
     """The figures (``figures``) of one sample's 72 constructions at ``length`` tokens: the grid's, and
     each (method, setting)'s four ratios constructed as a grid of their own (work it shares with other
     methods in the whole grid is then its own); and every construction matmul's GFLOP
-    (``FlopCounterMode``) in the grid. ``fused_lloyd``: the k-means by ``fused_lloyd_launches``."""
+    (``FlopCounterMode``) in the grid. ``fused_lloyd``: the k-means by ``fused_lloyd_launches``;
+    ``fused_losses``: the proxies' errors by ``fused_loss_launches``."""
     backbone = narrow_llama_8b_attention()
     prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
     requests = [(method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None]
@@ -200,7 +235,8 @@ def count_constructions(length: int, fused_lloyd: bool = False) -> dict:
     for method, setting in requests:
         families[f"{method.name} {setting}"].append((method, setting))
     lloyd = fused_lloyd_launches() if fused_lloyd else contextlib.nullcontext()
-    with torch.inference_mode(), gpu_layout(), lloyd:
+    losses = fused_loss_launches() if fused_losses else contextlib.nullcontext()
+    with torch.inference_mode(), gpu_layout(), lloyd, losses:
         prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
         prefill.prefilled("aware")
         with FlopCounterMode(display=False) as flops:
@@ -265,10 +301,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--fused-lloyd", action="store_true", help="the k-means as reskv.lloyd_kernel launches it on a GPU"
     )
+    parser.add_argument(
+        "--fused-losses", action="store_true", help="the proxies' errors as reskv.loss_kernel computes them"
+    )
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    found = count_constructions(args.length, args.fused_lloyd)
-    found |= {"length": args.length, "fused_lloyd": args.fused_lloyd, "machine": machine()}
+    found = count_constructions(args.length, args.fused_lloyd, args.fused_losses)
+    found |= {"length": args.length, "fused_lloyd": args.fused_lloyd, "fused_losses": args.fused_losses}
+    found["machine"] = machine()
     grid = found["grid"]
     console = Console(width=200)
     console.print(figures_table(found, args.length))
