@@ -17,6 +17,7 @@ import reskv.views
 from baselines import build_method
 from reskv.engine import Prefill
 from scripts.bench.gpu_check import first
+from scripts.bench.gpu_check.efficiency import TORCH_LLOYD, TORCH_LOSSES
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
 
@@ -94,10 +95,11 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     assert sums["passed"] and [case["queries"] for case in sums["cases"]] == [300, first.QUESTION_TOKENS]
     for case in sums["cases"]:
         assert case["kernel_error"] == case["torch_error"] < 1e-5
-    lloyd = first.lloyd_check(prefill, build_method("snapkv+reskv", 0.5))  # 0.9 leaves no entries here
-    assert lloyd["passed"] and lloyd["heads"] == 2 * 2
-    assert lloyd["entry_keys_relative_difference"] == lloyd["entry_values_relative_difference"] == 0
-    assert lloyd["log_counts_difference"] == 0
+    for switch in (TORCH_LLOYD, TORCH_LOSSES):
+        fused = first.fused_check(switch)(prefill, build_method("snapkv+reskv", 0.5))  # 0.9: no entries
+        assert fused["passed"] and fused["heads"] == 2 * 2
+        assert fused["entry_keys_relative_difference"] == fused["entry_values_relative_difference"] == 0
+        assert fused["log_counts_difference"] == 0
 
 
 @pytest.mark.parametrize(

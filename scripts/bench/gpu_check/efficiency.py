@@ -28,6 +28,7 @@ from torch._dynamo.utils import counters
 
 import reskv.attention
 import reskv.nearest_kernel
+import reskv.proxy
 import reskv.residual
 import reskv.scoring
 from baselines import build_method
@@ -64,7 +65,9 @@ TORCH_COLUMN_SUMS = (reskv.scoring, "CUDA_FUSED_COLUMN_SUMS", False)
 # The k-means' Lloyd steps by their torch path (``reskv.residual.CUDA_FUSED_LLOYD``; the kernel is off
 # by default until a GPU has checked and timed it, and this switch keeps it off).
 TORCH_LLOYD = (reskv.residual, "CUDA_FUSED_LLOYD", False)
-KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_COLUMN_SUMS, TORCH_LLOYD)
+# The validation proxies' errors by their torch path (``reskv.proxy.CUDA_FUSED_LOSSES``; likewise).
+TORCH_LOSSES = (reskv.proxy, "CUDA_FUSED_LOSSES", False)
+KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_COLUMN_SUMS, TORCH_LLOYD, TORCH_LOSSES)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)

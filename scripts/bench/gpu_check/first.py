@@ -11,10 +11,11 @@ budget left is below what it needs (``STAGE_SECONDS``):
    0.9): the fused nearest-centre kernel must give the torch path's residual sizes in every head, the
    fused decode kernel an attention output no further from float64 than the torch form's
    (``decode_check``), H2O's column-sum kernel sums no further from float64 than the torch path's
-   (``column_sums_check``), the Lloyd kernel the torch path's residual sizes in every head
-   (``lloyd_check``); a mismatch or an error switches the kernel off for the rest of the call
+   (``column_sums_check``), the Lloyd and loss kernels the torch path's residual sizes in every head
+   (``fused_check``); a mismatch or an error switches the kernel off for the rest of the call
    (``KERNEL_SWITCHES``) and the report says so, and the kernels off by default (``OFF_BY_DEFAULT``:
-   the column sums, the Lloyd steps) are switched on for the rest of the call where they pass;
+   the column sums, the Lloyd steps, the proxy's losses) are switched on for the rest of the call
+   where they pass;
 2. ``nearest``: the nearest-centre step's forms (the torch path, the kernel's IEEE, TF32x3 and
    bf16x3 products) on one layer's k-means at the longest length's shape, TFLOP/s and choices
    against float64's, then a +ResKV construction with each; the fastest that keeps the torch path's
@@ -25,9 +26,9 @@ budget left is below what it needs (``STAGE_SECONDS``):
    (``CONSTRUCTION_SHARE``) is spent: where a sample's construction time goes, by method, setting
    and ratio;
 4. ``profile``: at the longest length, the prefill with and without H2O's accumulated attention;
-   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built alone (where the kernels stage switched
-   the Lloyd kernel on, by its torch path too) and as the grid builds it, then profiled: kernels,
-   launches, the host's waits and copies;
+   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built alone (and without each construction
+   kernel the kernels stage switched on, ``CONSTRUCTION_KERNELS``) and as the grid builds it, then
+   profiled: kernels, launches, the host's waits and copies;
 5. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
    at 32K and at 4K against one full-cache request, warm against warm (a short grid first compiles
    the step's graphs, the request is timed on its second run), then a second 32K sample in the same
@@ -71,7 +72,7 @@ from unittest import mock
 import torch
 
 from baselines import build_method
-from reskv import attention, nearest_kernel, residual, scoring
+from reskv import attention, nearest_kernel, proxy, residual, scoring
 from reskv import views as views_module
 from reskv.attention import RowGates
 from reskv.backbones import Backbone
@@ -88,6 +89,7 @@ from scripts.bench.gpu_check.efficiency import (
     TORCH_COLUMN_SUMS,
     TORCH_DECODE,
     TORCH_LLOYD,
+    TORCH_LOSSES,
     TORCH_NEAREST,
     device_profile,
     efficiency_rows,
@@ -124,7 +126,11 @@ STAGE_SECONDS = {
 OFF_BY_DEFAULT = {
     "h2o_column_sums": (scoring, "CUDA_FUSED_COLUMN_SUMS", True),
     "lloyd_steps": (residual, "CUDA_FUSED_LLOYD", True),
+    "proxy_losses": (proxy, "CUDA_FUSED_LOSSES", True),
 }
+# The construction's kernels off by default that the profile stage times SnapKV+ResKV without (each
+# switch: its torch path), where the kernels stage switched them on.
+CONSTRUCTION_KERNELS = {"lloyd_steps": TORCH_LLOYD, "proxy_losses": TORCH_LOSSES}
 # The nearest-centre step's forms the nearest stage compares: switches (module, flag, value) each sets.
 NEAREST_FORMS = {
     "torch": [(residual, "CUDA_FUSED_NEAREST", False)],
@@ -191,7 +197,8 @@ def kernels(
         "nearest_centers": (nearest_check, TORCH_NEAREST),
         "gated_decode_attention": (decode_check, TORCH_DECODE),
         "h2o_column_sums": (column_sums_check, TORCH_COLUMN_SUMS),
-        "lloyd_steps": (lloyd_check, TORCH_LLOYD),
+        "lloyd_steps": (fused_check(TORCH_LLOYD), TORCH_LLOYD),
+        "proxy_losses": (fused_check(TORCH_LOSSES), TORCH_LOSSES),
     }
     report = checked(checks, prefill, method)
     for name, switch in OFF_BY_DEFAULT.items():
@@ -230,14 +237,21 @@ def nearest_check(prefill: Prefill, method) -> dict:
     return {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
 
 
-def lloyd_check(prefill: Prefill, method) -> dict:
-    """The residual sizes and attended slots of every head with the Lloyd kernel (``CUDA_FUSED_LLOYD``)
-    and with the torch path; where they are the same, the largest difference of the entries' keys and
-    values over the largest of the torch path's, and of their log-counts (the kernel's sums run in
-    another order: bf16 roundings of the means may differ by a unit, a near tie move a point)."""
-    with mock.patch.object(residual, "CUDA_FUSED_LLOYD", True):
+def fused_check(switch: tuple) -> Callable[[Prefill, object], dict]:
+    """The check of a construction kernel off by default (``switch``: module, flag, its torch path's
+    value): the residual sizes and attended slots of every head with the kernel and with the torch
+    path; where they are the same, the largest difference of the entries' keys and values over the
+    largest of the torch path's, and of their log-counts (a kernel sums in another order: bf16
+    roundings of the means may differ by a unit, a near tie move a point or a choice)."""
+    module, flag, _ = switch
+    return functools.partial(kernel_against_torch, module, flag)
+
+
+def kernel_against_torch(module, flag: str, prefill: Prefill, method) -> dict:
+    """``fused_check``'s comparison for ``module.flag``."""
+    with mock.patch.object(module, flag, True):
         kernel_cache, _ = prefill.compressed(method, "aware")
-    with mock.patch.object(*TORCH_LLOYD):
+    with mock.patch.object(module, flag, False):
         torch_cache, _ = prefill.compressed(method, "aware")
     same = kernel_cache.slots() == torch_cache.slots()
     report = {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
@@ -507,13 +521,14 @@ def profile(
                 backbone.device, prefilled, backbone, prompt, prefilled_for
             )
         save(report)
-    report["lloyd_kernel"] = residual.CUDA_FUSED_LLOYD
+    switched_on = {name: switch for name, switch in CONSTRUCTION_KERNELS.items() if getattr(*switch[:2])}
+    report["construction_kernels_on"] = sorted(switched_on)
     for method in methods:
         report["alone_s"][method.ratio] = timed(backbone.device, prefill.compressed, method, "aware")[1]
-        if residual.CUDA_FUSED_LLOYD:  # switched on by the kernels stage: its torch path beside it
-            with mock.patch.object(*TORCH_LLOYD):
+        for name, switch in switched_on.items():  # each kernel's torch path beside it
+            with mock.patch.object(*switch):
                 seconds = timed(backbone.device, prefill.compressed, method, "aware")[1]
-            report.setdefault("alone_s_torch_lloyd", {})[method.ratio] = seconds
+            report.setdefault("alone_s_without", {}).setdefault(name, {})[method.ratio] = seconds
         save(report)
     with prefill.sharing_construction():
         prefill.compressed(build_method("snapkv", 0.9), "aware")  # the scores and stacked layers
@@ -993,7 +1008,7 @@ def summary(stage: str, result: dict) -> str:
     if stage == "profile":
         return (
             f"{seconds}; prefill {result['prefill_s']}; alone {result['alone_s']}; "
-            f"alone, the Lloyd steps' torch path {result.get('alone_s_torch_lloyd', '-')}; "
+            f"alone without each kernel {result.get('alone_s_without', '-')}; "
             f"shared {result['shared_s']}; "
             + "; ".join(
                 f"{ratio}: busy {row['device_busy_s']:.2f}s of {row['profiled_s']:.2f}s, "
