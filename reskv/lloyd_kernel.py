@@ -264,10 +264,11 @@ if triton is not None:
         )  # fmt: skip
         slot = row * num_centers + nearest
         sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
-        tl.atomic_add(sums_at, point_tile, mask=tile_mask)
-        tl.atomic_add(
-            scratch + slot * (2 * dim + 1) + dim, tl.full([POINT_TILE], 1.0, tl.float32), mask=valid
-        )
+        # Relaxed: sums that no program reads before the launch ends need no ordering (the default,
+        # acq_rel, fences every add).
+        tl.atomic_add(sums_at, point_tile, mask=tile_mask, sem="relaxed")
+        ones = tl.full([POINT_TILE], 1.0, tl.float32)
+        tl.atomic_add(scratch + slot * (2 * dim + 1) + dim, ones, mask=valid, sem="relaxed")
         if WITH_VALUES:
             value_tile = tl.load(value_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)
-            tl.atomic_add(sums_at + dim + 1, value_tile, mask=tile_mask)
+            tl.atomic_add(sums_at + dim + 1, value_tile, mask=tile_mask, sem="relaxed")
