@@ -139,6 +139,12 @@ def errors(
 if triton is not None:
 
     @triton.jit
+    def softmax_start(QUERY_TILE: tl.constexpr, DIM_TILE: tl.constexpr):
+        """A running softmax before its first slot: maximum ``-inf``, mass 0, output 0."""
+        maximum = tl.full([QUERY_TILE], float("-inf"), tl.float32)
+        return maximum, tl.zeros([QUERY_TILE], tl.float32), tl.zeros([QUERY_TILE, DIM_TILE], tl.float32)
+
+    @triton.jit
     def online_step(
         query_tile,
         key_tile,
@@ -226,9 +232,7 @@ if triton is not None:
             other=0.0,
         ).to(tl.float32)
         slot = tl.arange(0, SLOT_TILE)
-        main_max = tl.full([QUERY_TILE], float("-inf"), tl.float32)
-        main_mass = tl.zeros([QUERY_TILE], tl.float32)
-        main_output = tl.zeros([QUERY_TILE, DIM_TILE], tl.float32)
+        main_max, main_mass, main_output = softmax_start(QUERY_TILE, DIM_TILE)
         # M' by index; -inf on padding.
         for start in range(0, main_slots, SLOT_TILE):
             columns = start + slot
@@ -264,9 +268,7 @@ if triton is not None:
             if CLAMP_GATE:
                 gate = tl.maximum(gate, g_min)
             log_gate = tl.log(gate)
-        entry_max = tl.full([QUERY_TILE], float("-inf"), tl.float32)
-        entry_mass = tl.zeros([QUERY_TILE], tl.float32)
-        entry_output = tl.zeros([QUERY_TILE, DIM_TILE], tl.float32)
+        entry_max, entry_mass, entry_output = softmax_start(QUERY_TILE, DIM_TILE)
         for start in range(0, entry_slots, SLOT_TILE):
             columns = start + slot
             used = columns < entry_slots
