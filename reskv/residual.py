@@ -392,16 +392,33 @@ def padded_groups(
         own_points += point_counts[row]
         own_distances += sizes[row] * point_counts[row]
     groups.append(current)
-    return [
-        RowGroup(
-            group,
-            sizes[group[0]],
-            max(point_counts[row] for row in group),
-            equal_sizes=sizes[group[0]] == sizes[group[-1]],
-        )
-        for group in groups
-        if group
-    ]
+    return [row_group(group, sizes, point_counts) for group in groups if group]
+
+
+def row_group(rows: list[int], sizes: list[int], point_counts: list[int]) -> RowGroup:
+    """``rows`` (largest size first) as one ``RowGroup``."""
+    most_points = max(point_counts[row] for row in rows)
+    return RowGroup(rows, sizes[rows[0]], most_points, equal_sizes=sizes[rows[0]] == sizes[rows[-1]])
+
+
+def scratch_groups(
+    rows: list[int], sizes: list[int], point_counts: list[int], keys: Tensor
+) -> list[RowGroup]:
+    """``rows`` as the k-means groups ``reskv.lloyd_kernel`` clusters (``fused_lloyd_form``). It reads
+    the points in place and skips each row's padding, so a group takes rows of every level while what it
+    holds, its scratch, centres and norms (rows x largest size x ``3 d + 2`` fp32), fits the memory
+    planned for the points' fp32 copy that it does not make (``padding_free_capacity`` points of ``d``
+    fp32). Rows are taken largest size first."""
+    dim = keys.shape[-1]
+    capacity = padding_free_capacity(keys) * dim
+    groups, current = [], []
+    for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
+        if current and (len(current) + 1) * sizes[current[0]] * (3 * dim + 2) > capacity:
+            groups.append(current)
+            current = []
+        current.append(row)
+    groups.append(current)
+    return [row_group(group, sizes, point_counts) for group in groups if group]
 
 
 def padding_free_capacity(keys: Tensor) -> int:
@@ -419,9 +436,12 @@ def level_row_groups(
     """The k-means groups of rows given by level (a validation proxy's candidate, or a final grid
     level: a level's sizes are close), ``sizes`` and ``point_counts`` host ints by row, points read
     from ``keys``: each level split by ``padded_groups``; where the nearest-centre step skips padding
-    (``nearest_skips_padding``), every level's rows together, a group within ``padding_free_capacity``."""
+    (``nearest_skips_padding``), every level's rows together, a group within ``padding_free_capacity``;
+    where ``reskv.lloyd_kernel`` clusters them (``fused_lloyd_form``), as ``scratch_groups``."""
+    every_row = [row for level in levels for row in level]
+    if fused_lloyd_form(keys) is not None:
+        return scratch_groups(every_row, sizes, point_counts, keys)
     if nearest_skips_padding(keys):
-        every_row = [row for level in levels for row in level]
         return padded_groups(every_row, sizes, point_counts, keys.device, padding_free_capacity(keys))
     return [group for level in levels for group in padded_groups(level, sizes, point_counts, keys.device)]
 

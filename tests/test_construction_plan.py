@@ -274,6 +274,26 @@ def test_levels_group_apart_unless_the_kernel_skips_padding(monkeypatch):
     ]
 
 
+def test_rows_the_lloyd_kernel_clusters_group_by_its_scratch(monkeypatch):
+    """Where ``reskv.lloyd_kernel`` clusters (``fused_lloyd_form``), levels group together while a
+    group's scratch, centres and norms (rows x largest size x (3 d + 2) fp32) fit the capacity's
+    points of d fp32, whatever their padding: keys [4, 100, 8] give (4 x 100 + 4 MiB / 32) x 8 =
+    1,051,776 fp32, so rows of size 50 (26 fp32 a centre: 1,300 a row) group 809 at a time, here 1,000
+    rows of two levels (sizes 50 and 3, points 100 and 3,000, 997 padded points each) as 809 and 191,
+    largest size first."""
+    keys = torch.zeros(4, 100, 8)
+    monkeypatch.setattr(reskv.residual, "fused_lloyd_form", lambda keys: "bf16x3")
+    levels = [list(range(500)), list(range(500, 1000))]
+    sizes, points = [50] * 500 + [3] * 500, [100] * 500 + [3_000] * 500
+    found = reskv.residual.level_row_groups(levels, sizes, points, keys)
+    assert [len(group.rows) for group in found] == [809, 191]
+    assert found[0].rows == list(range(500)) + list(range(500, 809))
+    assert [(group.max_size, group.max_points, group.equal_sizes) for group in found] == [
+        (50, 3_000, False),
+        (3, 3_000, True),
+    ]
+
+
 def test_final_levels_of_stacked_configurations_group_as_each_alone(monkeypatch):
     """``reskv.compress.level_groups`` of two configurations of 2 rows each, stacked (a grid's ratios'
     final caches clustered at once): on CPU a level is a (configuration, grid level), so each
