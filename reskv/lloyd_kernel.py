@@ -67,8 +67,9 @@ def cluster(
     """``group``'s rows of ``entries`` after ``iterations`` Lloyd steps, as ``reskv.residual.cluster_rows``
     computes them (its arguments, ``sizes[i] <= point_counts[i]``), written in place; ``entries``.
 
-    ``keys`` and ``values`` ``[H, s, d]`` share their storage's layout (``token_rows``); ``form`` and
-    ``split_operands`` are the nearest centres' products (``reskv.nearest_kernel.nearest``)."""
+    ``keys`` and ``values`` ``[H, s, d]`` share their storage's layout (``token_rows``); ``entries``
+    are contiguous (``cluster_rows`` makes them); ``form`` and ``split_operands`` are the nearest
+    centres' products (``reskv.nearest_kernel.nearest``)."""
     device, dim = keys.device, keys.shape[-1]
     num_rows, num_centers = len(group.rows), group.max_size
     rows_index = uploaded(group.rows, device)
@@ -87,7 +88,7 @@ def cluster(
         centers=centers,
         center_norms=center_norms,
         row_stride=row_stride(keys),
-        order_length=order.shape[1],
+        order_stride=order.stride(0),
         num_centers=num_centers,
         dim=dim,
         HAS_OFFSETS=has_offsets,
@@ -121,12 +122,12 @@ if triton is not None:
 
     @triton.jit
     def point_tokens(
-        order, offsets, heads, table_row, slot, valid, row_stride, order_length, HAS_OFFSETS: tl.constexpr
+        order, offsets, heads, table_row, slot, valid, row_stride, order_stride, HAS_OFFSETS: tl.constexpr
     ):
         """Rows of the keys' storage (``storage_rows``) of the points at ``slot`` of table row
         ``table_row`` (``cluster``'s layout), 0 where not ``valid``."""
         start = tl.load(offsets + table_row) if HAS_OFFSETS else 0
-        position = tl.load(order + table_row * order_length + start + slot, mask=valid, other=0)
+        position = tl.load(order + table_row * order_stride + start + slot, mask=valid, other=0)
         return tl.load(heads + table_row) * row_stride + position
 
     @triton.jit
@@ -139,7 +140,7 @@ if triton is not None:
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return means.to(dtype)
 
-    @triton.jit(do_not_specialize=["row_stride", "order_length", "num_centers", "entry_width"])
+    @triton.jit(do_not_specialize=["row_stride", "order_stride", "num_centers", "entry_width"])
     def _centres_kernel(
         key_rows,
         order,
@@ -155,7 +156,7 @@ if triton is not None:
         entry_log_counts,
         entry_width,
         row_stride,
-        order_length,
+        order_stride,
         num_centers,
         dim,
         MODE: tl.constexpr,
@@ -194,7 +195,7 @@ if triton is not None:
             real = center < tl.load(sizes + table_row)  # the row's own centres
             if MODE == "init":  # the row's first points, best-scored first
                 tokens = point_tokens(
-                    order, offsets, heads, table_row, center, real, row_stride, order_length, HAS_OFFSETS
+                    order, offsets, heads, table_row, center, real, row_stride, order_stride, HAS_OFFSETS
                 )
                 tile = tl.load(
                     key_rows + tokens[:, None] * dim + feature[None, :],
@@ -218,7 +219,7 @@ if triton is not None:
             norms = tl.where(real, tl.sum(tile * tile, axis=1), float("inf"))
             tl.store(center_norms + slot, norms, mask=in_row)
 
-    @triton.jit(do_not_specialize=["row_stride", "order_length", "num_centers", "num_points"])
+    @triton.jit(do_not_specialize=["row_stride", "order_stride", "num_centers", "num_points"])
     def _assign_kernel(
         key_rows,
         value_rows,
@@ -232,7 +233,7 @@ if triton is not None:
         centers,
         center_norms,
         row_stride,
-        order_length,
+        order_stride,
         num_points,
         num_centers,
         dim,
@@ -252,7 +253,7 @@ if triton is not None:
         valid = point < own_points
         tile_mask = valid[:, None] & (feature[None, :] < dim)
         tokens = point_tokens(
-            order, offsets, heads, table_row, point, valid, row_stride, order_length, HAS_OFFSETS
+            order, offsets, heads, table_row, point, valid, row_stride, order_stride, HAS_OFFSETS
         )
         token_at = tokens[:, None] * dim + feature[None, :]
         point_tile = tl.load(key_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)

@@ -216,7 +216,7 @@ def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
         | dict.fromkeys(["order", "offsets", "heads", "sizes", "rows_index"], "*i64")
         | dict.fromkeys(["scratch", "centers", "center_norms"], "*fp32")
     )
-    shape = dict.fromkeys(["row_stride", "order_length", "num_centers", "dim"], "i32")
+    shape = dict.fromkeys(["row_stride", "order_stride", "num_centers", "dim"], "i32")
     tiles = {"HAS_OFFSETS": True, "CENTER_TILE": nearest_kernel.CENTER_TILE, "DIM_TILE": dim_tile}
     assign = [
         KernelBuild(
