@@ -28,17 +28,6 @@ RULES = {
 }
 
 
-def kernel_errors(proxy_inputs, caches, rule):
-    """``loss_kernel.errors`` of ``caches`` (``proxy_inputs``: what it reads of the proxy), IEEE products."""
-    from reskv import loss_kernel  # imports Triton
-
-    queries, full_output, keys, values, boundary, validation_count, scaling = proxy_inputs
-    return loss_kernel.errors(
-        queries, full_output, keys, values, caches.heads, caches.main_rows, caches.main_bias,
-        caches.residual, boundary, validation_count, scaling, rule, "ieee",
-    )  # fmt: skip
-
-
 def proxies_and_caches(base: str = "adakv"):
     """For each of ``RULES``, a proxy over layer 1 of a tiny Qwen2 (3 query heads a KV head) prefilled
     on a 300-token prompt, and all its candidates' caches at ratio 0.5 under ``base`` (AdaKV: budgets
@@ -57,34 +46,9 @@ def proxies_and_caches(base: str = "adakv"):
         yield proxy, proxy.candidates(budgets, [[0] * len(budgets), *sizes])
 
 
-def test_fused_losses_equal_the_torch_paths_within_fp32_rounding(tmp_path):
-    """Every candidate's errors per validation query, under each of ``RULES``: the kernel's equal the
-    torch path's within fp32 rounding (online softmaxes, another summation order), and their means
-    choose the same size in every head."""
-    pytest.importorskip("triton")
-    cases, expected = [], []
-    for proxy, caches in proxies_and_caches():
-        inputs = (
-            proxy.validation_queries, proxy.full_output, proxy.obs.keys, proxy.obs.values, proxy.boundary,
-            proxy.validation_count, proxy.obs.scaling,
-        )  # fmt: skip
-        cases.append((inputs, caches, proxy.config))
-        expected.append(proxy.caches_errors(caches))
-    assert all(caches.main_bias is not None for _, caches, _ in cases)  # padded main caches
-    heads = proxy.obs.num_kv_heads
-    for kernel, plain in zip(
-        interpreted("tests.test_loss_kernel:kernel_errors", cases, tmp_path), expected, strict=True
-    ):
-        assert kernel.shape == plain.shape and torch.isfinite(kernel).all()
-        torch.testing.assert_close(kernel, plain, rtol=2e-5, atol=1e-7)
-        assert torch.equal(
-            kernel.mean(-1).reshape(-1, heads).argmin(0), plain.mean(-1).reshape(-1, heads).argmin(0)
-        )
-
-
 def errors_through_the_proxy(proxy, caches):
-    """``proxy.caches_errors`` with ``fused_losses`` on (as ``CUDA_FUSED_LOSSES`` on a GPU); the errors,
-    and the calls of ``loss_kernel.errors``."""
+    """``proxy.caches_errors`` with ``fused_losses`` on (as ``CUDA_FUSED_LOSSES`` on a GPU): the errors,
+    and the calls of ``loss_kernel.errors`` (IEEE products: the tiny models' keys are fp32)."""
     from reskv import loss_kernel  # imports Triton
 
     with (
@@ -94,16 +58,22 @@ def errors_through_the_proxy(proxy, caches):
         return proxy.caches_errors(caches), kernel.call_count
 
 
-def test_the_proxy_takes_the_kernels_errors_where_fused_losses_says(tmp_path):
-    """``ValidationProxy.caches_errors`` hands its rows to the kernel where ``fused_losses`` says so:
-    one call, errors within fp32 rounding of the torch path's."""
+def test_fused_losses_equal_the_torch_paths_within_fp32_rounding(tmp_path):
+    """Where ``fused_losses`` says so, ``ValidationProxy.caches_errors`` hands all its rows to the kernel
+    in one call; under each of ``RULES`` every candidate's errors per validation query equal the torch
+    path's within fp32 rounding (online softmaxes, another summation order), and their means choose the
+    same size in every head."""
     pytest.importorskip("triton")
-    proxy, caches = next(proxies_and_caches("snapkv"))
-    [(found, calls)] = interpreted(
-        "tests.test_loss_kernel:errors_through_the_proxy", [(proxy, caches)], tmp_path
-    )
-    assert calls == 1
-    torch.testing.assert_close(found, proxy.caches_errors(caches), rtol=2e-5, atol=1e-7)
+    cases = list(proxies_and_caches())
+    assert all(caches.main_bias is not None for _, caches in cases)  # padded main caches
+    found = interpreted("tests.test_loss_kernel:errors_through_the_proxy", cases, tmp_path)
+    for (proxy, caches), (kernel, calls) in zip(cases, found, strict=True):
+        plain, heads = proxy.caches_errors(caches), proxy.obs.num_kv_heads
+        assert calls == 1 and kernel.shape == plain.shape and torch.isfinite(kernel).all()
+        torch.testing.assert_close(kernel, plain, rtol=2e-5, atol=1e-7)
+        assert torch.equal(
+            kernel.mean(-1).reshape(-1, heads).argmin(0), plain.mean(-1).reshape(-1, heads).argmin(0)
+        )
 
 
 def test_fused_losses_refuse_the_ablation_without_the_shared_softmax():
