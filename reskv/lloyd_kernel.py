@@ -100,11 +100,12 @@ def cluster(
     outputs = dict(entry_keys=entries.keys, entry_values=entries.values, entry_log_counts=entries.log_counts)
     unused = dict(entry_keys=centers, entry_values=centers, entry_log_counts=center_norms)
     _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="init")
+    value_rows = storage_rows(values)
     for step in range(iterations):
         last = step + 1 == iterations
         _assign_kernel[(num_rows, triton.cdiv(group.max_points, POINT_TILE))](
             **layout,
-            value_rows=storage_rows(values),
+            value_rows=value_rows,
             point_counts=point_counts,
             num_points=group.max_points,
             WITH_VALUES=last,

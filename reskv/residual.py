@@ -475,13 +475,16 @@ def cluster_rows(
         torch.full((rows, max_size), float("-inf"), device=keys.device),
     )
     fused_form = fused_lloyd_form(keys)
-    for group in row_groups:
-        if fused_form is not None:
-            from reskv import lloyd_kernel
+    if fused_form is not None:
+        from reskv import lloyd_kernel
 
-            arguments = (order, point_offsets, point_counts, sizes, group, iterations, entries, fused_form)
-            lloyd_kernel.cluster(keys, values, heads, *arguments)
-            continue
+        for group in row_groups:
+            lloyd_kernel.cluster(
+                keys, values, heads, order, point_offsets, point_counts, sizes, group, iterations, entries,
+                fused_form,
+            )  # fmt: skip
+        return entries
+    for group in row_groups:
         first, last = group.rows[0], group.rows[-1]
         contiguous = group.rows == list(range(first, last + 1))
         # Rows in one run are a slice: a view, where an index tensor gathers copies.
