@@ -17,7 +17,7 @@ import reskv.views
 from baselines import build_method
 from reskv.engine import Prefill
 from scripts.bench.gpu_check import first
-from scripts.bench.gpu_check.efficiency import TORCH_LLOYD, TORCH_LOSSES
+from scripts.bench.gpu_check.efficiency import TORCH_LLOYD, TORCH_LOSSES, TORCH_NEAREST
 from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone
 
@@ -85,7 +85,7 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
     method = build_method("snapkv+reskv", 0.9)
     prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])
-    nearest = first.nearest_check(prefill, method)
+    nearest = first.construction_check(TORCH_NEAREST, prefill, method)
     assert nearest["passed"] and nearest["heads"] == 2 * 2
     decode = first.decode_check(prefill, method)
     assert decode["passed"] and len(decode["cases"]) == len(first.DECODE_CASES)  # fp32 only here
@@ -96,7 +96,7 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     for case in sums["cases"]:
         assert case["kernel_error"] == case["torch_error"] < 1e-5
     for switch in (TORCH_LLOYD, TORCH_LOSSES):
-        fused = first.fused_check(switch)(prefill, build_method("snapkv+reskv", 0.5))  # 0.9: no entries
+        fused = first.construction_check(switch, prefill, build_method("snapkv+reskv", 0.5))  # 0.9: none
         assert fused["passed"] and fused["heads"] == 2 * 2
         assert fused["entry_keys_relative_difference"] == fused["entry_values_relative_difference"] == 0
         assert fused["log_counts_difference"] == 0

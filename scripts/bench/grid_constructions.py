@@ -51,6 +51,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.flop_counter import FlopCounterMode
 
+import reskv.nearest_kernel
 import reskv.proxy
 import reskv.residual
 from reskv.engine import Prefill
@@ -176,11 +177,11 @@ def fused_lloyd_launches():
                 field[group.rows, : group.max_size] = computed[group.rows]
         return entries
 
-    def bf16_form(keys):
-        return "bf16x3" if keys.dtype == torch.bfloat16 else None
+    def form_on_a_gpu(keys):  # reskv.residual.nearest_kernel_form on CUDA with Triton
+        return reskv.nearest_kernel.precision(keys.dtype == torch.bfloat16)
 
     with (
-        mock.patch.object(reskv.residual, "fused_lloyd_form", bf16_form),
+        mock.patch.object(reskv.residual, "fused_lloyd_form", form_on_a_gpu),
         mock.patch.object(lloyd_kernel, "cluster", counted_cluster),
         mock.patch.object(lloyd_kernel, "_assign_kernel", CountedKernel("lloyd assign", lloyd_writes)),
         mock.patch.object(lloyd_kernel, "_centres_kernel", CountedKernel("lloyd centres", lloyd_writes)),

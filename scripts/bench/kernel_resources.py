@@ -22,15 +22,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from reskv import column_sums_kernel, decode_kernel, lloyd_kernel, loss_kernel, nearest_kernel
+from scripts.bench.gpu_check.correctness import DTYPES
 
 HEAD_DIMS = (64, 128)
 CACHE_DTYPES = ("fp32", "bf16", "fp16")
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,7 @@ def loss_build(dim_tile: int, cache_dtype: str) -> KernelBuild:
             "QUERY_TILE": loss_kernel.QUERY_TILE,
             "SLOT_TILE": loss_kernel.SLOT_TILE,
             "DIM_TILE": dim_tile,
-            "PRECISION": loss_kernel.product_precision(TORCH_DTYPES[cache_dtype]),
+            "PRECISION": loss_kernel.product_precision(DTYPES[cache_dtype]),
         },
         loss_kernel.NUM_WARPS,
         True,  # Triton's default: the launcher names none

@@ -12,7 +12,7 @@ budget left is below what it needs (``STAGE_SECONDS``):
    fused decode kernel an attention output no further from float64 than the torch form's
    (``decode_check``), H2O's column-sum kernel sums no further from float64 than the torch path's
    (``column_sums_check``), the Lloyd and loss kernels the torch path's residual sizes in every head
-   (``fused_check``); a mismatch or an error switches the kernel off for the rest of the call
+   (``construction_check``); a mismatch or an error switches the kernel off for the rest of the call
    (``KERNEL_SWITCHES``) and the report says so, and the kernels off by default (``OFF_BY_DEFAULT``:
    the column sums, the Lloyd steps, the proxy's losses) are switched on for the rest of the call
    where they pass;
@@ -72,7 +72,7 @@ from unittest import mock
 import torch
 
 from baselines import build_method
-from reskv import attention, nearest_kernel, proxy, residual, scoring
+from reskv import attention, nearest_kernel, residual, scoring
 from reskv import views as views_module
 from reskv.attention import RowGates
 from reskv.backbones import Backbone
@@ -121,16 +121,13 @@ STAGE_SECONDS = {
     "efficiency": 45,
     "views": 40,
 }
-# The kernels off by default until a GPU has checked them (report key: module, flag, value): the
-# kernels stage switches each on for the rest of the call where its check passes.
-OFF_BY_DEFAULT = {
-    "h2o_column_sums": (scoring, "CUDA_FUSED_COLUMN_SUMS", True),
-    "lloyd_steps": (residual, "CUDA_FUSED_LLOYD", True),
-    "proxy_losses": (proxy, "CUDA_FUSED_LOSSES", True),
-}
-# The construction's kernels off by default that the profile stage times SnapKV+ResKV without (each
-# switch: its torch path), where the kernels stage switched them on.
+# The construction's kernels off by default (report key: the switch to its torch path): the kernels
+# stage checks each against its torch path (``construction_check``), and the profile stage times
+# SnapKV+ResKV without each it switched on.
 CONSTRUCTION_KERNELS = {"lloyd_steps": TORCH_LLOYD, "proxy_losses": TORCH_LOSSES}
+# The kernels off by default until a GPU has checked them (report key: the switch to the torch path):
+# the kernels stage switches each on for the rest of the call where its check passes.
+OFF_BY_DEFAULT = {"h2o_column_sums": TORCH_COLUMN_SUMS} | CONSTRUCTION_KERNELS
 # The nearest-centre step's forms the nearest stage compares: switches (module, flag, value) each sets.
 NEAREST_FORMS = {
     "torch": [(residual, "CUDA_FUSED_NEAREST", False)],
@@ -194,16 +191,18 @@ def kernels(
     prompt = prompt_of(backbone, KERNEL_LENGTH[device], seed=7)
     prefill = Prefill(backbone, prompt, len(prompt) - QUESTION_TOKENS, [method])
     checks = {
-        "nearest_centers": (nearest_check, TORCH_NEAREST),
+        "nearest_centers": (functools.partial(construction_check, TORCH_NEAREST), TORCH_NEAREST),
         "gated_decode_attention": (decode_check, TORCH_DECODE),
         "h2o_column_sums": (column_sums_check, TORCH_COLUMN_SUMS),
-        "lloyd_steps": (fused_check(TORCH_LLOYD), TORCH_LLOYD),
-        "proxy_losses": (fused_check(TORCH_LOSSES), TORCH_LOSSES),
+    }
+    checks |= {
+        name: (functools.partial(construction_check, switch), switch)
+        for name, switch in CONSTRUCTION_KERNELS.items()
     }
     report = checked(checks, prefill, method)
-    for name, switch in OFF_BY_DEFAULT.items():
+    for name, (module, flag, _) in OFF_BY_DEFAULT.items():
         if report[name]["passed"]:  # off by default until checked: on for the rest of the call
-            mock.patch.object(*switch).start()
+            mock.patch.object(module, flag, True).start()
             report[name]["switched_on"] = True
     return report
 
@@ -228,30 +227,16 @@ def checked(checks: dict, *arguments) -> dict:
     return report
 
 
-def nearest_check(prefill: Prefill, method) -> dict:
-    """The residual sizes and attended slots of every head with the kernel, and with the torch path."""
-    kernel_cache, _ = prefill.compressed(method, "aware")
-    with mock.patch.object(*TORCH_NEAREST):
-        torch_cache, _ = prefill.compressed(method, "aware")
-    same = kernel_cache.slots() == torch_cache.slots()
-    return {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
-
-
-def fused_check(switch: tuple) -> Callable[[Prefill, object], dict]:
-    """The check of a construction kernel off by default (``switch``: module, flag, its torch path's
-    value): the residual sizes and attended slots of every head with the kernel and with the torch
-    path; where they are the same, the largest difference of the entries' keys and values over the
-    largest of the torch path's, and of their log-counts (a kernel sums in another order: bf16
-    roundings of the means may differ by a unit, a near tie move a point or a choice)."""
+def construction_check(switch: tuple, prefill: Prefill, method) -> dict:
+    """A construction kernel (``switch``: module, flag, its torch path's value) against its torch
+    path: the residual sizes and attended slots of every head with the kernel and without it; where
+    they are the same, the largest difference of the entries' keys and values over the largest of the
+    torch path's, and of their log-counts (a kernel may sum in another order: bf16 roundings of the
+    means may differ by a unit, a near tie move a point or a choice)."""
     module, flag, _ = switch
-    return functools.partial(kernel_against_torch, module, flag)
-
-
-def kernel_against_torch(module, flag: str, prefill: Prefill, method) -> dict:
-    """``fused_check``'s comparison for ``module.flag``."""
     with mock.patch.object(module, flag, True):
         kernel_cache, _ = prefill.compressed(method, "aware")
-    with mock.patch.object(module, flag, False):
+    with mock.patch.object(*switch):
         torch_cache, _ = prefill.compressed(method, "aware")
     same = kernel_cache.slots() == torch_cache.slots()
     report = {"passed": same, "same_slots_every_head": same, "heads": sum(map(len, kernel_cache.slots()))}
