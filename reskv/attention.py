@@ -23,8 +23,9 @@ CUDA_FUSED_DECODE = True
 
 
 def additive_mask(visible: Tensor) -> Tensor:
-    """0 where ``visible``, ``-inf`` elsewhere (fp32)."""
-    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+    """0 where ``visible``, ``-inf`` elsewhere (fp32): two ops (a ``torch.where`` of two scalars
+    launches three on CUDA, filling a tensor for each scalar)."""
+    return torch.full(visible.shape, float("-inf"), device=visible.device).masked_fill_(visible, 0.0)
 
 
 def gate_values(main_mass: Tensor, gate: GateTerms) -> Tensor:

@@ -98,9 +98,9 @@ def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: range
     logits = (grouped @ keys.float().transpose(1, 2)).mul_(scaling)  # [H_kv, G*n, s]
     logits = logits.reshape(queries.shape[0], queries.shape[1], seq_len)
     first = min(query_positions[0] + 1, seq_len)
-    positions = torch.arange(query_positions.start, query_positions.stop, device=keys.device)
-    future = torch.arange(first, seq_len, device=keys.device)[None, :] > positions[:, None]
-    logits[..., first:].masked_fill_(future, float("-inf"))
+    # Column first + j is after query start + i when j - i > start - first: an upper triangle.
+    future = torch.ones(len(query_positions), seq_len - first, dtype=torch.bool, device=keys.device)
+    logits[..., first:].masked_fill_(future.triu_(query_positions.start - first + 1), float("-inf"))
     # In place, into the logits: glibc often maps a second buffer of this size (13 MiB for 96 x 9
     # queries at 4K) fresh on every call, and its page faults then cost more than the arithmetic
     # on CPU. Same bits.
