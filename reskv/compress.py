@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from reskv.attention import additive_mask
 from reskv.config import ResidualConfig, budget_for, residual_size
-from reskv.proxy import ValidationProxy, observation_split
+from reskv.proxy import ValidationProxy, joined, observation_split
 from reskv.residual import ResidualEntries, RowGroup, build_residual, level_row_groups
 from reskv.scoring import LayerObservation, TokenScorer, stack_layers
 from reskv.selection import (
     gather_rows,
-    padding_bias,
     prefix_ranks,
     row_stride,
     select_main,
@@ -56,10 +56,18 @@ class CompressedLayerState:
         return (~self.kept).sum(dim=-1) / self.kept.shape[-1]
 
 
-def kept_positions(kept: Tensor, longest: int) -> Tensor:
+def kept_slots(kept: Tensor, longest: int) -> tuple[Tensor, Tensor]:
     """Positions ``[H, longest]`` of each head's kept tokens in position order, padded with
-    positions of evicted tokens; ``longest`` (host) is the largest number of kept tokens."""
-    return torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices[:, :longest]
+    positions of evicted tokens, and where they are kept ``[H, longest]`` (false on the padding);
+    ``longest`` (host) is the largest number of kept tokens. One op: a stable sort of the booleans,
+    kept first."""
+    found = torch.sort(kept, dim=-1, descending=True, stable=True)
+    return found.indices[:, :longest], found.values[:, :longest]
+
+
+def kept_positions(kept: Tensor, longest: int) -> Tensor:
+    """``kept_slots``' positions."""
+    return kept_slots(kept, longest)[0]
 
 
 def kept_count(main_size: int, seq_len: int) -> int:
@@ -170,6 +178,7 @@ class SharedLayers:
         self._ranks: dict[Hashable, Tensor] = {}
         self._budgets: dict[Hashable, list[list[int]]] = {}
         self._stacked: LayerObservation | None = None
+        self._heads: Tensor | None = None
         self._values: dict[Hashable, Tensor] = {}
         self._proxies: dict[Hashable, ValidationProxy | None] = {}
         self._constructions: dict[Hashable, Construction] = {}
@@ -229,6 +238,15 @@ class SharedLayers:
             self._stacked = stack_layers(self.observations, longer)
         return self._stacked
 
+    def stacked_heads(self) -> Tensor:
+        """``[L * H_kv]``: each stacked row's number, the head ``token_rows`` reads it from (one arange
+        for every configuration's gathers)."""
+        if self._heads is None:
+            self._heads = torch.arange(
+                len(self.observations) * self.num_kv_heads, device=self.stacked().keys.device
+            )
+        return self._heads
+
     def values(self, scorer: TokenScorer) -> Tensor:
         """The stacked values the main caches take their kept tokens' from (``TokenScorer.adjust_values``
         of the stacked layers: a merging rule's, computed once for all its ratios)."""
@@ -279,10 +297,10 @@ class SharedLayers:
         observations, num_heads = self.observations, self.num_kv_heads
         seq_len = observations[0].seq_len
         counts = construction.main_counts(seq_len)
-        positions = kept_positions(construction.kept, max(counts))
+        positions, in_use = kept_slots(construction.kept, max(counts))
         if self._stacked is not None or len(observations) == 1:
             stacked = self.stacked()
-            heads, values = torch.arange(len(counts), device=positions.device), self.values(scorer)
+            heads, values = self.stacked_heads(), self.values(scorer)
             rows = token_rows(heads, positions, stacked.keys)
             if row_stride(values) != row_stride(stacked.keys):  # merged values: a tensor of their own
                 rows_of_values = token_rows(heads, positions, values)
@@ -300,7 +318,7 @@ class SharedLayers:
                 values = scorer.adjust_values(obs)
                 gathered.append((gather_rows(obs.keys, layer_rows), gather_rows(values, layer_rows)))
         # Every layer's padding from one bias over all rows, each layer's a view of it.
-        all_bias = padding_bias(counts, positions.device)
+        all_bias = None if min(counts) == max(counts) else additive_mask(in_use)[:, None, :]
         states = []
         for layer, (keys, values) in enumerate(gathered):
             rows = slice(layer * num_heads, (layer + 1) * num_heads)
@@ -364,10 +382,11 @@ def construct(
             sizes[key] = [fixed_sizes(residual, layer_budgets, window) for layer_budgets in budgets]
         elif residual is not None and (proxy := shared.proxy(scorer, residual)) is not None:
             asked.setdefault(id(proxy), (proxy, {}))[1][key] = sum(budgets, [])
-    choices = {}
-    for proxy, budget_sets in asked.values():  # each proxy's configurations chosen for together
-        choices.update(zip(budget_sets, proxy.choose_each(list(budget_sets.values())), strict=True))
-    sizes |= read_together(choices, num_heads)
+    chosen = [  # each proxy's configurations chosen for together
+        (list(budget_sets), proxy.choose_each(list(budget_sets.values())))
+        for proxy, budget_sets in asked.values()
+    ]
+    sizes |= read_together(chosen, num_heads)
     built, deployed = {}, defaultdict(dict)
     for family in families:  # every ratio's main selection from one pass over the family's scores
         ratios = [(ratio, budget) for f, ratio, budget in wanted if f is family]
@@ -404,26 +423,30 @@ def construct(
                 entries = [ResidualEntries.empty(num_heads, observations[0].keys)] * len(observations)
             none = [[0] * num_heads for _ in observations]
             built[key] = Construction(budget, budgets, layer_sizes, kept, entries, none)
-    surviving = {}
+    surviving = []
     for residual, of_residual in deployed.items():  # one k-means for every configuration of a residual
-        for key, (entries, entry_counts) in zip(
-            of_residual, final_entries(shared.stacked(), list(of_residual.values()), residual), strict=True
-        ):
-            built[key].entries, surviving[key] = entries, entry_counts
+        every_entries, entry_counts = final_entries(shared.stacked(), list(of_residual.values()), residual)
+        for key, entries in zip(of_residual, every_entries, strict=True):
+            built[key].entries = entries
+        surviving.append((list(of_residual), entry_counts))
     for key, entry_counts in read_together(surviving, num_heads).items():
         built[key].entry_counts = entry_counts
     return built
 
 
-def read_together(found: dict[Hashable, Tensor], num_heads: int) -> dict[Hashable, list[list[int]]]:
-    """Each of ``found``'s ``[L * H_kv]`` tensors as host integers ``[L][H_kv]``, all read back from the
-    device at once (nothing read when there are none)."""
+def read_together(
+    found: list[tuple[list[Hashable], Tensor]], num_heads: int
+) -> dict[Hashable, list[list[int]]]:
+    """``found``'s tensors, each of its keys' ``[L * H_kv]`` values one key after another, as host
+    integers ``[L][H_kv]`` by key, all read back from the device at once (nothing read when there are
+    none)."""
     if not found:
         return {}
-    values = torch.cat(list(found.values())).tolist()
+    keys = [key for of_tensor, _ in found for key in of_tensor]
+    values = joined([tensor.reshape(-1) for _, tensor in found]).tolist()
     rows = [values[start : start + num_heads] for start in range(0, len(values), num_heads)]
-    layers = len(rows) // len(found)
-    return {key: rows[number * layers : (number + 1) * layers] for number, key in enumerate(found)}
+    layers = len(rows) // len(keys)
+    return {key: rows[number * layers : (number + 1) * layers] for number, key in enumerate(keys)}
 
 
 def compress_layer(
@@ -485,11 +508,11 @@ class Deployed:
 
 def final_entries(
     stacked: LayerObservation, configurations: list[Deployed], config: ResidualConfig
-) -> list[tuple[list[ResidualEntries], Tensor]]:
+) -> tuple[list[list[ResidualEntries]], Tensor]:
     """Each configuration's deployed entries of every layer's heads (k-means of ``E = S \\ M``,
-    reskv.md), and its entries kept per head ``[L * H_kv]`` on the device (empty clusters dropped):
-    clustered at once, every configuration's rows stacked after the last's, grouped as
-    ``level_groups`` groups them by (configuration, grid level).
+    reskv.md), and the entries kept per head ``[configurations * L * H_kv]`` on the device, one
+    configuration after another (empty clusters dropped): clustered at once, every configuration's rows
+    stacked after the last's, grouped as ``level_groups`` groups them by (configuration, grid level).
 
     A layer's entries are as wide as its largest ``min(r, |E|)``, the layout a layer compressed
     alone has, so that decode reads the same buffers."""
@@ -510,7 +533,6 @@ def final_entries(
         config.kmeans_iterations,
         groups,
     )
-    entries_per_head = entries.entries_per_head
     capped = [min(r, e) for r, e in zip(flat_sizes, point_counts, strict=True)]
     found = []
     for number in range(len(configurations)):
@@ -529,5 +551,5 @@ def final_entries(
             rows = slice(layer * num_heads, (layer + 1) * num_heads)
             layer_width = max(capped[first + rows.start : first + rows.stop])
             per_layer.append(ResidualEntries(*(part[rows, :layer_width] for part in own.fields())))
-        found.append((per_layer, entries_per_head[first : first + rows_each]))
-    return found
+        found.append(per_layer)
+    return found, entries.entries_per_head

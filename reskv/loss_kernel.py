@@ -9,18 +9,20 @@ buffers and logits are most of the fp32 a construction writes. Here a program ta
 tile of its validation queries (grouped, query head major, as ``grouped`` lays them out), and in one
 launch for all rows:
 
-1. runs an online softmax over the row's main slots (``main_rows``: rows of the layer's storage,
-   ``reskv.selection.token_rows``; ``-inf`` where ``main_bias`` marks padding) and then its exact
+1. runs an online softmax over the row's own main slots (``main_rows``: rows of the layer's storage,
+   ``reskv.selection.token_rows``; its first ``main_counts`` slots, the rest padding) and then its exact
    tokens ``β .. s-1`` (query ``(g, v)`` sees those at or before its own position), the keys and
    values read in their dtype, nothing gathered;
 2. from the main part's mass ``l`` (relative to its maximum), the gate ``g = max(g_min,
    sigmoid(alpha (tau - 1 / l)))`` (``reskv.attention.gate_values``; 1 where not open);
-3. runs a second online softmax over the entries, logits plus ``beta log c_j`` (``-inf`` on unused
-   slots, ``reskv.attention.population_bias``) plus ``log g``;
+3. runs a second online softmax over its own entries (its first ``entry_counts`` slots), logits plus
+   ``beta log c_j`` (``-inf`` on empty clusters, ``reskv.attention.population_bias``) plus ``log g``;
 4. merges the two parts under one normalisation, as ``joint_attention``'s shared softmax does, and
    writes each query's squared distance to the full output, ``[rows, G |validation|]``.
 
-The rule is ``joint_attention``'s shared softmax; the ablation without it keeps the torch path. Only
+Each row reads only its own slots, so rows of several candidate sets laid out together (padded to
+the widest) cost what each costs alone: a grid's ratios take one launch. The rule is
+``joint_attention``'s shared softmax; the ablation without it keeps the torch path. Only
 the order of the arithmetic differs: the softmaxes are online (rescaled tile by tile), the products
 run in ``product_precision``'s form, and the gate's sigmoid and log are Triton's. So losses differ
 from the torch path's in their last bits, and a choice between two candidates whose losses are that
@@ -63,8 +65,9 @@ def errors(
     values: Tensor,
     heads: Tensor,
     main_rows: Tensor,
-    main_bias: Tensor | None,
+    main_counts: Tensor,
     residual: ResidualEntries,
+    entry_counts: Tensor,
     boundary: int,
     validation_count: int,
     scaling: float,
@@ -75,8 +78,9 @@ def errors(
 
     ``queries`` and ``full_output`` ``[H, G |validation|, d]`` (``grouped``), row ``i`` reading head
     ``heads[i]``'s; ``keys``/``values`` ``[H, s, d]`` the layer's (``main_rows`` index their storage,
-    the exact tokens are ``boundary .. s-1`` of the row's head); ``main_bias`` ``[rows, 1, m']`` (0 or
-    ``-inf``) or None; ``residual`` ``[rows, r]``. ``rule``'s shared softmax only; ``precision``:
+    the exact tokens are ``boundary .. s-1`` of the row's head), of which a row reads its first
+    ``main_counts[i]``; ``residual`` ``[rows, r]``, of which a row reads its first ``entry_counts[i]``
+    (the slots past hold no entry). ``rule``'s shared softmax only; ``precision``:
     ``product_precision``'s for the keys when None."""
     if not rule.shared_softmax:
         raise ValueError(
@@ -86,7 +90,6 @@ def errors(
     found = torch.empty(num_rows, num_queries, device=keys.device)
     gate = rule.gate_terms
     entry_keys, entry_values, log_counts = residual.fields()
-    has_bias = main_bias is not None
     _errors_kernel[(num_rows, triton.cdiv(num_queries, QUERY_TILE))](
         queries=queries,
         full_output=full_output,
@@ -94,17 +97,17 @@ def errors(
         value_rows=storage_rows(values),
         heads=heads,
         main_rows=main_rows,
-        main_bias=main_bias if has_bias else main_rows,  # not read without padding
+        main_counts=main_counts,
         entry_keys=entry_keys,
         entry_values=entry_values,
         log_counts=log_counts,
+        entry_counts=entry_counts,
         found=found,
         queries_head=queries.stride(0),
         queries_query=queries.stride(1),
         full_head=full_output.stride(0),
         full_query=full_output.stride(1),
         main_rows_stride=main_rows.stride(0),
-        main_bias_row_stride=main_bias.stride(0) if has_bias else 0,
         entry_keys_row=entry_keys.stride(0),
         entry_keys_slot=entry_keys.stride(1),
         entry_values_row=entry_values.stride(0),
@@ -112,8 +115,6 @@ def errors(
         log_counts_row=log_counts.stride(0),
         row_stride=row_stride(keys),
         num_queries=num_queries,
-        main_slots=main_rows.shape[1],
-        entry_slots=entry_keys.shape[1],
         boundary=boundary,
         exact_count=keys.shape[1] - boundary,
         validation_count=validation_count,
@@ -123,7 +124,6 @@ def errors(
         alpha=gate.alpha,
         g_min=gate.g_min,
         population_weight=rule.population_weight,
-        HAS_BIAS=has_bias,
         GATE_OPEN=gate.open,
         CLAMP_GATE=gate.open and gate.g_min > 0,
         UNIT_POPULATION_WEIGHT=rule.population_weight == 1.0,
@@ -170,9 +170,8 @@ if triton is not None:
 
     @triton.jit(
         do_not_specialize=[
-            "main_bias_row_stride", "row_stride", "main_slots", "entry_slots", "boundary", "exact_count",
-            "main_rows_stride", "entry_keys_row", "entry_keys_slot", "entry_values_row", "entry_values_slot",
-            "log_counts_row",
+            "row_stride", "boundary", "exact_count", "main_rows_stride", "entry_keys_row", "entry_keys_slot",
+            "entry_values_row", "entry_values_slot", "log_counts_row",
         ]
     )  # fmt: skip
     def _errors_kernel(
@@ -182,17 +181,17 @@ if triton is not None:
         value_rows,
         heads,
         main_rows,
-        main_bias,
+        main_counts,
         entry_keys,
         entry_values,
         log_counts,
+        entry_counts,
         found,
         queries_head,
         queries_query,
         full_head,
         full_query,
         main_rows_stride,
-        main_bias_row_stride,
         entry_keys_row,
         entry_keys_slot,
         entry_values_row,
@@ -200,8 +199,6 @@ if triton is not None:
         log_counts_row,
         row_stride,
         num_queries,
-        main_slots,
-        entry_slots,
         boundary,
         exact_count,
         validation_count,
@@ -211,7 +208,6 @@ if triton is not None:
         alpha,
         g_min,
         population_weight,
-        HAS_BIAS: tl.constexpr,
         GATE_OPEN: tl.constexpr,
         CLAMP_GATE: tl.constexpr,
         UNIT_POPULATION_WEIGHT: tl.constexpr,
@@ -233,7 +229,8 @@ if triton is not None:
         ).to(tl.float32)
         slot = tl.arange(0, SLOT_TILE)
         main_max, main_mass, main_output = softmax_start(QUERY_TILE, DIM_TILE)
-        # M' by index; -inf on padding.
+        # The row's own M', by index.
+        main_slots = tl.load(main_counts + row).to(tl.int32)
         for start in range(0, main_slots, SLOT_TILE):
             columns = start + slot
             used = columns < main_slots
@@ -242,10 +239,6 @@ if triton is not None:
             key_tile = tl.load(key_rows + at, mask=used[:, None] & features, other=0.0).to(tl.float32)
             value_tile = tl.load(value_rows + at, mask=used[:, None] & features, other=0.0).to(tl.float32)
             bias = tl.where(used, 0.0, float("-inf"))
-            if HAS_BIAS:
-                bias = tl.load(
-                    main_bias + row * main_bias_row_stride + columns, mask=used, other=float("-inf")
-                )
             main_max, main_mass, main_output = online_step(
                 query_tile, key_tile, value_tile, bias[None, :], scaling, main_max, main_mass, main_output,
                 PRECISION,
@@ -269,6 +262,7 @@ if triton is not None:
                 gate = tl.maximum(gate, g_min)
             log_gate = tl.log(gate)
         entry_max, entry_mass, entry_output = softmax_start(QUERY_TILE, DIM_TILE)
+        entry_slots = tl.load(entry_counts + row).to(tl.int32)
         for start in range(0, entry_slots, SLOT_TILE):
             columns = start + slot
             used = columns < entry_slots

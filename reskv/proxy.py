@@ -16,11 +16,13 @@ the fit scores serves all candidates, since candidate ``r``'s ``M'`` is the top 
 that ranking plus ``P'`` and its ``E'`` the rest, in ranking order; one padded k-means per grid
 level (and, where the nearest-centre kernel skips padding, for several levels and configurations
 together); one joint attention for a configuration's losses. A grid's configurations that share a
-proxy have their candidates built together (``candidate_sets``), each judged as alone.
+proxy have their candidates built together (``candidate_rows``), each judged as alone, and choose
+together (``choose_each``: one pass over every configuration's losses).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +35,12 @@ from reskv.decode_rule import DecodeRule
 from reskv.residual import ResidualEntries, cluster_rows, level_row_groups
 from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
+
+
+def joined(parts: list[Tensor]) -> Tensor:
+    """``torch.cat`` of ``parts`` along the first dimension; the one part itself when alone (a cat of
+    one is a copy: an op on a GPU's host)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def observation_split(obs: LayerObservation, config: ResidualConfig) -> tuple[slice, slice] | None:
@@ -65,15 +73,21 @@ class CandidateCaches:
 
     heads: Tensor  # [rows]: the head each row belongs to
     main_rows: Tensor  # [rows, n]: M' in position order, padded, as ``gather_rows`` indexes the layer
-    main_bias: Tensor | None  # [rows, 1, n]: -inf on padding, None when no row is padded
+    main_counts: Tensor  # [rows]: M''s slots in use; the rest of a row is padding
+    padded: bool  # whether any row is padded (host)
     residual: ResidualEntries  # [rows, r_max]
-    evicted_fraction: Tensor  # [rows]: |E'| / β, for the no-shared-softmax ablation
+    entry_counts: Tensor  # [rows]: entry slots in use, min(r, |E'|); the rest hold no entry
+    evicted: Tensor  # [rows]: |E'|
+
+    @property
+    def main_bias(self) -> Tensor | None:
+        """``[rows, 1, n]``: -inf on padding (``padding_bias``, built on each call), None when no row is
+        padded."""
+        return padding_bias(self.main_counts, self.main_rows.shape[1]) if self.padded else None
 
     def part(self, rows: slice) -> CandidateCaches:
         """The caches of ``rows`` (views), laid out as all rows' (the same slots and padding)."""
-        return self.laid_out(
-            rows, self.main_rows.shape[1], self.residual.keys.shape[1], self.main_bias is not None
-        )
+        return self.laid_out(rows, self.main_rows.shape[1], self.residual.keys.shape[1], self.padded)
 
     def laid_out(self, rows: slice, main_slots: int, entry_slots: int, padded: bool) -> CandidateCaches:
         """The caches of ``rows`` (views) in ``main_slots`` main and ``entry_slots`` entry slots, with
@@ -83,16 +97,18 @@ class CandidateCaches:
         return CandidateCaches(
             self.heads[rows],
             self.main_rows[rows, :main_slots],
-            self.main_bias[rows, :, :main_slots] if padded else None,
+            self.main_counts[rows],
+            padded,
             ResidualEntries(*(part[rows, :entry_slots] for part in residual.fields())),
-            self.evicted_fraction[rows],
+            self.entry_counts[rows],
+            self.evicted[rows],
         )
 
 
-# On CUDA with Triton, a configuration's errors come from ``reskv.loss_kernel`` (one launch for every
-# row, M' read by index, no joined buffers: ~45 ops a pass fewer on the host) where the rule is the
-# shared softmax (``fused_losses``). Off until a GPU has checked and timed it
-# (``scripts.bench.gpu_check.first``'s kernels and profile stages).
+# On CUDA with Triton, candidates' errors come from ``reskv.loss_kernel`` (one launch for every row of
+# every configuration built together, M' read by index, no joined buffers: ~45 ops a configuration
+# fewer on the host) where the rule is the shared softmax (``fused_losses``). Off until a GPU has
+# checked and timed it (``scripts.bench.gpu_check.first``'s kernels and profile stages).
 CUDA_FUSED_LOSSES = False
 
 
@@ -159,9 +175,13 @@ class ValidationProxy:
         # o_S(t): full causal attention over 0 .. t.
         probs = causal_attention_probs(validation_queries, obs.keys, validation_positions, obs.scaling)
         self.full_output = torch.bmm(grouped(probs, obs.num_kv_heads), obs.values.float())
-        # The exact tokens β .. s-1 follow every candidate main cache; query t sees those <= t.
-        exact = torch.arange(self.boundary, obs.seq_len, device=obs.keys.device)
-        self.exact_bias = additive_mask(exact[None, :] <= exact.repeat(obs.group_size)[:, None])
+
+    @functools.cached_property
+    def exact_bias(self) -> Tensor:
+        """The exact tokens β .. s-1 follow every candidate main cache; query t sees those <= t: the
+        torch path's bias over them ``[G |validation|, s - β]`` (``loss_kernel`` masks them itself)."""
+        exact = torch.arange(self.boundary, self.obs.seq_len, device=self.obs.keys.device)
+        return additive_mask(exact[None, :] <= exact.repeat(self.obs.group_size)[:, None])
 
     def candidates(self, budgets: list[int], sizes: list[list[int]]) -> CandidateCaches:
         """The caches over ``S'`` of candidates ``sizes`` (``[C][H]`` host ints, 0 = no entries) for
@@ -170,11 +190,19 @@ class ValidationProxy:
 
     def candidate_sets(self, sets: list[tuple[list[int], list[list[int]]]]) -> list[CandidateCaches]:
         """``candidates`` of several sets of heads' budgets and candidates' sizes (a grid's ratios), built
-        together: one gather of the ranking, one k-means for all their rows (grouped by
+        together (``candidate_rows``), each set's caches views laid out as that set's built alone
+        (``CandidateCaches.laid_out``), so its losses are the same bits as alone (``caches_errors``)."""
+        every_row, layouts = self.candidate_rows(sets)
+        return [every_row.laid_out(*layout) for layout in layouts]
+
+    def candidate_rows(
+        self, sets: list[tuple[list[int], list[list[int]]]]
+    ) -> tuple[CandidateCaches, list[tuple[slice, int, int, bool]]]:
+        """Every row of ``sets``' candidates, each set's rows after the last's, built together from one
+        upload of their host tables, one gather of the ranking and one k-means for all rows (grouped by
         ``level_row_groups``: where the nearest-centre step skips padding, rows of every set share
-        groups; elsewhere each candidate's rows form their own, as alone). Each set's caches are
-        views laid out as that set's built alone (``CandidateCaches.laid_out``), so its losses are
-        the same bits as alone (``caches_errors``)."""
+        groups; elsewhere each candidate's rows form their own, as alone); and each set's layout alone,
+        ``CandidateCaches.laid_out``'s arguments."""
         keys, values, window, boundary = self.obs.keys, self.obs.values, self.prefix_window, self.boundary
         device = keys.device
         heads, budget_of, residual = [], [], []
@@ -196,7 +224,9 @@ class ValidationProxy:
         if any(size > 0 and w < window for size, w in zip(residual, kept_window, strict=True)):
             raise ValueError("a candidate with entries must keep all of P' (candidate_sizes skips it)")
         residual = [min(size, points) for size, points in zip(residual, evicted, strict=True)]
-        heads_t, top_t, evicted_t = (uploaded(values, device) for values in (heads, top, evicted))
+        heads_t, top_t, evicted_t, kept_window_t, residual_t, counts_t = uploaded(
+            [heads, top, evicted, kept_window, residual, counts], device
+        )
         order = self.fit_order.index_select(0, heads_t)
         longest, widest = max(counts), max(top)
         # M' in position order: the ranking's top ``top_i`` and P' newest first, unused columns past
@@ -207,7 +237,7 @@ class ValidationProxy:
                 order[:, :widest].masked_fill(slot[:widest] >= top_t[:, None], boundary),
                 (boundary - 1 - slot[:window])
                 .expand(len(heads), -1)
-                .masked_fill(slot[:window] >= uploaded(kept_window, device)[:, None], boundary),
+                .masked_fill(slot[:window] >= kept_window_t[:, None], boundary),
             ],
             dim=1,
         )
@@ -219,26 +249,18 @@ class ValidationProxy:
         ]
         groups = level_row_groups(levels, residual, evicted, keys)
         entries = cluster_rows(
-            keys,
-            values,
-            heads_t,
-            order,
-            top_t,
-            evicted_t,
-            uploaded(residual, device),
-            groups,
-            self.config.kmeans_iterations,
+            keys, values, heads_t, order, top_t, evicted_t, residual_t, groups, self.config.kmeans_iterations
         )
         main_rows = token_rows(heads_t, positions, keys)  # one index for both gathers
         every_row = CandidateCaches(
-            heads_t, main_rows, padding_bias(counts, device), entries, evicted_t / boundary
+            heads_t, main_rows, counts_t, min(counts) < longest, entries, residual_t, evicted_t
         )
-        laid_out = []
+        layouts = []
         for first, width, candidates in spans:
             rows = slice(first, first + width * candidates)
             own = counts[rows]
-            laid_out.append(every_row.laid_out(rows, max(own), max(residual[rows]), min(own) < max(own)))
-        return laid_out
+            layouts.append((rows, max(own), max(residual[rows]), min(own) < max(own)))
+        return every_row, layouts
 
     def table_batches(
         self, sets: list[tuple[list[int], list[list[int]]]]
@@ -274,8 +296,8 @@ class ValidationProxy:
 
             return loss_kernel.errors(
                 self.validation_queries, self.full_output, obs.keys, obs.values, caches.heads,
-                caches.main_rows, caches.main_bias, caches.residual, self.boundary, self.validation_count,
-                obs.scaling, self.config,
+                caches.main_rows, caches.main_counts, caches.residual, caches.entry_counts, self.boundary,
+                self.validation_count, obs.scaling, self.config,
             )  # fmt: skip
         slots = caches.residual.keys.shape[1] + caches.main_rows.shape[1] + obs.seq_len - self.boundary
         queries, dim = self.validation_queries.shape[1], obs.keys.shape[-1]
@@ -326,7 +348,7 @@ class ValidationProxy:
             residual.keys.shape[1],
             obs.scaling,
             self.config,
-            caches.evicted_fraction,
+            caches.evicted / self.boundary,  # |E'| / β, for the no-shared-softmax ablation
         )
         return (output - self.full_output.index_select(0, heads)).square_().sum(dim=-1)
 
@@ -342,13 +364,23 @@ class ValidationProxy:
         """``choose_each`` of one deployed cache's heads' budgets."""
         return self.choose_each([budgets.tolist() if isinstance(budgets, Tensor) else budgets])[0]
 
-    def choose_each(self, budget_sets: list[list[int]]) -> list[Tensor]:
+    def sets_errors(self, every_row: CandidateCaches, layouts: list[tuple[slice, int, int, bool]]) -> Tensor:
+        """``caches_errors`` of every row of ``candidate_rows``' sets, in order, each set's as alone:
+        where ``fused_losses``, one launch for them all (``reskv.loss_kernel`` runs each row over its own
+        slots, so the layout does not matter); else set by set, each laid out as alone."""
+        if fused_losses(self.obs.keys, self.config):
+            return self.caches_errors(every_row)
+        return joined([self.caches_errors(every_row.laid_out(*layout)) for layout in layouts])
+
+    def choose_each(self, budget_sets: list[list[int]]) -> Tensor:
         """For each of ``budget_sets`` (a deployed cache's heads' budgets: a grid's ratios),
         ``r* = argmin_{r>0} L_r`` per head (the first candidate on ties), kept only where
-        ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible. ``[H]`` long
-        each, on the device: nothing is read back. Every set's candidates are built together
-        (``candidate_sets``), each set's losses as that set's alone."""
-        device = self.obs.keys.device
+        ``L_{r*} < (1 - delta) * L_0``, else 0; 0 where no candidate is admissible. ``[sets, H]`` long
+        on the device: nothing is read back. Every set's candidates are built together
+        (``candidate_rows``), each set's losses as that set's alone, and every set chooses in one pass:
+        its losses gathered by a host table into ``[sets, 1 + C, H]`` (``L_0`` first, candidates past a
+        set's own have size 0, never chosen)."""
+        device, heads = self.obs.keys.device, len(budget_sets[0])
         grids = [
             [
                 sizes
@@ -362,22 +394,29 @@ class ValidationProxy:
             for budgets, admissible in zip(budget_sets, grids, strict=True)
             if admissible
         ]
-        caches = iter(
-            [caches for batch in self.table_batches(judged) for caches in self.candidate_sets(batch)]
-        )
-        chosen = []
-        for budgets, admissible in zip(budget_sets, grids, strict=True):
-            if not admissible:
-                chosen.append(torch.zeros(len(budgets), dtype=torch.long, device=device))
-                continue
-            losses = self.caches_errors(next(caches)).mean(dim=-1).reshape(1 + len(admissible), len(budgets))
-            main_only, candidate_losses = losses[0], losses[1:]
-            sizes = uploaded(admissible, device)
-            candidate_losses = candidate_losses.masked_fill(sizes == 0, float("inf"))
-            best = candidate_losses.argmin(dim=0, keepdim=True)  # the first of equal losses
-            accepted = candidate_losses.gather(0, best)[0] < (1 - self.config.delta) * main_only
-            chosen.append(sizes.gather(0, best)[0].masked_fill(~accepted, 0))
-        return chosen
+        if not judged:
+            return torch.zeros(len(budget_sets), heads, dtype=torch.long, device=device)
+        losses = joined(
+            [self.sets_errors(*self.candidate_rows(batch)) for batch in self.table_batches(judged)]
+        ).mean(dim=-1)
+        # Host tables [sets, 1 + C, H]: each loss's row in ``losses`` (row 0 where a set has no such
+        # candidate: its size is 0) and each candidate's sizes (0 for L_0 and past a set's own).
+        widest, first = max(len(admissible) for admissible in grids), 0
+        rows, sizes = [], []
+        for admissible in grids:
+            count = 1 + len(admissible) if admissible else 0
+            rows += [first + candidate * heads + head for candidate in range(count) for head in range(heads)]
+            rows += [0] * (1 + widest - count) * heads
+            sizes += [size for candidate in [[0] * heads, *admissible] for size in candidate]
+            sizes += [0] * (widest - len(admissible)) * heads
+            first += count * heads
+        rows_t, sizes_t = uploaded([rows, sizes], device).unflatten(1, (len(budget_sets), 1 + widest, heads))
+        every = losses.index_select(0, rows_t.flatten()).view(rows_t.shape)
+        main_only, candidate_losses, candidate_sizes_t = every[:, 0], every[:, 1:], sizes_t[:, 1:]
+        candidate_losses.masked_fill_(candidate_sizes_t == 0, float("inf"))
+        best = candidate_losses.argmin(dim=1, keepdim=True)  # the first of equal losses
+        accepted = candidate_losses.gather(1, best)[:, 0] < (1 - self.config.delta) * main_only
+        return candidate_sizes_t.gather(1, best)[:, 0] * accepted
 
     def fit_selection(self) -> tuple[Tensor, int]:
         """Scores ``[H_kv, s]`` and protected window for ``final_selection="fit"``: the deployed cache

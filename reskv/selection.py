@@ -20,14 +20,10 @@ def uploaded(values: Sequence[int] | Sequence[float], device: torch.device, dtyp
     return host.to(device, non_blocking=True)
 
 
-def padding_bias(counts: list[int], device: torch.device) -> Tensor | None:
-    """``[H, 1, n]`` additive bias over rows padded to the longest, ``n = max(counts)``: 0 on each row's
-    first ``counts[h]`` slots, ``-inf`` on its padding; ``None`` when no row is padded."""
-    longest = max(counts)
-    if min(counts) == longest:
-        return None
-    slots = torch.arange(longest, device=device)
-    return additive_mask(slots[None, :] < uploaded(counts, device)[:, None])[:, None, :]
+def padding_bias(counts: Tensor, slots: int) -> Tensor:
+    """``[R, 1, slots]`` additive bias over rows padded to ``slots``: 0 on each row's first
+    ``counts[r]`` slots (``counts`` on the device), ``-inf`` on its padding."""
+    return additive_mask(torch.arange(slots, device=counts.device) < counts[:, None])[:, None, :]
 
 
 def score_order(scores: Tensor) -> Tensor:

@@ -221,16 +221,17 @@ def test_a_group_clustered_by_the_fused_lloyd_kernel_counts_its_launches_by_hand
 
 
 def test_a_proxys_errors_by_the_fused_loss_kernel_count_one_launch():
-    """Under ``grid_constructions.fused_loss_launches`` a validation proxy's errors of a candidate set
-    take one launch of ``reskv.loss_kernel`` (its output an allocation, which launches nothing), and are
-    the torch path's."""
+    """Under ``grid_constructions.fused_loss_launches`` a validation proxy's errors of two candidate sets
+    (two ratios') take one launch of ``reskv.loss_kernel`` (its output an allocation, which launches
+    nothing), and are the torch path's."""
     pytest.importorskip("triton")
     from scripts.bench.grid_constructions import fused_loss_launches
-    from tests.test_loss_kernel import proxies_and_caches
+    from tests.test_loss_kernel import proxies_and_candidates
 
-    proxy, caches = next(proxies_and_caches("snapkv"))
+    proxy, candidates = next(proxies_and_candidates("snapkv"))
+    assert len(candidates[1]) == 2
     with fused_loss_launches(), count_dispatch() as counts:
-        errors = proxy.caches_errors(caches)
+        errors = proxy.sets_errors(*candidates)
     assert (counts.ops, counts.syncs, dict(counts.by_op)) == (1, 0, {"proxy errors": 1})
     assert counts.fp32_bytes_by_stage["other"] == 4 * errors.numel()
-    assert torch.equal(errors, proxy.caches_errors(caches))
+    assert torch.equal(errors, proxy.sets_errors(*candidates))

@@ -430,7 +430,7 @@ def test_proxy_errors_equal_the_two_matmul_rule_over_the_candidate(observation):
             main_keys,
             main_values,
             main_bias,
-            (residual.keys, residual.values, residual.log_counts, candidate.evicted_fraction),
+            (residual.keys, residual.values, residual.log_counts, candidate.evicted / proxy.boundary),
             obs.scaling,
             config,
         )

@@ -272,7 +272,7 @@ def test_compare_paths_marks_a_path_that_chose_other_residual_sizes(monkeypatch)
     no_entries = (
         ValidationProxy,
         "choose_each",
-        lambda self, budget_sets: [torch.zeros(len(budgets), dtype=torch.long) for budgets in budget_sets],
+        lambda self, budget_sets: torch.zeros(len(budget_sets), len(budget_sets[0]), dtype=torch.long),
     )
     monkeypatch.setattr(efficiency, "CONSTRUCTION_VARIANTS", {"construct_s_no_entries": no_entries})
     torch.manual_seed(0)

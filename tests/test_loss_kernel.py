@@ -19,6 +19,7 @@ from scripts.measure import random_prompt
 from tests.conftest import TOKENS, cached_tiny_backbone, interpreted
 
 PROMPT_LENGTH = 300
+RATIOS = (0.5, 0.7)
 # The rules the kernel computes: the paper's, the gate closed, a clamped gate, a population weight.
 RULES = {
     "paper": ResidualConfig(),
@@ -28,26 +29,30 @@ RULES = {
 }
 
 
-def proxies_and_caches(base: str = "adakv"):
+def proxies_and_candidates(base: str = "adakv"):
     """For each of ``RULES``, a proxy over layer 1 of a tiny Qwen2 (3 query heads a KV head) prefilled
-    on a 300-token prompt, and all its candidates' caches at ratio 0.5 under ``base`` (AdaKV: budgets
-    of every head its own, so main caches are padded; candidates of every grid level, and the
-    main-only one with no entries)."""
+    on a 300-token prompt, and its candidates at ratios 0.5 and 0.7 built together
+    (``candidate_rows``) under ``base`` (AdaKV: budgets of every head its own, so main caches are
+    padded; candidates of every grid level, and the main-only one with no entries)."""
     prefill = Prefill(
         cached_tiny_backbone("tiny-qwen2", 6, 2), random_prompt(TOKENS, PROMPT_LENGTH, seed=11),
         PROMPT_LENGTH, [build_method("h2o", 0.5)],
     )  # fmt: skip
     obs = prefill.prefilled("agnostic").cache.layers[1].observation(1, prefill.scaling)
     scorer = build_scorer(base)
-    budgets = scorer.head_budgets(scorer.prompt_scores(obs), budget_for(PROMPT_LENGTH, 0.5)).tolist()
+    scores = scorer.prompt_scores(obs)
     for rule in RULES.values():
         proxy = ValidationProxy(obs, scorer, rule, observation_split(obs, rule))
-        sizes = candidate_sizes(rule, budgets, proxy.prefix_window, proxy.validation_count)
-        yield proxy, proxy.candidates(budgets, [[0] * len(budgets), *sizes])
+        sets = []
+        for ratio in RATIOS:
+            budgets = scorer.head_budgets(scores, budget_for(PROMPT_LENGTH, ratio)).tolist()
+            sizes = candidate_sizes(rule, budgets, proxy.prefix_window, proxy.validation_count)
+            sets.append((budgets, [[0] * len(budgets), *sizes]))
+        yield proxy, proxy.candidate_rows(sets)
 
 
-def errors_through_the_proxy(proxy, caches):
-    """``proxy.caches_errors`` with ``fused_losses`` on (as ``CUDA_FUSED_LOSSES`` on a GPU): the errors,
+def errors_through_the_proxy(proxy, candidates):
+    """``proxy.sets_errors`` with ``fused_losses`` on (as ``CUDA_FUSED_LOSSES`` on a GPU): the errors,
     and the calls of ``loss_kernel.errors`` (IEEE products: the tiny models' keys are fp32)."""
     from reskv import loss_kernel  # imports Triton
 
@@ -55,25 +60,31 @@ def errors_through_the_proxy(proxy, caches):
         mock.patch.object(reskv.proxy, "fused_losses", lambda keys, rule: True),
         mock.patch.object(loss_kernel, "errors", wraps=loss_kernel.errors) as kernel,
     ):
-        return proxy.caches_errors(caches), kernel.call_count
+        return proxy.sets_errors(*candidates), kernel.call_count
 
 
 def test_fused_losses_equal_the_torch_paths_within_fp32_rounding(tmp_path):
-    """Where ``fused_losses`` says so, ``ValidationProxy.caches_errors`` hands all its rows to the kernel
-    in one call; under each of ``RULES`` every candidate's errors per validation query equal the torch
-    path's within fp32 rounding (online softmaxes, another summation order), and their means choose the
-    same size in every head."""
+    """Where ``fused_losses`` says so, ``ValidationProxy.sets_errors`` hands the rows of both ratios'
+    candidates to the kernel in one call, each row read over its own slots though the rows are laid
+    out to the widest; under each of ``RULES`` every candidate's errors per validation query equal the
+    torch path's (each ratio's caches laid out alone) within fp32 rounding (online softmaxes, another
+    summation order), and their means choose the same size in every head."""
     pytest.importorskip("triton")
-    cases = list(proxies_and_caches())
-    assert all(caches.main_bias is not None for _, caches in cases)  # padded main caches
+    cases = list(proxies_and_candidates())
+    for _, (every_row, layouts) in cases:
+        assert every_row.padded and all(padded for *_, padded in layouts)  # padded main caches
+        narrow = layouts[1]  # ratio 0.7's rows, laid out wider beside ratio 0.5's
+        assert narrow[1] < every_row.main_rows.shape[1] and narrow[2] < every_row.residual.keys.shape[1]
     found = interpreted("tests.test_loss_kernel:errors_through_the_proxy", cases, tmp_path)
-    for (proxy, caches), (kernel, calls) in zip(cases, found, strict=True):
-        plain, heads = proxy.caches_errors(caches), proxy.obs.num_kv_heads
+    for (proxy, candidates), (kernel, calls) in zip(cases, found, strict=True):
+        plain, heads = proxy.sets_errors(*candidates), proxy.obs.num_kv_heads
         assert calls == 1 and kernel.shape == plain.shape and torch.isfinite(kernel).all()
         torch.testing.assert_close(kernel, plain, rtol=2e-5, atol=1e-7)
-        assert torch.equal(
-            kernel.mean(-1).reshape(-1, heads).argmin(0), plain.mean(-1).reshape(-1, heads).argmin(0)
-        )
+        for rows, *_ in candidates[1]:
+            assert torch.equal(
+                kernel[rows].mean(-1).reshape(-1, heads).argmin(0),
+                plain[rows].mean(-1).reshape(-1, heads).argmin(0),
+            )
 
 
 def test_fused_losses_refuse_the_ablation_without_the_shared_softmax():
@@ -82,4 +93,4 @@ def test_fused_losses_refuse_the_ablation_without_the_shared_softmax():
 
     rule = dataclasses.replace(ResidualConfig(), shared_softmax=False)
     with pytest.raises(ValueError, match="shared softmax only"):
-        loss_kernel.errors(*([None] * 11), rule)
+        loss_kernel.errors(*([None] * 12), rule)

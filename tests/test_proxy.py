@@ -383,7 +383,8 @@ def test_candidates_of_several_budget_sets_built_together_are_each_set_s_alone(o
     together = proxy.candidate_sets(list(zip(budget_sets, sizes, strict=True)))
     for budgets, candidates, got in zip(budget_sets, sizes, together, strict=True):
         alone = proxy.candidates(budgets, candidates)
-        for field in ("heads", "main_rows", "main_bias", "evicted_fraction"):
+        assert got.padded == alone.padded
+        for field in ("heads", "main_rows", "main_counts", "main_bias", "entry_counts", "evicted"):
             expected, found = getattr(alone, field), getattr(got, field)
             assert (found is None) == (expected is None)
             assert expected is None or (found.shape == expected.shape and torch.equal(found, expected))
@@ -392,10 +393,24 @@ def test_candidates_of_several_budget_sets_built_together_are_each_set_s_alone(o
             assert found.shape == expected.shape and torch.equal(found, expected)
         assert torch.equal(proxy.caches_errors(got), proxy.caches_errors(alone))
     assert together[0].main_rows.shape[1] > together[1].main_rows.shape[1]  # the layouts differ
-    chosen = proxy.choose_each(budget_sets)
-    assert all(
-        torch.equal(got, proxy.choose(budgets)) for got, budgets in zip(chosen, budget_sets, strict=True)
+
+    # Every set chooses in one pass, sets of fewer candidates than others padded in its tables: one
+    # without any (a budget of |P'| + |validation| slots leaves no candidate an entry), one with some.
+    def admissible(budgets):
+        return [row for row in candidate_sizes(proxy.config, budgets, window, VALIDATION) if any(row)]
+
+    unfit = [window + VALIDATION] * heads
+    partial = next(
+        [budget] * heads
+        for budget in range(window + VALIDATION, observation.seq_len)
+        if 0 < len(admissible([budget] * heads)) < len(sizes[0]) - 1
     )
+    assert not admissible(unfit)
+    every = [unfit, *budget_sets, partial, unfit]
+    chosen = proxy.choose_each(every)
+    assert chosen.shape == (len(every), heads) and not chosen[0].any() and not chosen[-1].any()
+    assert all(torch.equal(got, proxy.choose(budgets)) for got, budgets in zip(chosen, every, strict=True))
+    assert chosen[1:-1].any(dim=1).all()  # each set with candidates chose one somewhere
 
 
 def test_candidate_sets_are_built_in_batches_whose_index_tables_fit_a_loss_block(observation, monkeypatch):

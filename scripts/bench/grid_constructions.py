@@ -196,16 +196,16 @@ def fused_loss_launches():
     computed by the torch path, uncounted."""
     from reskv import loss_kernel  # imports Triton
 
-    caches_errors = ValidationProxy.caches_errors
+    sets_errors = ValidationProxy.sets_errors
 
-    def counted_errors(proxy, caches):
+    def counted_errors(proxy, every_row, layouts):
         with mock.patch.object(reskv.proxy, "fused_losses", lambda keys, rule: rule.shared_softmax):
-            caches_errors(proxy, caches)
+            sets_errors(proxy, every_row, layouts)
         with uncounted():
-            return caches_errors(proxy, caches)
+            return sets_errors(proxy, every_row, layouts)
 
     with (
-        mock.patch.object(ValidationProxy, "caches_errors", counted_errors),
+        mock.patch.object(ValidationProxy, "sets_errors", counted_errors),
         mock.patch.object(
             loss_kernel, "_errors_kernel", CountedKernel("proxy errors", lambda a: [a["found"]])
         ),

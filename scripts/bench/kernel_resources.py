@@ -171,25 +171,22 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
 
 
 def loss_build(dim_tile: int, cache_dtype: str) -> KernelBuild:
-    """``reskv.loss_kernel``'s compilation for a cache in ``cache_dtype``: padded main caches, the gate
-    open and clamped, a population weight other than 1 (every branch the paper grid's rule and its
-    ablations take)."""
+    """``reskv.loss_kernel``'s compilation for a cache in ``cache_dtype``: the gate open and clamped, a
+    population weight other than 1 (every branch the paper grid's rule and its ablations take)."""
     strides = [
-        "queries_head", "queries_query", "full_head", "full_query", "main_rows_stride",
-        "main_bias_row_stride", "entry_keys_row", "entry_keys_slot", "entry_values_row",
-        "entry_values_slot", "log_counts_row", "row_stride", "num_queries", "main_slots",
-        "entry_slots", "boundary", "exact_count", "validation_count", "dim",
+        "queries_head", "queries_query", "full_head", "full_query", "main_rows_stride", "entry_keys_row",
+        "entry_keys_slot", "entry_values_row", "entry_values_slot", "log_counts_row", "row_stride",
+        "num_queries", "boundary", "exact_count", "validation_count", "dim",
     ]  # fmt: skip
     return KernelBuild(
         "proxy errors",
         loss_kernel._errors_kernel,
         dict.fromkeys(["queries", "key_rows", "value_rows", "entry_keys", "entry_values"], f"*{cache_dtype}")
-        | dict.fromkeys(["full_output", "main_bias", "log_counts", "found"], "*fp32")
-        | dict.fromkeys(["heads", "main_rows"], "*i64")
+        | dict.fromkeys(["full_output", "log_counts", "found"], "*fp32")
+        | dict.fromkeys(["heads", "main_rows", "main_counts", "entry_counts"], "*i64")
         | dict.fromkeys(strides, "i32")
         | dict.fromkeys(["scaling", "tau", "alpha", "g_min", "population_weight"], "fp32"),
         {
-            "HAS_BIAS": True,
             "GATE_OPEN": True,
             "CLAMP_GATE": True,
             "UNIT_POPULATION_WEIGHT": False,
