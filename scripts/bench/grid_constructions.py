@@ -71,6 +71,9 @@ from scripts.bench.grid_gpu import paper_ruler_requests
 from scripts.machine import machine
 from scripts.measure import random_prompt
 
+# The fp32 points a part of a k-means group copies when the torch path stands in for the Lloyd kernel
+# (``fused_lloyd_launches``).
+STAND_IN_POINTS_BYTES = 2**30
 NEAREST = "/nearest"  # suffix of the stage a construction's nearest-centre step runs in
 
 
@@ -160,7 +163,9 @@ def lloyd_writes(arguments: dict) -> list[torch.Tensor]:
 def fused_lloyd_launches():
     """The k-means groups of bf16 keys clustered as on a GPU with ``reskv.residual.CUDA_FUSED_LLOYD``:
     by ``reskv.lloyd_kernel.cluster``, whose launches are counted (``CountedKernel``) while its entries
-    are computed by the torch path, uncounted."""
+    are computed by the torch path, uncounted, in parts of the group whose points' fp32 copy fits
+    ``STAND_IN_POINTS_BYTES`` (a merged group's copy would not fit a small host; a row's entries
+    depend on the rows beside it only through the padding)."""
     from reskv import lloyd_kernel  # imports Triton
 
     cluster = lloyd_kernel.cluster
@@ -170,11 +175,15 @@ def fused_lloyd_launches():
     ):
         cluster(keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form)
         with uncounted(), mock.patch.object(reskv.residual, "fused_lloyd_form", lambda keys: None):
-            alone = reskv.residual.cluster_rows(
-                keys, values, heads, order, offsets, point_counts, sizes, [group], iterations
-            )
-            for field, computed in zip(entries.fields(), alone.fields(), strict=True):
-                field[group.rows, : group.max_size] = computed[group.rows]
+            host_sizes, host_points = sizes.tolist(), point_counts.tolist()
+            each = max(1, STAND_IN_POINTS_BYTES // (group.max_points * keys.shape[-1] * 4))
+            for start in range(0, len(group.rows), each):
+                part = reskv.residual.row_group(group.rows[start : start + each], host_sizes, host_points)
+                alone = reskv.residual.cluster_rows(
+                    keys, values, heads, order, offsets, point_counts, sizes, [part], iterations
+                )
+                for field, computed in zip(entries.fields(), alone.fields(), strict=True):
+                    field[part.rows, : part.max_size] = computed[part.rows]
         return entries
 
     def form_on_a_gpu(keys):  # reskv.residual.nearest_kernel_form on CUDA with Triton
