@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reskv.scoring import TokenScorer, causal_attention_probs, group_mean
+from reskv.scoring import TokenScorer, group_mean, mean_attention
 from reskv.scoring import observation_queries as observation_queries  # re-exported: CaM reads it here
 
 # Score given to the protected window. Pooled attention is a mean of probabilities, at most 1,
@@ -34,8 +34,7 @@ def window_attention(queries: Tensor, positions: range, keys: Tensor, scaling: f
     Columns inside the window are kept (CaM's merge targets may lie there); a query gives zero
     weight to keys after it, and the mean still divides by all queries, as upstream does.
     """
-    probs = causal_attention_probs(queries, keys, positions, scaling)  # [H, n, s]
-    return group_mean(probs.mean(dim=1), keys.shape[0])
+    return group_mean(mean_attention(queries, keys, positions, scaling), keys.shape[0])
 
 
 def window_scores(

@@ -33,7 +33,7 @@ from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, candidate_sizes
 from reskv.decode_rule import DecodeRule
 from reskv.residual import ResidualEntries, cluster_rows, level_row_groups
-from reskv.scoring import LayerObservation, TokenScorer, causal_attention_probs
+from reskv.scoring import LayerObservation, TokenScorer, attention_outputs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
 
 
@@ -173,8 +173,9 @@ class ValidationProxy:
         validation_queries = obs.queries[:, validation]
         self.validation_queries = grouped(validation_queries, obs.num_kv_heads)
         # o_S(t): full causal attention over 0 .. t.
-        probs = causal_attention_probs(validation_queries, obs.keys, validation_positions, obs.scaling)
-        self.full_output = torch.bmm(grouped(probs, obs.num_kv_heads), obs.values.float())
+        self.full_output = attention_outputs(
+            validation_queries, obs.keys, obs.values, validation_positions, obs.scaling
+        )
 
     @functools.cached_property
     def exact_bias(self) -> Tensor:

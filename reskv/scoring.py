@@ -16,11 +16,12 @@ from torch import Tensor
 
 # Query chunk for attention statistics over long prompts: bounds memory at H * chunk * s floats.
 QUERY_CHUNK = 512
-# On CUDA with Triton installed, H2O's column sums of half-precision queries and keys by
-# ``reskv.column_sums_kernel`` (no probability written); off, or elsewhere, by the torch path's
-# chunks. Off until a GPU has checked it against the torch path and timed it
+# On CUDA with Triton installed, attention's sums over half-precision queries, keys and values by
+# ``reskv.attention_sums_kernel``, no probability written (``fused_attention_sums``): H2O's column
+# sums, SnapKV's window means, the validation proxy's full outputs; off, or elsewhere, by the torch
+# path's fp32 probabilities. Off until a GPU has checked it against the torch path and timed it
 # (``scripts.bench.gpu_check.first``'s kernels and profile stages).
-CUDA_FUSED_COLUMN_SUMS = False
+CUDA_FUSED_ATTENTION_SUMS = False
 
 
 @dataclass
@@ -107,21 +108,66 @@ def causal_attention_probs(queries: Tensor, keys: Tensor, query_positions: range
     return torch.softmax(logits, dim=-1, out=logits)
 
 
+def fused_attention_sums(queries: Tensor) -> bool:
+    """Whether ``reskv.attention_sums_kernel`` computes attention's sums over ``queries``:
+    ``CUDA_FUSED_ATTENTION_SUMS``, CUDA with Triton, and half precision (fp32's IEEE products spill)."""
+    half = queries.dtype in (torch.bfloat16, torch.float16)
+    if not (CUDA_FUSED_ATTENTION_SUMS and queries.is_cuda and half):
+        return False
+    from reskv import attention_sums_kernel  # imports Triton (slow to import), which the CPU never runs
+
+    return attention_sums_kernel.available()
+
+
+def fused_column_sums(queries: Tensor, keys: Tensor, query_positions: range, scaling: float) -> Tensor:
+    """``[H, s]`` fp32: each key's causal attention summed over ``queries`` by
+    ``reskv.attention_sums_kernel`` (``fused_attention_sums``), 0 for keys after the last query."""
+    from reskv import attention_sums_kernel
+
+    visible = query_positions[-1] + 1  # later keys get no weight
+    sums = attention_sums_kernel.column_sums(queries, keys[:, :visible], query_positions[0], scaling)
+    return sums if visible == keys.shape[1] else F.pad(sums, (0, keys.shape[1] - visible))
+
+
+def mean_attention(queries: Tensor, keys: Tensor, query_positions: range, scaling: float) -> Tensor:
+    """``[H, s]`` fp32: each key's causal attention averaged over ``queries`` (a query's zero weight on
+    the keys after it counted, as SnapKV's upstream does): the mean of ``causal_attention_probs``, or
+    where ``fused_attention_sums`` the kernel's column sums over the query count."""
+    if fused_attention_sums(queries):
+        return fused_column_sums(queries, keys, query_positions, scaling).mul_(1 / len(query_positions))
+    return causal_attention_probs(queries, keys, query_positions, scaling).mean(dim=1)
+
+
+def attention_outputs(
+    queries: Tensor, keys: Tensor, values: Tensor, query_positions: range, scaling: float
+) -> Tensor:
+    """``[H_kv, G n, d]`` fp32: the causal attention outputs of ``queries`` ``[H, n, d]`` at
+    ``query_positions`` over ``keys`` and ``values`` ``[H_kv, s, d]``, each group's query heads stacked
+    (query head major): ``causal_attention_probs`` times the values, or where ``fused_attention_sums``
+    ``reskv.attention_sums_kernel.outputs`` (no probability written)."""
+    num_kv_heads = keys.shape[0]
+    if fused_attention_sums(queries):
+        from reskv import attention_sums_kernel
+
+        visible = query_positions[-1] + 1
+        found = attention_sums_kernel.outputs(
+            queries, keys[:, :visible], values[:, :visible], query_positions[0], scaling
+        )
+        return found.view(num_kv_heads, -1, found.shape[-1])
+    probs = causal_attention_probs(queries, keys, query_positions, scaling)
+    return torch.bmm(probs.view(num_kv_heads, -1, probs.shape[-1]), values.float())
+
+
 def accumulated_attention(queries: Tensor, keys: Tensor, query_positions: range, scaling: float) -> Tensor:
     """H2O's heavy-hitter statistic: column sums of causal attention over the given queries.
 
     Returns ``[H_kv, s]`` (mean over each group of query heads). Computed in query chunks so no
-    ``s x s`` tensor is materialised, or on CUDA by ``reskv.column_sums_kernel``
-    (``CUDA_FUSED_COLUMN_SUMS``). Reference: FMInference/H2O ``modify_llama.py``
+    ``s x s`` tensor is materialised, or by ``reskv.attention_sums_kernel`` where
+    ``fused_attention_sums``. Reference: FMInference/H2O ``modify_llama.py``
     (``_update_hh_score``): plain sums, no normalisation by how many queries see a token.
     """
-    if queries.is_cuda and CUDA_FUSED_COLUMN_SUMS and queries.dtype in (torch.bfloat16, torch.float16):
-        from reskv import column_sums_kernel  # imports Triton (slow to import), which the CPU never runs
-
-        if column_sums_kernel.available():
-            visible = query_positions[-1] + 1  # later keys get no weight
-            sums = column_sums_kernel.column_sums(queries, keys[:, :visible], query_positions[0], scaling)
-            return group_mean(F.pad(sums, (0, keys.shape[1] - visible)), keys.shape[0])
+    if fused_attention_sums(queries):
+        return group_mean(fused_column_sums(queries, keys, query_positions, scaling), keys.shape[0])
     total = torch.zeros(queries.shape[0], keys.shape[1], device=keys.device, dtype=torch.float32)
     for start in range(0, queries.shape[1], QUERY_CHUNK):
         chunk = slice(start, start + QUERY_CHUNK)

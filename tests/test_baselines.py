@@ -196,19 +196,20 @@ def test_h2o_matches_plain_column_sums(group, monkeypatch):
     ],
 )
 def test_h2o_column_sums_kernel_matches_plain_column_sums(group, num_keys, num_queries, dim, tiles, tmp_path):
-    """``reskv/column_sums_kernel.py`` under Triton's interpreter (fp32 inputs): each query head's
-    column sums over causal softmax attention, here averaged over each group as H2O does, equal the
-    plain loop's within fp32 rounding. Ragged tiles (150 = 2 x 64 + 22 keys), queries starting mid-way
-    (a forward that extends a cache), grouped query heads, a head dim that is no power of two, a
-    key tile whose first reader is the last query of a tile."""
+    """``reskv/attention_sums_kernel.py``'s column sums under Triton's interpreter (fp32 inputs): each
+    query head's column sums over causal softmax attention, here averaged over each group as H2O does,
+    equal the plain loop's within fp32 rounding. Ragged tiles (150 = 2 x 64 + 22 keys), queries
+    starting mid-way (a forward that extends a cache), grouped query heads, a head dim that is no
+    power of two, a key tile whose first reader is the last query of a tile, keys a prefix of a longer
+    cache's (its heads' stride, not copied)."""
     pytest.importorskip("triton")
     generator = torch.Generator().manual_seed(group)
     kv_heads = 2
     queries = torch.randn(kv_heads * group, num_queries, dim, generator=generator)
-    keys = torch.randn(kv_heads, num_keys, dim, generator=generator)
+    keys = torch.randn(kv_heads, num_keys + 9, dim, generator=generator)[:, :num_keys]
     first = num_keys - num_queries
     case = (queries, keys, first, SCALING, *tiles)
-    (sums,) = interpreted("reskv.column_sums_kernel:column_sums", [case], tmp_path)
+    (sums,) = interpreted("reskv.attention_sums_kernel:column_sums", [case], tmp_path)
     assert sums.shape == (kv_heads * group, num_keys) and sums.dtype == torch.float32
     positions = torch.arange(first, num_keys)
     expected = [

@@ -91,8 +91,12 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     assert decode["passed"] and len(decode["cases"]) == len(first.DECODE_CASES)  # fp32 only here
     for case in decode["cases"]:
         assert case["kernel_error"] == case["torch_error"] < 1e-5
-    sums = first.column_sums_check(prefill, method)
-    assert sums["passed"] and [case["queries"] for case in sums["cases"]] == [300, first.QUESTION_TOKENS]
+    sums = first.attention_sums_check(prefill, method)
+    assert sums["passed"] and [(case["sums"], case["queries"]) for case in sums["cases"]] == [
+        ("column_sums", 300),
+        ("column_sums", first.QUESTION_TOKENS),
+        ("outputs", 32),
+    ]
     for case in sums["cases"]:
         assert case["kernel_error"] == case["torch_error"] < 1e-5
     for switch in (TORCH_LLOYD, TORCH_LOSSES):
@@ -106,15 +110,16 @@ def test_the_kernel_checks_run_their_comparison_where_both_paths_are_the_torch_o
     ("module", "function", "switch", "check", "method_name"),
     [
         (reskv.attention, "shared_softmax_attention", "CUDA_FUSED_DECODE", "decode_check", "snapkv+reskv"),
-        (reskv.scoring, "accumulated_attention", "CUDA_FUSED_COLUMN_SUMS", "column_sums_check", "h2o"),
+        (reskv.scoring, "accumulated_attention", "CUDA_FUSED_ATTENTION_SUMS", "attention_sums_check", "h2o"),
+        (reskv.scoring, "attention_outputs", "CUDA_FUSED_ATTENTION_SUMS", "attention_sums_check", "h2o"),
     ],
 )
 def test_a_kernel_check_fails_a_kernel_off_by_a_fraction_of_a_percent(
     module, function, switch, check, method_name, monkeypatch
 ):
     """A "kernel" (the path taken while its switch is on: the decode step's attention, H2O's column
-    sums) whose output is 0.1% off the torch path's fails the float64 comparison in fp32; an exact one
-    passes."""
+    sums, the proxy's full outputs) whose output is 0.1% off the torch path's fails the float64
+    comparison in fp32; an exact one passes."""
     backbone = cached_tiny_backbone("tiny-llama", 4, 2)
     method = build_method(method_name, 0.9)
     prefill = Prefill(backbone, random_prompt(TOKENS, 300, seed=3), 270, [method])

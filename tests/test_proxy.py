@@ -22,7 +22,7 @@ from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy, observation_split
 from reskv.scoring import LayerObservation
 from scripts.measure import random_prompt
-from tests.conftest import TOKENS, cached_tiny_backbone
+from tests.conftest import TOKENS, cached_tiny_backbone, interpreted
 from tests.test_baselines import plain_caps
 
 PROMPT_LENGTH = 300
@@ -462,3 +462,32 @@ def test_short_prompt_splits_3_to_1_and_moves_the_boundary():
     assert proxy.boundary == 30 and proxy.validation_count == 10
     generation = short.generate(build_method("snapkv+reskv", 0.5), "aware", 3)
     assert len(generation.token_ids) <= 3
+
+
+@pytest.mark.parametrize(
+    ("group", "num_keys", "num_queries", "dim"),
+    [
+        (1, 150, 32, 64),  # the proxy's validation queries, ragged key tiles (150 = 2 x 64 + 22)
+        (2, 150, 100, 80),  # grouped heads, query tiles past the last query, a head dim no power of two
+        (3, 70, 3, 16),  # a few queries
+    ],
+)
+def test_the_full_outputs_kernel_equals_plain_causal_attention(group, num_keys, num_queries, dim, tmp_path):
+    """``reskv.attention_sums_kernel.outputs`` under Triton's interpreter (fp32 inputs): ``o_S(t)``, each
+    query's attention over the keys ``0 .. t`` times their values, equals a plain float64 loop's within
+    fp32 rounding; queries a slice of more observed ones and keys and values a prefix of a longer
+    cache's (their heads' strides, not copied), as the proxy passes them."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(group)
+    kv_heads = 2
+    queries = torch.randn(kv_heads * group, num_queries + 5, dim, generator=generator)[:, 5:]
+    keys, values = (torch.randn(kv_heads, num_keys + 7, dim, generator=generator)[:, :num_keys] for _ in "kv")
+    first, scaling = num_keys - num_queries, dim**-0.5
+    case = (queries, keys, values, first, scaling)
+    (found,) = interpreted("reskv.attention_sums_kernel:outputs", [case], tmp_path)
+    assert found.shape == queries.shape and found.dtype == torch.float32
+    for head in range(kv_heads * group):
+        for index in range(num_queries):
+            probs = causal_probs(queries[head, index], keys[head // group], first + index, scaling)
+            expected = probs @ values[head // group].double()
+            assert torch.allclose(found[head, index].double(), expected, rtol=1e-5, atol=1e-6), (head, index)

@@ -6,7 +6,7 @@
 Triton compiles each kernel for the GPU architecture with its own bundled toolchain (the one it uses
 on the GPU, so the figures are the GPU's for the installed Triton), at the tiles and warps its
 launcher uses (the constants of ``reskv.nearest_kernel``, ``reskv.lloyd_kernel``, ``reskv.loss_kernel``,
-``reskv.decode_kernel`` and ``reskv.column_sums_kernel``), for the head
+``reskv.decode_kernel`` and ``reskv.attention_sums_kernel``), for the head
 dims of the paper's backbones (128) and the embedded model (64) and each cache dtype. Triton's
 ``cuobjdump`` then reads the registers a thread holds and the stack bytes it keeps in local memory:
 a kernel whose tiles do not fit its registers spills them there and reads them back in its inner
@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from reskv import column_sums_kernel, decode_kernel, lloyd_kernel, loss_kernel, nearest_kernel
+from reskv import attention_sums_kernel, decode_kernel, lloyd_kernel, loss_kernel, nearest_kernel
 from scripts.bench.gpu_check.correctness import DTYPES
 
 HEAD_DIMS = (64, 128)
@@ -60,7 +60,8 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     kernels where the nearest centres of the cache's keys have a form (``lloyd_builds``), the proxy's
     errors (``loss_build``), the gated decode step's two kernels (the largest row tile,
     ``decode_kernel.MAX_ROWS`` rows), and for a
-    half-precision cache the view kernel over each pool and H2O's column sums. A tile is
+    half-precision cache the view kernel over each pool and attention's column sums and outputs
+    (``attention_sums_kernel``). A tile is
     a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
     dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
     nearest = [
@@ -109,26 +110,43 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     )
     column_shape = dict.fromkeys(["num_queries", "num_keys", "first_position", "dim", "group"], "i32")
     column_tiles = {
-        "QUERY_TILE": column_sums_kernel.QUERY_TILE,
-        "KEY_TILE": column_sums_kernel.KEY_TILE,
+        "QUERY_TILE": attention_sums_kernel.QUERY_TILE,
+        "KEY_TILE": attention_sums_kernel.KEY_TILE,
         "DIM_TILE": dim_tile,
         "IEEE": False,
     }
     inputs = dict.fromkeys(["queries", "keys"], f"*{cache_dtype}")
-    log_sum_exp = KernelBuild(
-        "column sums: log-sum-exp",
-        column_sums_kernel._log_sum_exp_kernel,
-        inputs | {"log_sum_exp": "*fp32"} | column_shape | {"scaling": "fp32"},
-        column_tiles,
-        column_sums_kernel.NUM_WARPS,
-        True,  # Triton's default: the launcher names none
+    lse_arguments = (
+        inputs
+        | {"values": f"*{cache_dtype}", "log_sum_exp": "*fp32", "outputs": "*fp32"}
+        | dict.fromkeys(["queries_head", "keys_head", "values_head"], "i32")
+        | column_shape
+        | {"scaling": "fp32"}
+    )
+    log_sum_exp, outputs = (
+        KernelBuild(
+            name,
+            attention_sums_kernel._log_sum_exp_kernel,
+            lse_arguments,
+            column_tiles | {"QUERY_TILE": query_tile, "OUTPUTS": with_outputs},
+            attention_sums_kernel.NUM_WARPS,
+            True,  # Triton's default: the launcher names none
+        )
+        for name, query_tile, with_outputs in [
+            ("column sums: log-sum-exp", attention_sums_kernel.QUERY_TILE, False),
+            ("attention outputs", attention_sums_kernel.OUTPUT_QUERY_TILE, True),
+        ]
     )
     columns = KernelBuild(
         "column sums",
-        column_sums_kernel._column_sums_kernel,
-        inputs | {"log_sum_exp": "*fp32", "sums": "*fp32"} | column_shape | {"scaling": "fp32"},
+        attention_sums_kernel._column_sums_kernel,
+        inputs
+        | {"log_sum_exp": "*fp32", "sums": "*fp32"}
+        | dict.fromkeys(["queries_head", "keys_head"], "i32")
+        | column_shape
+        | {"scaling": "fp32"},
         column_tiles,
-        column_sums_kernel.NUM_WARPS,
+        attention_sums_kernel.NUM_WARPS,
         True,
     )
     # A grid step of views: one pool's partial softmaxes, the shared slots (each row's keep mask) and
@@ -159,7 +177,7 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     ]
     # H2O's column sums and the views run on CUDA for half-precision caches only (reskv.scoring,
     # decode_kernel.VIEW_DTYPES).
-    half = [*views, log_sum_exp, columns] if cache_dtype != "fp32" else []
+    half = [*views, log_sum_exp, columns, outputs] if cache_dtype != "fp32" else []
     return [
         *nearest,
         *lloyd_builds(dim_tile, cache_dtype),

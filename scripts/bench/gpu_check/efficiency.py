@@ -59,15 +59,16 @@ TORCH_DECODE = (reskv.attention, "CUDA_FUSED_DECODE", False)
 # ``--torch-paths``: every Triton kernel off for a run, should one fail to compile on the device's
 # Triton (the kernels are tested under Triton's interpreter on CPU, whose version may differ from the
 # GPU image's).
-# H2O's column sums by their torch path (``reskv.scoring.CUDA_FUSED_COLUMN_SUMS``; the kernel is off
-# by default until a GPU has checked it, and this switch keeps it off).
-TORCH_COLUMN_SUMS = (reskv.scoring, "CUDA_FUSED_COLUMN_SUMS", False)
+# Attention's sums (H2O's column sums, SnapKV's window means, the proxy's full outputs) by their torch
+# path (``reskv.scoring.CUDA_FUSED_ATTENTION_SUMS``; the kernels are off by default until a GPU has
+# checked them, and this switch keeps them off).
+TORCH_ATTENTION_SUMS = (reskv.scoring, "CUDA_FUSED_ATTENTION_SUMS", False)
 # The k-means' Lloyd steps by their torch path (``reskv.residual.CUDA_FUSED_LLOYD``; the kernel is off
 # by default until a GPU has checked and timed it, and this switch keeps it off).
 TORCH_LLOYD = (reskv.residual, "CUDA_FUSED_LLOYD", False)
 # The validation proxies' errors by their torch path (``reskv.proxy.CUDA_FUSED_LOSSES``; likewise).
 TORCH_LOSSES = (reskv.proxy, "CUDA_FUSED_LOSSES", False)
-KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_COLUMN_SUMS, TORCH_LLOYD, TORCH_LOSSES)
+KERNEL_SWITCHES = (TORCH_NEAREST, TORCH_DECODE, TORCH_ATTENTION_SUMS, TORCH_LLOYD, TORCH_LOSSES)
 EFFICIENCY_METHODS = ("full", "snapkv", "snapkv+reskv", "adakv", "adakv+reskv")
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
 CPU_LENGTHS = (256, 512)

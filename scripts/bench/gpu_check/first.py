@@ -10,12 +10,12 @@ budget left is below what it needs (``STAGE_SECONDS``):
 1. ``kernels``: each Triton kernel against its torch path at the 8B shape (4K tokens, SnapKV+ResKV at
    0.9): the fused nearest-centre kernel must give the torch path's residual sizes in every head, the
    fused decode kernel an attention output no further from float64 than the torch form's
-   (``decode_check``), H2O's column-sum kernel sums no further from float64 than the torch path's
-   (``column_sums_check``), the Lloyd and loss kernels the torch path's residual sizes in every head
-   (``construction_check``); a mismatch or an error switches the kernel off for the rest of the call
-   (``KERNEL_SWITCHES``) and the report says so, and the kernels off by default (``OFF_BY_DEFAULT``:
-   the column sums, the Lloyd steps, the proxy's losses) are switched on for the rest of the call
-   where they pass;
+   (``decode_check``), the attention-sums kernels column sums and outputs no further from float64
+   than the torch path's (``attention_sums_check``), the Lloyd and loss kernels the torch path's
+   residual sizes in every head (``construction_check``); a mismatch or an error switches the kernel
+   off for the rest of the call (``KERNEL_SWITCHES``) and the report says so, and the kernels off by
+   default (``OFF_BY_DEFAULT``: the attention sums, the Lloyd steps, the proxy's losses) are switched
+   on for the rest of the call where they pass;
 2. ``nearest``: the nearest-centre step's forms (the torch path, the kernel's IEEE, TF32x3 and
    bf16x3 products) on one layer's k-means at the longest length's shape, TFLOP/s and choices
    against float64's, then a +ResKV construction with each; the fastest that keeps the torch path's
@@ -26,8 +26,8 @@ budget left is below what it needs (``STAGE_SECONDS``):
    (``CONSTRUCTION_SHARE``) is spent: where a sample's construction time goes, by method, setting
    and ratio;
 4. ``profile``: at the longest length, the prefill with and without H2O's accumulated attention;
-   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built alone (and without each construction
-   kernel the kernels stage switched on, ``CONSTRUCTION_KERNELS``) and as the grid builds it, then
+   SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built alone (and without each kernel off by
+   default that the kernels stage switched on, ``OFF_BY_DEFAULT``) and as the grid builds it, then
    profiled: kernels, launches, the host's waits and copies;
 5. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
    at 32K and at 4K against one full-cache request, warm against warm (a short grid first compiles
@@ -79,14 +79,14 @@ from reskv.backbones import Backbone
 from reskv.batching import FP32_BYTES, ModelShape, ViewRow, values_order, view_step_slots
 from reskv.cache import CompressedLayer, ObservedLayer
 from reskv.compress import kept_positions
-from reskv.config import SETTINGS
+from reskv.config import SETTINGS, ResidualConfig
 from reskv.decode_rule import DecodeRule
 from reskv.decoding import forward
 from reskv.engine import Prefill
 from reskv.grid import decode_grid, model_shape, values_key
 from reskv.views import RowView, ViewLayer, view_cache
 from scripts.bench.gpu_check.efficiency import (
-    TORCH_COLUMN_SUMS,
+    TORCH_ATTENTION_SUMS,
     TORCH_DECODE,
     TORCH_LLOYD,
     TORCH_LOSSES,
@@ -127,7 +127,7 @@ STAGE_SECONDS = {
 CONSTRUCTION_KERNELS = {"lloyd_steps": TORCH_LLOYD, "proxy_losses": TORCH_LOSSES}
 # The kernels off by default until a GPU has checked them (report key: the switch to the torch path):
 # the kernels stage switches each on for the rest of the call where its check passes.
-OFF_BY_DEFAULT = {"h2o_column_sums": TORCH_COLUMN_SUMS} | CONSTRUCTION_KERNELS
+OFF_BY_DEFAULT = {"attention_sums": TORCH_ATTENTION_SUMS} | CONSTRUCTION_KERNELS
 # The nearest-centre step's forms the nearest stage compares: switches (module, flag, value) each sets.
 NEAREST_FORMS = {
     "torch": [(residual, "CUDA_FUSED_NEAREST", False)],
@@ -193,7 +193,7 @@ def kernels(
     checks = {
         "nearest_centers": (functools.partial(construction_check, TORCH_NEAREST), TORCH_NEAREST),
         "gated_decode_attention": (decode_check, TORCH_DECODE),
-        "h2o_column_sums": (column_sums_check, TORCH_COLUMN_SUMS),
+        "attention_sums": (attention_sums_check, TORCH_ATTENTION_SUMS),
     }
     checks |= {
         name: (functools.partial(construction_check, switch), switch)
@@ -292,50 +292,80 @@ def decode_check(prefill: Prefill, method) -> dict:
     return {"passed": all(case["passed"] for case in cases), "cases": cases}
 
 
-def column_sums_check(prefill: Prefill, method) -> dict:
-    """H2O's column sums (``reskv.scoring.accumulated_attention``) by the kernel
-    (``CUDA_FUSED_COLUMN_SUMS``) and by the torch path, each against float64, over random queries
-    and keys of the backbone's heads and dtype at the prompt's length: a whole prefill's queries, and
-    its last ``QUESTION_TOKENS`` (a question's forward). It passes where the kernel's relative error
-    is within ``DECODE_ERROR_FACTOR`` times the torch path's plus fp32's rounding."""
+def attention_sums_check(prefill: Prefill, method) -> dict:
+    """Attention's sums by the kernel (``CUDA_FUSED_ATTENTION_SUMS``) and by the torch path, each
+    against float64, over random queries, keys and values of the backbone's heads and dtype at the
+    prompt's length: H2O's column sums (``scoring.accumulated_attention``, whose kernel SnapKV's window
+    means share) of a whole prefill's queries and of its last ``QUESTION_TOKENS`` (a question's
+    forward), and the validation proxy's full outputs (``scoring.attention_outputs``) of its last
+    ``ResidualConfig``'s validation queries. It passes where the kernel's relative error is within
+    ``DECODE_ERROR_FACTOR`` times the torch path's plus fp32's rounding."""
     shape, backbone = model_shape(prefill.backbone), prefill.backbone
     length, scaling = len(prefill.prompt_ids), backbone.scaling
     generator = torch.Generator(device=backbone.device).manual_seed(0)
-    queries, keys = (
-        torch.randn(heads, length, shape.head_dim, generator=generator, device=backbone.device)
-        for heads in (shape.query_heads, shape.kv_heads)
+    queries, keys, values = (
+        torch.randn(heads, length, shape.head_dim, generator=generator, device=backbone.device).to(
+            backbone.model.dtype
+        )
+        for heads in (shape.query_heads, shape.kv_heads, shape.kv_heads)
     )
-    queries, keys = queries.to(backbone.model.dtype), keys.to(backbone.model.dtype)
+    validation = ResidualConfig().validation_queries
     cases = []
-    for first in (0, length - QUESTION_TOKENS):
+    for sums, first in [
+        ("column_sums", 0),
+        ("column_sums", length - QUESTION_TOKENS),
+        ("outputs", length - validation),
+    ]:
         positions = range(first, length)
-        reference = column_sums_float64(queries[:, first:], keys, positions, scaling)
-        with mock.patch.object(scoring, "CUDA_FUSED_COLUMN_SUMS", True):
-            kernel = scoring.accumulated_attention(queries[:, first:], keys, positions, scaling)
-        torch_path = scoring.accumulated_attention(queries[:, first:], keys, positions, scaling)
-        errors = [relative_error(sums, reference) for sums in (kernel, torch_path)]
+        if sums == "column_sums":
+            arguments = (queries[:, first:], keys, positions, scaling)
+            computed = functools.partial(scoring.accumulated_attention, *arguments)
+            reference = column_sums_float64(*arguments)
+        else:
+            arguments = (queries[:, first:], keys, values, positions, scaling)
+            computed = functools.partial(scoring.attention_outputs, *arguments)
+            reference = outputs_float64(*arguments)
+        with mock.patch.object(scoring, "CUDA_FUSED_ATTENTION_SUMS", True):
+            kernel = computed()
+        errors = [relative_error(found, reference) for found in (kernel, computed())]
         passed = errors[0] <= DECODE_ERROR_FACTOR * errors[1] + torch.finfo(torch.float32).eps
         cases.append(
-            {"queries": length - first, "kernel_error": errors[0], "torch_error": errors[1], "passed": passed}
-        )
+            {"sums": sums, "queries": length - first, "kernel_error": errors[0], "torch_error": errors[1],
+             "passed": passed}
+        )  # fmt: skip
     return {"passed": all(case["passed"] for case in cases), "cases": cases}
+
+
+def causal_probabilities_float64(
+    queries: torch.Tensor, keys: torch.Tensor, positions: range, scaling: float
+) -> torch.Tensor:
+    """``[H, n, s]`` float64 causal softmax attention of ``queries`` at ``positions`` over ``keys``
+    (query head ``h`` reading KV head ``h // G``), on the device."""
+    group = queries.shape[0] // keys.shape[0]
+    logits = queries.double() @ keys.double().repeat_interleave(group, dim=0).transpose(1, 2) * scaling
+    query_positions = torch.arange(positions[0], positions[-1] + 1, device=keys.device)
+    future = torch.arange(keys.shape[1], device=keys.device)[None, :] > query_positions[:, None]
+    return logits.masked_fill_(future, -math.inf).softmax(dim=-1)
 
 
 def column_sums_float64(
     queries: torch.Tensor, keys: torch.Tensor, positions: range, scaling: float
 ) -> torch.Tensor:
     """``accumulated_attention`` in float64 on the device, ``scoring.QUERY_CHUNK`` queries at a time."""
-    group = queries.shape[0] // keys.shape[0]
-    grouped_keys = keys.double().repeat_interleave(group, dim=0)
     total = torch.zeros(queries.shape[0], keys.shape[1], dtype=torch.float64, device=keys.device)
     for start in range(0, queries.shape[1], scoring.QUERY_CHUNK):
-        chunk = queries[:, start : start + scoring.QUERY_CHUNK].double()
-        logits = chunk @ grouped_keys.transpose(1, 2) * scaling
-        first = positions[start]
-        chunk_positions = torch.arange(first, first + chunk.shape[1], device=keys.device)
-        future = torch.arange(keys.shape[1], device=keys.device)[None, :] > chunk_positions[:, None]
-        total += logits.masked_fill_(future, -math.inf).softmax(dim=-1).sum(dim=1)
+        chunk = slice(start, start + scoring.QUERY_CHUNK)
+        total += causal_probabilities_float64(queries[:, chunk], keys, positions[chunk], scaling).sum(dim=1)
     return scoring.group_mean(total, keys.shape[0])
+
+
+def outputs_float64(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: range, scaling: float
+) -> torch.Tensor:
+    """``attention_outputs`` ``[H_kv, G n, d]`` in float64 on the device."""
+    probs = causal_probabilities_float64(queries, keys, positions, scaling)
+    grouped_values = values.double().repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
+    return (probs @ grouped_values).view(keys.shape[0], -1, values.shape[-1])
 
 
 def decode_inputs(
@@ -365,7 +395,9 @@ def shared_softmax_float64(queries, keys, values, bias, entries: int, rule: Deco
 
 
 def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
-    """The largest absolute difference over the reference's largest magnitude."""
+    """The largest absolute difference over the reference's largest magnitude, on the host (either may
+    sit on the device)."""
+    reference = reference.cpu()
     return ((output.cpu().double() - reference).abs().max() / reference.abs().max()).item()
 
 
@@ -501,12 +533,12 @@ def profile(
     prefills = (("h2o_sums", h2o, False), ("h2o_sums_kernel", h2o, True), ("plain", methods, False))
     for name, prefilled_for, fused in prefills:
         release_memory(backbone.device)
-        with mock.patch.object(scoring, "CUDA_FUSED_COLUMN_SUMS", fused):
+        with mock.patch.object(scoring, "CUDA_FUSED_ATTENTION_SUMS", fused):
             prefill, report["prefill_s"][name] = timed(
                 backbone.device, prefilled, backbone, prompt, prefilled_for
             )
         save(report)
-    switched_on = {name: switch for name, switch in CONSTRUCTION_KERNELS.items() if getattr(*switch[:2])}
+    switched_on = {name: switch for name, switch in OFF_BY_DEFAULT.items() if getattr(*switch[:2])}
     report["construction_kernels_on"] = sorted(switched_on)
     for method in methods:
         report["alone_s"][method.ratio] = timed(backbone.device, prefill.compressed, method, "aware")[1]
