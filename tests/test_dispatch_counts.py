@@ -235,3 +235,27 @@ def test_a_proxys_errors_by_the_fused_loss_kernel_count_one_launch():
     assert (counts.ops, counts.syncs, dict(counts.by_op)) == (1, 0, {"proxy errors": 1})
     assert counts.fp32_bytes_by_stage["other"] == 4 * errors.numel()
     assert torch.equal(errors, proxy.sets_errors(*candidates))
+
+
+def test_attention_sums_by_the_fused_kernels_count_their_launches_by_hand():
+    """Under ``grid_constructions.fused_sum_launches`` SnapKV's window means of bf16 queries take the
+    column-sum kernels' two launches and one scaling by the query count, and a proxy's full outputs one
+    launch (their outputs allocations, which launch nothing); the means are the torch path's within
+    rounding (a sum scaled where the torch path takes a mean), the outputs its bits."""
+    pytest.importorskip("triton")
+    from reskv import scoring
+    from scripts.bench.grid_constructions import fused_sum_launches
+
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.randn(4, 6, 16, generator=generator).bfloat16()
+    keys, values = (torch.randn(2, 20, 16, generator=generator).bfloat16() for _ in "kv")
+    positions, scaling = range(14, 20), 0.25
+    with fused_sum_launches(), count_dispatch() as counts:
+        means = scoring.mean_attention(queries, keys, positions, scaling)
+    assert (counts.ops, counts.syncs) == (3, 0)
+    assert dict(counts.by_op) == {"attention sums": 1, "column sums": 1, "mul_": 1}
+    assert torch.allclose(means, scoring.mean_attention(queries, keys, positions, scaling), rtol=1e-6)
+    with fused_sum_launches(), count_dispatch() as counts:
+        outputs = scoring.attention_outputs(queries, keys, values, positions, scaling)
+    assert (counts.ops, counts.syncs, dict(counts.by_op)) == (1, 0, {"attention sums": 1})
+    assert torch.equal(outputs, scoring.attention_outputs(queries, keys, values, positions, scaling))

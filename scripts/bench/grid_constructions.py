@@ -1,7 +1,8 @@
 """What one sample's paper RULER grid constructs, against its floor: host syncs, ops, k-means FLOPs and
 fp32 bytes, counted on CPU as a GPU would run them.
 
-    python -m scripts.bench.grid_constructions [--length 4096] [--fused-lloyd] [--fused-losses] [--out FILE]
+    python -m scripts.bench.grid_constructions [--length 4096] [--fused-lloyd] [--fused-losses]
+        [--fused-sums] [--out FILE]
 
 The 72 compressed configurations of ``configs/grid/paper_ruler.yaml`` (``grid_gpu.paper_ruler_requests``:
 H2O, TOVA, SnapKV, AdaKV and each +ResKV, CaM, at ratios 0.6-0.9, both settings; the full cache, the
@@ -27,7 +28,8 @@ With ``--fused-lloyd`` the k-means groups of bf16 keys are clustered as on a GPU
 ``reskv.residual.CUDA_FUSED_LLOYD`` (``fused_lloyd_launches``): each group's launches of
 ``reskv.lloyd_kernel`` are counted, and its entries computed by the torch path uncounted; with
 ``--fused-losses`` the validation proxies' errors as on a GPU with ``reskv.proxy.CUDA_FUSED_LOSSES``
-(``fused_loss_launches``), likewise.
+(``fused_loss_launches``), likewise; with ``--fused-sums`` SnapKV's window means and the proxies'
+full outputs as with ``reskv.scoring.CUDA_FUSED_ATTENTION_SUMS`` (``fused_sum_launches``), likewise.
 
 The counts depend on the shapes the data decides (AdaKV's budgets, the residual sizes the proxies
 chose on this random model), not on the weights otherwise. A few minutes of CPU at 2K tokens, tens
@@ -54,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import reskv.nearest_kernel
 import reskv.proxy
 import reskv.residual
+import reskv.scoring
 from reskv.engine import Prefill
 from reskv.proxy import ValidationProxy
 from scripts.bench.construction_counts import gpu_layout
@@ -222,6 +225,49 @@ def fused_loss_launches():
         yield
 
 
+@contextlib.contextmanager
+def fused_sum_launches():
+    """Attention's sums over bf16 queries as on a GPU with ``reskv.scoring.CUDA_FUSED_ATTENTION_SUMS``:
+    SnapKV's window means (the deployed window's and the proxies' fit scores) and the proxies' full
+    outputs by ``reskv.attention_sums_kernel``, whose launches are counted (``CountedKernel``) while
+    the sums are computed by the torch path, uncounted."""
+    from reskv import attention_sums_kernel  # imports Triton
+
+    column_sums, outputs = attention_sums_kernel.column_sums, attention_sums_kernel.outputs
+
+    def counted_column_sums(queries, keys, first_position, scaling):
+        found = column_sums(queries, keys, first_position, scaling)
+        with uncounted():
+            positions = range(first_position, keys.shape[1])
+            return found.copy_(reskv.scoring.causal_attention_probs(queries, keys, positions, scaling).sum(1))
+
+    def counted_outputs(queries, keys, values, first_position, scaling):
+        found = outputs(queries, keys, values, first_position, scaling)
+        positions = range(first_position, keys.shape[1])
+        with uncounted(), mock.patch.object(reskv.scoring, "fused_attention_sums", lambda queries: False):
+            return found.copy_(
+                reskv.scoring.attention_outputs(queries, keys, values, positions, scaling).view_as(found)
+            )
+
+    def lse_writes(arguments: dict) -> list[torch.Tensor]:
+        return [arguments["outputs" if arguments["OUTPUTS"] else "log_sum_exp"]]
+
+    with (
+        mock.patch.object(
+            reskv.scoring, "fused_attention_sums", lambda queries: queries.dtype == torch.bfloat16
+        ),
+        mock.patch.object(attention_sums_kernel, "column_sums", counted_column_sums),
+        mock.patch.object(attention_sums_kernel, "outputs", counted_outputs),
+        mock.patch.object(
+            attention_sums_kernel, "_log_sum_exp_kernel", CountedKernel("attention sums", lse_writes)
+        ),
+        mock.patch.object(
+            attention_sums_kernel, "_column_sums_kernel", CountedKernel("column sums", lambda a: [a["sums"]])
+        ),
+    ):
+        yield
+
+
 def counted(prefill: Prefill, requests: list) -> tuple[DispatchCounts, dict[str, KmeansWork]]:
     """The counts of ``requests``' constructions, shared and planned as a grid's (module docstring),
     and their k-means work per (method, setting)."""
@@ -232,12 +278,15 @@ def counted(prefill: Prefill, requests: list) -> tuple[DispatchCounts, dict[str,
     return counts, work
 
 
-def count_constructions(length: int, fused_lloyd: bool = False, fused_losses: bool = False) -> dict:
+def count_constructions(
+    length: int, fused_lloyd: bool = False, fused_losses: bool = False, fused_sums: bool = False
+) -> dict:
     """The figures (``figures``) of one sample's 72 constructions at ``length`` tokens: the grid's, and
     each (method, setting)'s four ratios constructed as a grid of their own (work it shares with other
     methods in the whole grid is then its own); and every construction matmul's GFLOP
     (``FlopCounterMode``) in the grid. ``fused_lloyd``: the k-means by ``fused_lloyd_launches``;
-    ``fused_losses``: the proxies' errors by ``fused_loss_launches``."""
+    ``fused_losses``: the proxies' errors by ``fused_loss_launches``; ``fused_sums``: attention's sums
+    by ``fused_sum_launches``."""
     backbone = narrow_llama_8b_attention()
     prompt = random_prompt(range(1, backbone.model.config.vocab_size), length, seed=42)
     requests = [(method, setting) for method, setting in paper_ruler_requests() if method.scorer is not None]
@@ -246,7 +295,8 @@ def count_constructions(length: int, fused_lloyd: bool = False, fused_losses: bo
         families[f"{method.name} {setting}"].append((method, setting))
     lloyd = fused_lloyd_launches() if fused_lloyd else contextlib.nullcontext()
     losses = fused_loss_launches() if fused_losses else contextlib.nullcontext()
-    with torch.inference_mode(), gpu_layout(), lloyd, losses:
+    sums = fused_sum_launches() if fused_sums else contextlib.nullcontext()
+    with torch.inference_mode(), gpu_layout(), lloyd, losses, sums:
         prefill = Prefill(backbone, prompt, length - QUESTION_TOKENS, [method for method, _ in requests])
         prefill.prefilled("aware")
         with FlopCounterMode(display=False) as flops:
@@ -314,10 +364,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--fused-losses", action="store_true", help="the proxies' errors as reskv.loss_kernel computes them"
     )
+    parser.add_argument(
+        "--fused-sums",
+        action="store_true",
+        help="SnapKV's window means and the proxies' full outputs as reskv.attention_sums_kernel sums them",
+    )
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    found = count_constructions(args.length, args.fused_lloyd, args.fused_losses)
-    found |= {"length": args.length, "fused_lloyd": args.fused_lloyd, "fused_losses": args.fused_losses}
+    found = count_constructions(args.length, args.fused_lloyd, args.fused_losses, args.fused_sums)
+    found |= {
+        "length": args.length,
+        "fused_lloyd": args.fused_lloyd,
+        "fused_losses": args.fused_losses,
+        "fused_sums": args.fused_sums,
+    }
     found["machine"] = machine()
     grid = found["grid"]
     console = Console(width=200)
