@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from reskv.scoring import TokenScorer, causal_attention_probs
+from reskv.scoring import TokenScorer, mean_attention
 
 
 def last_query_scores(
@@ -20,7 +20,7 @@ def last_query_scores(
     """Attention ``[H_kv, s]`` of the last of ``queries``, averaged over all query heads of a layer;
     the same row for every KV head of the layer, so the shared per-head selection picks one token
     set for it. ``num_layers`` layers may be stacked along the heads (``reskv.scoring.stack_layers``)."""
-    probs = causal_attention_probs(queries[:, -1:], keys, positions[-1:], scaling)  # [L*H, 1, s]
+    probs = mean_attention(queries[:, -1:], keys, positions[-1:], scaling)  # [L*H, s]
     per_layer = probs.reshape(num_layers, -1, probs.shape[-1]).mean(dim=1)  # [L, s]
     return per_layer.repeat_interleave(keys.shape[0] // num_layers, dim=0)
 

@@ -131,11 +131,14 @@ def fused_column_sums(queries: Tensor, keys: Tensor, query_positions: range, sca
 
 def mean_attention(queries: Tensor, keys: Tensor, query_positions: range, scaling: float) -> Tensor:
     """``[H, s]`` fp32: each key's causal attention averaged over ``queries`` (a query's zero weight on
-    the keys after it counted, as SnapKV's upstream does): the mean of ``causal_attention_probs``, or
-    where ``fused_attention_sums`` the kernel's column sums over the query count."""
+    the keys after it counted, as SnapKV's upstream does; TOVA's one query: its attention): the mean of
+    ``causal_attention_probs``, or where ``fused_attention_sums`` the kernel's column sums over the
+    query count, no probability written and no fp32 copy of the keys."""
     if fused_attention_sums(queries):
         return fused_column_sums(queries, keys, query_positions, scaling).mul_(1 / len(query_positions))
-    return causal_attention_probs(queries, keys, query_positions, scaling).mean(dim=1)
+    probs = causal_attention_probs(queries, keys, query_positions, scaling)
+    # One query's mean is its own attention: a view, no op (TOVA's last query).
+    return probs[:, 0] if probs.shape[1] == 1 else probs.mean(dim=1)
 
 
 def attention_outputs(
