@@ -199,7 +199,7 @@ if triton is not None:
         IEEE: tl.constexpr,
         OUTPUTS: tl.constexpr,
     ):
-        head = tl.program_id(0).to(tl.int64)  # head * num_keys * dim passes 2^31 at long prompts
+        head = tl.program_id(0).to(tl.int64)  # head times a head's stride passes 2^31 at long prompts
         query = tl.program_id(1) * QUERY_TILE + tl.arange(0, QUERY_TILE)
         feature = tl.arange(0, DIM_TILE)
         query_tile = _rows(queries, queries_head, head, query, num_queries, feature, dim)
