@@ -18,9 +18,9 @@ from torch import Tensor
 QUERY_CHUNK = 512
 # On CUDA with Triton installed, attention's sums over half-precision queries, keys and values by
 # ``reskv.attention_sums_kernel``, no probability written (``fused_attention_sums``): H2O's column
-# sums, SnapKV's window means, the validation proxy's full outputs; off, or elsewhere, by the torch
-# path's fp32 probabilities. Off until a GPU has checked it against the torch path and timed it
-# (``scripts.bench.gpu_check.first``'s kernels and profile stages).
+# sums, SnapKV's window means and TOVA's last query (``mean_attention``), the validation proxy's full
+# outputs; off, or elsewhere, by the torch path's fp32 probabilities. Off until a GPU has checked it
+# against the torch path and timed it (``scripts.bench.gpu_check.first``'s kernels and profile stages).
 CUDA_FUSED_ATTENTION_SUMS = False
 
 
