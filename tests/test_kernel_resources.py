@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from reskv import nearest_kernel
-from scripts.bench.kernel_resources import compiled_resources, kernel_builds
+from scripts.bench.kernel_resources import (
+    NEAREST_TILES,
+    compiled_resources,
+    kernel_builds,
+    longest_loop,
+    tile_builds,
+)
 
 pytest.importorskip("triton")
 
@@ -27,3 +33,38 @@ def test_the_resource_reading_sees_the_spills_of_tiles_too_large_for_the_registe
     monkeypatch.setattr(nearest_kernel, "NUM_WARPS", 4)
     ieee = next(build for build in kernel_builds(128, "fp32") if build.name == "nearest (ieee)")
     assert compiled_resources(ieee, 90).stack_bytes > 1024
+
+
+def test_the_longest_loop_spans_the_widest_backward_branch_of_the_listing():
+    """``cuobjdump -sass``'s listing, written by hand: a forward branch, a predicated backward branch
+    over 2 instructions, a plain one over 6 (0x10 to 0x60, 16 bytes each) and the end's branch to
+    itself; without a backward branch, no loop."""
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                      /* 0x00000a00ff017b82 */
+        /*0010*/                   S2R R0, SR_TID.X ;                          /* 0x0000000000007919 */
+        /*0020*/              @!P0 BRA 0x60 ;                                  /* 0x0000002c008c8947 */
+        /*0030*/                   FADD R2, R2, R3 ;                           /* 0x0000000302027221 */
+        /*0040*/              @!P3 BRA 0x30 ;                                  /* 0xffffffd80034b947 */
+        /*0050*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/                   BRA 0x10 ;                                  /* 0xffffffd80034b947 */
+        /*0070*/                   BRA 0x70;                                   /* 0xfffffffc00fc7947 */
+    """
+    assert longest_loop(listing) == 6
+    assert longest_loop(listing.replace("BRA 0x10", "BRA 0x70")) == 2
+    assert longest_loop("        /*0000*/                   EXIT ;") == 0
+
+
+def test_the_tile_builds_are_the_k_means_kernels_at_the_given_tiles_and_the_launchers_left_as_they_were():
+    launchers = (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS)
+    builds = tile_builds(128, (128, 64, 4))
+    assert [build.name for build in builds] == [
+        "nearest (bf16x3)",
+        "lloyd assign (bf16x3)",
+        "lloyd assign (bf16x3, values)",
+        *(f"lloyd centres ({mode})" for mode in ("init", "update", "final")),
+    ]
+    for build in builds:
+        assert build.num_warps == 4 and build.constexprs["CENTER_TILE"] == 64
+        assert build.constexprs.get("POINT_TILE", 128) == 128
+    assert (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS) == launchers
+    assert NEAREST_TILES[0] == launchers

@@ -11,6 +11,14 @@ dims of the paper's backbones (128) and the embedded model (64) and each cache d
 ``cuobjdump`` then reads the registers a thread holds and the stack bytes it keeps in local memory:
 a kernel whose tiles do not fit its registers spills them there and reads them back in its inner
 loop. Needs Triton (the ``kernels`` extra), no GPU.
+
+    python -m scripts.bench.kernel_resources --tiles      # the k-means' tiles the GPU check times
+
+``--tiles`` compiles the k-means' bf16x3 kernels (the nearest-centre kernel and the Lloyd steps') at
+each of ``NEAREST_TILES`` and counts, besides, the SASS instructions of the nearest-centre scan's loop
+(one tile of centres against the program's tile of points): a warp issues that many for
+``2 x points x centres x d`` FLOP of the k-means' formula, so their ratio bounds the rate an SM's
+four schedulers can issue (``results/README.md`` gives the H200's).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from rich.console import Console
 from rich.table import Table
@@ -30,6 +39,15 @@ from scripts.bench.gpu_check.correctness import DTYPES
 
 HEAD_DIMS = (64, 128)
 CACHE_DTYPES = ("fp32", "bf16", "fp16")
+# The nearest-centre kernel's tiles (points and centres a program takes, its warps) that the GPU
+# check's ``tiles`` stage times, the launchers' own first; ``--tiles`` prints what ptxas gives each.
+# Each fits an H100's shared memory (227 KiB a program) at head dims 64 and 128.
+NEAREST_TILES = (
+    (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS),
+    (64, 64, 8),
+    (128, 32, 8),
+    (128, 64, 8),
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,7 @@ class Resources:
     registers: int  # per thread
     stack_bytes: int  # per thread, in local memory: spilled registers
     shared_bytes: int  # per program
+    loop_instructions: int  # per warp, in the longest loop's body (``longest_loop``)
 
 
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
@@ -276,11 +295,59 @@ def compiled_resources(build: KernelBuild, arch: int) -> Resources:
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run(
-            [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    figures = dict(re.findall(r"(REG|STACK):(\d+)", usage))
-    return Resources(int(figures["REG"]), int(figures["STACK"]), compiled.metadata.shared)
+        usage, sass = (
+            subprocess.run([str(cuobjdump), flag, str(cubin)], capture_output=True, text=True, check=True)
+            for flag in ("--dump-resource-usage", "-sass")
+        )
+    figures = dict(re.findall(r"(REG|STACK):(\d+)", usage.stdout))
+    loop = longest_loop(sass.stdout)
+    return Resources(int(figures["REG"]), int(figures["STACK"]), compiled.metadata.shared, loop)
+
+
+def longest_loop(sass: str) -> int:
+    """The instructions from a backward branch's target to the branch, the longest such span of
+    ``cuobjdump -sass``'s listing (sm_90's instructions are 16 bytes each, addressed in bytes): a
+    kernel's inner loop, as the compiler laid it out; 0 where nothing branches back."""
+    spans = [
+        int(branch, 16) - int(target, 16)
+        for branch, target in re.findall(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
+    ]
+    return max((span // 16 + 1 for span in spans if span > 0), default=0)
+
+
+def tile_builds(head_dim: int, tiles: tuple[int, int, int]) -> list[KernelBuild]:
+    """The k-means' bf16x3 compilations for a bf16 cache at ``tiles`` (``NEAREST_TILES``' points,
+    centres, warps): the nearest-centre kernel's and the Lloyd steps' (``lloyd_builds``)."""
+    points, centers, warps = tiles
+    with (
+        mock.patch.object(nearest_kernel, "POINT_TILE", points),
+        mock.patch.object(nearest_kernel, "CENTER_TILE", centers),
+        mock.patch.object(nearest_kernel, "NUM_WARPS", warps),
+    ):
+        builds = kernel_builds(head_dim, "bf16")
+    return [build for build in builds if build.name == "nearest (bf16x3)" or build.name.startswith("lloyd")]
+
+
+def tiles_table(arch: int) -> Table:
+    """``--tiles``' table: each of ``NEAREST_TILES``' builds (``tile_builds``) at each head dim, and,
+    for the scans, the k-means formula's FLOP a warp issues per instruction of the loop."""
+    table = Table(title=f"The k-means' bf16x3 kernels by tiles, compiled for sm_{arch} (ptxas, per thread)")
+    columns = ("kernel", "head dim", "points x centres", "warps", "registers", "spilled bytes", "shared KiB")
+    for column in (*columns, "loop instructions a warp", "formula FLOP a warp-instruction"):
+        table.add_column(column, justify="right")
+    for head_dim in HEAD_DIMS:
+        for points, centers, warps in NEAREST_TILES:
+            for build in tile_builds(head_dim, (points, centers, warps)):
+                resources = compiled_resources(build, arch)
+                scan = build.name == "nearest (bf16x3)" or build.name.startswith("lloyd assign")
+                issued = resources.loop_instructions * warps
+                flop = f"{2 * points * centers * head_dim / issued:.0f}" if scan else "-"
+                table.add_row(
+                    build.name, str(head_dim), f"{points} x {centers}", str(warps), str(resources.registers),
+                    str(resources.stack_bytes), f"{resources.shared_bytes / 1024:.0f}",
+                    str(resources.loop_instructions), flop,
+                )  # fmt: skip
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,7 +355,11 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, major and minor (90)")
+    parser.add_argument("--tiles", action="store_true", help="the k-means' kernels at each of NEAREST_TILES")
     args = parser.parse_args(argv)
+    if args.tiles:
+        Console(width=200).print(tiles_table(args.arch))
+        return
     import triton
 
     title = f"Triton {triton.__version__} kernels compiled for sm_{args.arch} (ptxas, per thread)"
