@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from reskv.nearest_kernel import CENTER_TILE, NUM_WARPS, POINT_TILE, SPLIT_OPERANDS, triton
+from reskv import nearest_kernel
+from reskv.nearest_kernel import triton
 from reskv.selection import row_stride, storage_rows, uploaded
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ def cluster(
 
     ``keys`` and ``values`` ``[H, s, d]`` share their storage's layout (``token_rows``); ``entries``
     are contiguous (``cluster_rows`` makes them); ``form`` and ``split_operands`` are the nearest
-    centres' products (``reskv.nearest_kernel.nearest``)."""
+    centres' products (``reskv.nearest_kernel.nearest``). The tiles, warps and split operands are the
+    nearest-centre kernel's, read at the call, so that setting them there sets both kernels'."""
     device, dim = keys.device, keys.shape[-1]
     num_rows, num_centers = len(group.rows), group.max_size
     rows_index = uploaded(group.rows, device)
@@ -93,25 +95,25 @@ def cluster(
         dim=dim,
         HAS_OFFSETS=has_offsets,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
-        CENTER_TILE=CENTER_TILE,
-        num_warps=NUM_WARPS,
+        CENTER_TILE=nearest_kernel.CENTER_TILE,
+        num_warps=nearest_kernel.NUM_WARPS,
     )
-    centres_grid = (num_rows, triton.cdiv(num_centers, CENTER_TILE))
+    centres_grid = (num_rows, triton.cdiv(num_centers, nearest_kernel.CENTER_TILE))
     outputs = dict(entry_keys=entries.keys, entry_values=entries.values, entry_log_counts=entries.log_counts)
     unused = dict(entry_keys=centers, entry_values=centers, entry_log_counts=center_norms)
     _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="init")
     value_rows = storage_rows(values)
     for step in range(iterations):
         last = step + 1 == iterations
-        _assign_kernel[(num_rows, triton.cdiv(group.max_points, POINT_TILE))](
+        _assign_kernel[(num_rows, triton.cdiv(group.max_points, nearest_kernel.POINT_TILE))](
             **layout,
             value_rows=value_rows,
             point_counts=point_counts,
             num_points=group.max_points,
             WITH_VALUES=last,
-            POINT_TILE=POINT_TILE,
+            POINT_TILE=nearest_kernel.POINT_TILE,
             PRECISION=form,
-            SPLIT_BF16=(split_operands or SPLIT_OPERANDS) == "bf16",
+            SPLIT_BF16=(split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16",
         )
         if not last:
             _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="update")

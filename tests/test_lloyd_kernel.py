@@ -166,3 +166,38 @@ def test_build_residual_clusters_by_the_kernel_where_the_fused_lloyd_form_says(t
     assert torch.equal(found[0], plain.keys) and torch.equal(found[1], plain.values)
     assert within_one_ulp(found[2], plain.log_counts)
     assert torch.isfinite(plain.log_counts).sum(-1).tolist()[3] == 0
+
+
+class Launches:
+    """A Triton kernel's stand-in: each launch's grid and keyword arguments, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda **arguments: self.calls.append((grid, arguments))
+
+
+def test_the_lloyd_steps_launch_at_the_nearest_centre_kernels_tiles_as_they_are_at_the_call(monkeypatch):
+    """The tiles, warps and split operands are ``reskv.nearest_kernel``'s when ``cluster`` runs (a GPU
+    check sets them there): 2 rows of up to 150 points and 40 centres, 16-point and 8-centre tiles,
+    4 steps: 4 assignment launches over 2 x 10 programs, 5 of the centres' (the initial ones, 3 updates,
+    the entries) over 2 x 5."""
+    pytest.importorskip("triton")
+    from reskv import lloyd_kernel, nearest_kernel
+
+    assign, centres = Launches(), Launches()
+    monkeypatch.setattr(lloyd_kernel, "_assign_kernel", assign)
+    monkeypatch.setattr(lloyd_kernel, "_centres_kernel", centres)
+    for flag, value in (("POINT_TILE", 16), ("CENTER_TILE", 8), ("NUM_WARPS", 2), ("SPLIT_OPERANDS", "tf32")):
+        monkeypatch.setattr(nearest_kernel, flag, value)
+    generator = torch.Generator().manual_seed(0)
+    arguments = case(generator, torch.bfloat16, 64, None, [150, 130], [40, 5], [0, 1], 4, form="bf16x3")
+    lloyd_kernel.cluster(*arguments[:-1])  # the split operands: the module's
+    assert [grid for grid, _ in assign.calls] == [(2, 10)] * 4
+    assert [grid for grid, _ in centres.calls] == [(2, 5)] * 5
+    for _, launch in assign.calls:
+        assert (launch["POINT_TILE"], launch["CENTER_TILE"], launch["num_warps"], launch["SPLIT_BF16"]) == (
+            16, 8, 2, False,
+        )  # fmt: skip
+    assert all((launch["CENTER_TILE"], launch["num_warps"]) == (8, 2) for _, launch in centres.calls)
