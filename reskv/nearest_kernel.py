@@ -46,7 +46,9 @@ except ImportError:
 
 # Tile sizes and warps per program, sized so that ptxas keeps the tiles in registers on sm_90 at head
 # dims 64 and 128 (``python -m scripts.bench.kernel_resources``; 64 x 64 tiles with 4 warps spill at
-# head dim 128 in IEEE fp32); not tuned for the tensor-core forms.
+# head dim 128 in IEEE fp32); not tuned for the tensor-core forms, whose candidates the GPU check's
+# ``tiles`` stage times (``scripts.bench.kernel_resources.NEAREST_TILES``). ``reskv.lloyd_kernel``'s
+# scan takes them too.
 POINT_TILE = 64
 CENTER_TILE = 32
 NUM_WARPS = 8

@@ -15,6 +15,7 @@ import reskv.attention
 import reskv.scoring
 import reskv.views
 from baselines import build_method
+from reskv import nearest_kernel
 from reskv.engine import Prefill
 from scripts.bench.gpu_check import first
 from scripts.bench.gpu_check.efficiency import TORCH_LLOYD, TORCH_LOSSES, TORCH_NEAREST
@@ -138,12 +139,18 @@ def test_a_kernel_check_fails_a_kernel_off_by_a_fraction_of_a_percent(
     assert getattr(first, check)(prefill, method)["passed"]
 
 
-def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags):
-    """``nearest``, ``constructions`` and ``profile`` on the shrunken 8B shape: every compressed
-    configuration of configs/grid/paper_ruler.yaml built once, each nearest-centre form choosing a
-    centre no further than float64's nearest but by fp32 rounding (on a CPU every form is the torch
-    path) and keeping the same slots, the prefill timed with and without H2O's sums, and both ratios
-    timed alone, shared and profiled."""
+def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags, monkeypatch):
+    """``nearest``, ``tiles``, ``constructions`` and ``profile`` on the shrunken 8B shape: every
+    compressed configuration of configs/grid/paper_ruler.yaml built once, each nearest-centre form and
+    tile choosing a centre no further than float64's nearest but by fp32 rounding (on a CPU every one
+    is the torch path) and keeping the same slots, the fastest tiles left on (the seconds faked: the
+    larger a program's tiles, the faster), the prefill timed with and without H2O's sums, and both
+    ratios timed alone, shared and profiled."""
+
+    def tile_priced(device, function, *arguments):
+        return function(*arguments), 1 / (nearest_kernel.POINT_TILE * nearest_kernel.CENTER_TILE)
+
+    monkeypatch.setattr(first, "timed", tile_priced)
     grid = yaml.safe_load((Path(first.__file__).parents[3] / "configs/grid/paper_ruler.yaml").read_text())
     expected = {
         (method, ratio, setting)
@@ -152,14 +159,24 @@ def test_the_cpu_form_of_the_construction_stages(tmp_path, kernel_flags):
         for ratio in grid["ratio"]
         for setting in grid["setting"]
     }
-    assert first.main(["--out", str(tmp_path), "--stages", "nearest", "constructions", "profile"]) == 0
+    launchers = (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS)
+    stages = ["nearest", "tiles", "constructions", "profile"]
+    assert first.main(["--out", str(tmp_path), "--stages", *stages]) == 0
     rows = json.loads((tmp_path / "constructions.json").read_text())["rows"]
     assert len(rows) == len(expected) == 72
     assert {(row["method"], row["ratio"], row["setting"]) for row in rows} == expected
     nearest = json.loads((tmp_path / "nearest.json").read_text())
-    assert set(nearest["forms"]) == set(first.NEAREST_FORMS) and nearest["chosen"] in first.NEAREST_FORMS
-    for form in nearest["forms"].values():
-        assert form["largest_gap_relative"] <= 1e-6 and form["same_slots_as_torch"]
+    assert list(nearest["variants"]) == list(first.NEAREST_FORMS) and nearest["reference"] == "torch"
+    tiles = json.loads((tmp_path / "tiles.json").read_text())
+    names = {first.tile_name(tile): tile for tile in first.NEAREST_TILES}
+    assert list(tiles["variants"]) == list(names) and tiles["reference"] == first.tile_name(launchers)
+    for report in (nearest, tiles):
+        for variant in report["variants"].values():
+            assert variant["largest_gap_relative"] <= 1e-6 and variant["same_slots_as_reference"]
+    assert nearest["chosen"] == "torch"  # every form priced alike: the first
+    largest = max(first.NEAREST_TILES, key=lambda tile: tile[0] * tile[1])
+    assert names[tiles["chosen"]] == largest != launchers
+    assert (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS) == largest
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert set(profile["prefill_s"]) == {"plain", "h2o_sums", "h2o_sums_kernel"}
     ratios = {str(ratio) for ratio in first.PROFILE_RATIOS}

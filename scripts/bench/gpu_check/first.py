@@ -20,26 +20,29 @@ budget left is below what it needs (``STAGE_SECONDS``):
    bf16x3 products) on one layer's k-means at the longest length's shape, TFLOP/s and choices
    against float64's, then a +ResKV construction with each; the fastest that keeps the torch path's
    slots stays on for the rest of the call;
-3. ``constructions``: at the longest length, each compressed configuration of the paper grid built
+3. ``tiles``: the same for the nearest-centre kernel's tiles (``NEAREST_TILES``: the points and
+   centres a program takes, its warps; the Lloyd steps' too), in the form the call has on, the
+   launchers' own the reference;
+4. ``constructions``: at the longest length, each compressed configuration of the paper grid built
    alone from the shared prefill (within ``Prefill.sharing_construction``, in the grid's order, as
    the grid builds them), its seconds saved as it ends, until the stage's share of the budget
    (``CONSTRUCTION_SHARE``) is spent: where a sample's construction time goes, by method, setting
    and ratio;
-4. ``profile``: at the longest length, the prefill with and without H2O's accumulated attention;
+5. ``profile``: at the longest length, the prefill with and without H2O's accumulated attention;
    SnapKV+ResKV query-aware at ratios 0.6 and 0.9, each built alone (and without each kernel off by
    default that the kernels stage switched on, ``OFF_BY_DEFAULT``) and as the grid builds it, then
    profiled: kernels, launches, the host's waits and copies;
-5. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
+6. ``grid``: one sample of the paper RULER grid (configs/grid/paper_ruler.yaml, 73 configurations)
    at 32K and at 4K against one full-cache request, warm against warm (a short grid first compiles
    the step's graphs, the request is timed on its second run), then a second 32K sample in the same
    process (the allocator as a run leaves it): wall seconds, stages, batches, graphs compiled, CUDA
    graphs recorded, fallbacks, peak memory, and the dry run's batches and seconds for that sample
    from the committed H100 calibration beside them;
-6. ``decode``: the compiled decode rate of one row and of a batch of the grid's compressed rows, as
+7. ``decode``: the compiled decode rate of one row and of a batch of the grid's compressed rows, as
    the grid decodes them, each the median of 3 runs with every run's rate;
-7. ``efficiency``: the efficiency rows at one length, eager, with ``--compare-paths``' variants
+8. ``efficiency``: the efficiency rows at one length, eager, with ``--compare-paths``' variants
    (``scripts.bench.gpu_check.efficiency``);
-8. ``views``: the paper grid's rows as views of one prefilled cache (``reskv.views``): the view
+9. ``views``: the paper grid's rows as views of one prefilled cache (``reskv.views``): the view
    kernel's attention against float64 at the layer beside the torch form's (``view_check``; switched
    off for the rest of the call where it fails), then one eager decode step of all 73 rows at the
    longest length, with the kernel and with the torch form, in ms and GB/s against the card's
@@ -103,17 +106,19 @@ from scripts.bench.grid_gpu import (
     grid_sample,
     paper_ruler_requests,
 )
+from scripts.bench.kernel_resources import NEAREST_TILES
 from scripts.harness.dry_run import cost, rates
 from scripts.harness.dry_run.workload import Workload
 from scripts.harness.plan import compose_plan
 from scripts.measure import random_prompt, release_memory, timed
 
-STAGES = ("kernels", "nearest", "constructions", "profile", "grid", "decode", "efficiency", "views")
+STAGES = ("kernels", "nearest", "tiles", "constructions", "profile", "grid", "decode", "efficiency", "views")
 # Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
 # are estimated): each starts only with this much of the budget left; the first two always run.
 STAGE_SECONDS = {
     "kernels": 0,
     "nearest": 0,
+    "tiles": 0,
     "constructions": 0,
     "profile": 0,
     "grid": 0,
@@ -172,8 +177,8 @@ H100_CALIBRATION = rates.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3.json"
 GPU_COMMAND = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && "
     "export PYTHONPATH=/tmp/site:. || exit; set -o pipefail; TORCH_LOGS=recompiles python3 -m "
-    "scripts.bench.gpu_check.first --out $OUT --stages kernels constructions profile grid --grid-decode "
-    "eager --budget-s 420 2>&1 | tee $OUT/log"
+    "scripts.bench.gpu_check.first --out $OUT --stages kernels tiles views constructions profile grid "
+    "--grid-decode eager --budget-s 420 2>&1 | tee $OUT/log"
 )
 
 
@@ -404,7 +409,7 @@ def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
 def constructions(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
-    """Each compressed configuration of the paper grid built alone (module docstring, stage 2),
+    """Each compressed configuration of the paper grid built alone (module docstring, stage 4),
     ``save``d after each."""
     length = LENGTHS[device][0]
     prompt = prompt_of(backbone, length, seed=42)
@@ -437,13 +442,46 @@ def prefilled(backbone: Backbone, prompt: list[int], methods: Sequence) -> Prefi
 def nearest_forms(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
-    """The nearest-centre step's forms (``NEAREST_FORMS``): (1) alone on one layer's k-means at the
-    longest length's shape at ratio 0.6 (bf16-valued points, centres near them as means are): TFLOP/s
-    of the products (median of ``NEAREST_REPEATS``, after a compiling run), and each form's choices
-    against the float64 distances' (agreement, and the largest gap of a choice to the nearest);
-    (2) SnapKV+ResKV query-aware at ratio 0.6 built with each form: seconds, and whether it keeps the
-    torch path's slots in every head. The fastest kernel form that keeps them stays on for the rest of
-    the call (the report's ``chosen``)."""
+    """The nearest-centre step's forms (``NEAREST_FORMS``) compared (``nearest_variants``), the torch
+    path the reference: the fastest kernel form that keeps its slots stays on for the rest of the call."""
+    return nearest_variants(backbone, device, save, NEAREST_FORMS)
+
+
+def nearest_tiles(
+    backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
+) -> dict:
+    """The nearest-centre kernel's tiles (``NEAREST_TILES``, the launchers' own first and the
+    reference), in the form the call has on (bf16x3 for a bf16 model's keys), compared
+    (``nearest_variants``): on the layer, the scan's; in the construction, the Lloyd steps' too where
+    the kernels stage switched their kernel on. The fastest that keeps the reference's slots stays on
+    for the rest of the call."""
+    return nearest_variants(
+        backbone, device, save, {tile_name(tiles): tile_switches(tiles) for tiles in NEAREST_TILES}
+    )
+
+
+def tile_name(tiles: tuple[int, int, int]) -> str:
+    points, centers, warps = tiles
+    return f"{points}x{centers}, {warps} warps"
+
+
+def tile_switches(tiles: tuple[int, int, int]) -> list[tuple]:
+    """The switches (module, flag, value) that set the nearest-centre kernel's, and so the Lloyd
+    steps', points and centres a program takes and its warps."""
+    flags = ("POINT_TILE", "CENTER_TILE", "NUM_WARPS")
+    return [(nearest_kernel, flag, value) for flag, value in zip(flags, tiles, strict=True)]
+
+
+def nearest_variants(
+    backbone: Backbone, device: str, save: Callable[[dict], None], variants: dict[str, list[tuple]]
+) -> dict:
+    """The nearest-centre step under each of ``variants`` (name: the switches, module, flag and value,
+    it sets; the first the reference): (1) alone on one layer's k-means at the longest length's shape
+    at ratio 0.6 (bf16-valued points, centres near them as means are): TFLOP/s of the products (median
+    of ``NEAREST_REPEATS``, after a compiling run), and its choices against the float64 distances'
+    (agreement, and the largest gap of a choice to the nearest); (2) SnapKV+ResKV query-aware at
+    ratio 0.6 built under it: seconds, and whether it keeps the reference's slots in every head. The
+    fastest that keeps them stays on for the rest of the call (the report's ``chosen``)."""
     shape = model_shape(backbone)
     length = LENGTHS[device][0]
     generator = torch.Generator(device=backbone.device).manual_seed(0)
@@ -459,14 +497,16 @@ def nearest_forms(
     )
     best, best_index = exact.min(-1)
     flop = 2 * rows * evicted * centers_count * shape.head_dim
+    reference_name = next(iter(variants))
     report: dict = {
         "rows": rows,
         "points": evicted,
         "centers": centers_count,
         "dim": shape.head_dim,
-        "forms": {},
+        "reference": reference_name,
+        "variants": {},
     }
-    for name, switches in NEAREST_FORMS.items():
+    for name, switches in variants.items():
         with contextlib.ExitStack() as stack:
             for switch in switches:
                 stack.enter_context(mock.patch.object(*switch))
@@ -478,10 +518,10 @@ def nearest_forms(
                 None,
                 True,
             )
-            choice = run()  # compiles a kernel form
+            choice = run()  # compiles the kernel
             seconds = statistics.median(timed(backbone.device, run)[1] for _ in range(NEAREST_REPEATS))
             gap = exact.gather(2, choice[..., None])[..., 0] - best
-            report["forms"][name] = {
+            report["variants"][name] = {
                 "s": seconds,
                 "tflop_per_s": flop / seconds / 1e12,
                 "same_as_float64": (choice == best_index).float().mean().item(),
@@ -494,21 +534,19 @@ def nearest_forms(
     method = build_method("snapkv+reskv", 0.6)
     prefill = prefilled(backbone, prompt_of(backbone, length, seed=42), [method])
     reference = None
-    for name, switches in NEAREST_FORMS.items():
+    for name, switches in variants.items():
         with contextlib.ExitStack() as stack:
             for switch in switches:
                 stack.enter_context(mock.patch.object(*switch))
-            prefill.compressed(method, "aware")  # compiled above at these tiles; this warms the rest
+            prefill.compressed(method, "aware")  # compiles what the layer did not; warms the rest
             (cache, _), seconds = timed(backbone.device, prefill.compressed, method, "aware")
         slots = cache.slots()
         reference = slots if reference is None else reference
-        report["forms"][name] |= {"construct_s": seconds, "same_slots_as_torch": slots == reference}
+        report["variants"][name] |= {"construct_s": seconds, "same_slots_as_reference": slots == reference}
         save(report)
-    kernels = [
-        name for name in NEAREST_FORMS if name != "torch" and report["forms"][name]["same_slots_as_torch"]
-    ]
-    fastest = min(kernels + ["torch"], key=lambda name: report["forms"][name]["construct_s"])
-    for switch in NEAREST_FORMS[fastest]:
+    keeping = [name for name, row in report["variants"].items() if row["same_slots_as_reference"]]
+    fastest = min(keeping, key=lambda name: report["variants"][name]["construct_s"])
+    for switch in variants[fastest]:
         mock.patch.object(*switch).start()  # for the rest of the call
     report["chosen"] = fastest
     return report
@@ -711,7 +749,7 @@ def efficiency(
 def views(
     backbone: Backbone, device: str, save: Callable[[dict], None], seconds_left: Callable[[], float]
 ) -> dict:
-    """The paper grid's rows as views of one prefilled cache (module docstring, stage 8): the view
+    """The paper grid's rows as views of one prefilled cache (module docstring, stage 9): the view
     kernel's check on CUDA (switched off for the rest of the call where it fails), then one eager
     step of every row at the longest length, with the kernel (on CUDA) and with the torch form."""
     report: dict = {}
@@ -941,6 +979,7 @@ def view_step(backbone: Backbone, length: int, appended: int) -> dict:
 STAGE_RUNS: dict[str, Callable[[Backbone, str, Callable[[dict], None], Callable[[], float]], dict]] = {
     "kernels": kernels,
     "nearest": nearest_forms,
+    "tiles": nearest_tiles,
     "constructions": constructions,
     "profile": profile,
     "grid": grid,
@@ -1016,11 +1055,11 @@ def summary(stage: str, result: dict) -> str:
         return f"{seconds}; {len(result['rows'])} constructions in {result['construct_s']:.1f}s" + (
             f" ({result['stopped']})" if "stopped" in result else ""
         )
-    if stage == "nearest":
+    if stage in ("nearest", "tiles"):
         return f"{seconds}; chosen {result['chosen']}; " + "; ".join(
             f"{name} {row['tflop_per_s']:.1f} TFLOP/s, float64's {row['same_as_float64']:.4f}, "
-            f"construct {row['construct_s']:.2f}s, same slots {row['same_slots_as_torch']}"
-            for name, row in result["forms"].items()
+            f"construct {row['construct_s']:.2f}s, same slots {row['same_slots_as_reference']}"
+            for name, row in result["variants"].items()
         )
     if stage == "profile":
         return (
