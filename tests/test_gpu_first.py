@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import reskv.attention
+import reskv.residual
 import reskv.scoring
 import reskv.views
 from baselines import build_method
@@ -214,3 +215,22 @@ def test_the_view_check_passes_where_both_forms_are_the_torch_one_and_fails_one_
 
     monkeypatch.setattr(reskv.views, "view_attention", off)
     assert not first.view_check(backbone)["passed"]
+
+
+def test_a_variant_that_raises_is_reported_and_left_out_and_the_others_still_compared(kernel_flags):
+    """``nearest_variants`` on the shrunken 8B shape: a variant whose nearest-centre step raises (as
+    tiles a card cannot launch would) keeps its error and is never chosen; the reference and a variant
+    equal to it are timed and compared."""
+
+    def raises(*arguments):
+        raise RuntimeError("faked: out of resources")
+
+    variants = {"reference": [], "raising": [(reskv.residual, "nearest_centers", raises)], "same": []}
+    backbone = first.bench_backbone("cpu")
+    report = first.nearest_variants(backbone, "cpu", lambda report: None, variants)
+    assert report["variants"]["raising"]["error"] == "RuntimeError('faked: out of resources')"
+    assert "construct_s" not in report["variants"]["raising"]
+    for name in ("reference", "same"):
+        assert report["variants"][name]["same_slots_as_reference"]
+    assert report["chosen"] in ("reference", "same")
+    assert first.summary("tiles", report | {"seconds": 1.0}).count("failed: RuntimeError") == 1

@@ -212,6 +212,20 @@ def kernels(
     return report
 
 
+def failure(error: Exception) -> dict:
+    """What a check or a variant that raised reports (a kernel's compilation or launch failing)."""
+    return {"error": repr(error), "traceback": traceback.format_exc()[-4000:]}
+
+
+@contextlib.contextmanager
+def switched(switches: Sequence[tuple]):
+    """Each of ``switches`` (module, flag, value) set for the block."""
+    with contextlib.ExitStack() as stack:
+        for switch in switches:
+            stack.enter_context(mock.patch.object(*switch))
+        yield
+
+
 def checked(checks: dict, *arguments) -> dict:
     """Each check ``(check, switch)`` of ``checks`` run on ``arguments``: its report, and where it did
     not pass (a mismatch, or an error such as the kernel's compilation failing) its kernel switched
@@ -221,11 +235,7 @@ def checked(checks: dict, *arguments) -> dict:
         try:
             report[name] = check(*arguments)
         except Exception as error:  # a compile error of the kernel: the torch path from here on
-            report[name] = {
-                "passed": False,
-                "error": repr(error),
-                "traceback": traceback.format_exc()[-4000:],
-            }
+            report[name] = {"passed": False} | failure(error)
         if not report[name]["passed"]:
             mock.patch.object(*switch).start()  # off for the rest of the call
             report[name]["switched_off"] = True
@@ -481,7 +491,9 @@ def nearest_variants(
     of ``NEAREST_REPEATS``, after a compiling run), and its choices against the float64 distances'
     (agreement, and the largest gap of a choice to the nearest); (2) SnapKV+ResKV query-aware at
     ratio 0.6 built under it: seconds, and whether it keeps the reference's slots in every head. The
-    fastest that keeps them stays on for the rest of the call (the report's ``chosen``)."""
+    fastest that keeps them stays on for the rest of the call (the report's ``chosen``). A variant
+    that raises (tiles the card cannot launch) is reported with its error and left out; the
+    reference's error ends the stage."""
     shape = model_shape(backbone)
     length = LENGTHS[device][0]
     generator = torch.Generator(device=backbone.device).manual_seed(0)
@@ -506,28 +518,26 @@ def nearest_variants(
         "reference": reference_name,
         "variants": {},
     }
+    block = residual.distance_block_bytes(points.device)
     for name, switches in variants.items():
-        with contextlib.ExitStack() as stack:
-            for switch in switches:
-                stack.enter_context(mock.patch.object(*switch))
-            run = functools.partial(
-                residual.nearest_centers,
-                points,
-                centers,
-                residual.distance_block_bytes(points.device),
-                None,
-                True,
-            )
-            choice = run()  # compiles the kernel
-            seconds = statistics.median(timed(backbone.device, run)[1] for _ in range(NEAREST_REPEATS))
-            gap = exact.gather(2, choice[..., None])[..., 0] - best
-            report["variants"][name] = {
-                "s": seconds,
-                "tflop_per_s": flop / seconds / 1e12,
-                "same_as_float64": (choice == best_index).float().mean().item(),
-                "largest_gap": gap.max().item(),
-                "largest_gap_relative": (gap.max() / exact.abs().max()).item(),
-            }
+        try:
+            with switched(switches):
+                run = functools.partial(residual.nearest_centers, points, centers, block, None, True)
+                choice = run()  # compiles the kernel
+                seconds = statistics.median(timed(backbone.device, run)[1] for _ in range(NEAREST_REPEATS))
+        except Exception as error:  # e.g. tiles the card cannot launch: the other variants still run
+            if name == reference_name:
+                raise
+            report["variants"][name] = failure(error)
+            continue
+        gap = exact.gather(2, choice[..., None])[..., 0] - best
+        report["variants"][name] = {
+            "s": seconds,
+            "tflop_per_s": flop / seconds / 1e12,
+            "same_as_float64": (choice == best_index).float().mean().item(),
+            "largest_gap": gap.max().item(),
+            "largest_gap_relative": (gap.max() / exact.abs().max()).item(),
+        }
         save(report)
     del points, centers, exact, best, best_index
     release_memory(backbone.device)
@@ -535,16 +545,22 @@ def nearest_variants(
     prefill = prefilled(backbone, prompt_of(backbone, length, seed=42), [method])
     reference = None
     for name, switches in variants.items():
-        with contextlib.ExitStack() as stack:
-            for switch in switches:
-                stack.enter_context(mock.patch.object(*switch))
-            prefill.compressed(method, "aware")  # compiles what the layer did not; warms the rest
-            (cache, _), seconds = timed(backbone.device, prefill.compressed, method, "aware")
+        if "error" in report["variants"][name]:
+            continue
+        try:
+            with switched(switches):
+                prefill.compressed(method, "aware")  # compiles what the layer did not; warms the rest
+                (cache, _), seconds = timed(backbone.device, prefill.compressed, method, "aware")
+        except Exception as error:
+            if name == reference_name:
+                raise
+            report["variants"][name] |= failure(error)
+            continue
         slots = cache.slots()
         reference = slots if reference is None else reference
         report["variants"][name] |= {"construct_s": seconds, "same_slots_as_reference": slots == reference}
         save(report)
-    keeping = [name for name, row in report["variants"].items() if row["same_slots_as_reference"]]
+    keeping = [name for name, row in report["variants"].items() if row.get("same_slots_as_reference")]
     fastest = min(keeping, key=lambda name: report["variants"][name]["construct_s"])
     for switch in variants[fastest]:
         mock.patch.object(*switch).start()  # for the rest of the call
@@ -1057,7 +1073,9 @@ def summary(stage: str, result: dict) -> str:
         )
     if stage in ("nearest", "tiles"):
         return f"{seconds}; chosen {result['chosen']}; " + "; ".join(
-            f"{name} {row['tflop_per_s']:.1f} TFLOP/s, float64's {row['same_as_float64']:.4f}, "
+            f"{name} failed: {row['error']}"
+            if "error" in row
+            else f"{name} {row['tflop_per_s']:.1f} TFLOP/s, float64's {row['same_as_float64']:.4f}, "
             f"construct {row['construct_s']:.2f}s, same slots {row['same_slots_as_reference']}"
             for name, row in result["variants"].items()
         )
