@@ -331,7 +331,10 @@ def tile_builds(head_dim: int, tiles: tuple[int, int, int]) -> list[KernelBuild]
 def tiles_table(arch: int) -> Table:
     """``--tiles``' table: each of ``NEAREST_TILES``' builds (``tile_builds``) at each head dim, and,
     for the scans, the k-means formula's FLOP a warp issues per instruction of the loop."""
-    table = Table(title=f"The k-means' bf16x3 kernels by tiles, compiled for sm_{arch} (ptxas, per thread)")
+    import triton
+
+    title = f"Triton {triton.__version__}: the k-means' bf16x3 kernels by tiles, compiled for sm_{arch}"
+    table = Table(title=f"{title} (ptxas, per thread)")
     columns = ("kernel", "head dim", "points x centres", "warps", "registers", "spilled bytes", "shared KiB")
     for column in (*columns, "loop instructions a warp", "formula FLOP a warp-instruction"):
         table.add_column(column, justify="right")
