@@ -140,6 +140,7 @@ if triton is not None:
         centers,
         center_norms,
         num_centers,
+        first,
         scanned,
         dim,
         feature,
@@ -148,13 +149,14 @@ if triton is not None:
         PRECISION: tl.constexpr,
         SPLIT_BF16: tl.constexpr,
     ):
-        """Index (int32) of each of ``point_tile``'s points' nearest centre among one row's first
-        ``scanned`` centres (``centers`` ``[num_centers, dim]`` fp32 and their ``center_norms``, the
-        row's), by the rule and in the ``PRECISION`` of the module docstring: the centres a tile at a
-        time, a running minimum, no distance written."""
+        """The distance (fp32, ``+inf`` where none is scanned) and index (int32) of each of
+        ``point_tile``'s points' nearest centre among one row's centres ``first`` to ``scanned``
+        (``centers`` ``[num_centers, dim]`` fp32 and their ``center_norms``, the row's), by the rule and
+        in the ``PRECISION`` of the module docstring: the centres a tile at a time, a running minimum,
+        no distance written."""
         best = tl.full([POINT_TILE], float("inf"), tl.float32)
         best_index = tl.zeros([POINT_TILE], tl.int32)
-        for start in range(0, scanned, CENTER_TILE):
+        for start in range(first, scanned, CENTER_TILE):
             center = start + tl.arange(0, CENTER_TILE)
             center_tile = tl.load(
                 centers + center[:, None] * dim + feature[None, :],
@@ -181,7 +183,7 @@ if triton is not None:
             better = tile_best < best
             best = tl.where(better, tile_best, best)
             best_index = tl.where(better, tile_index, best_index)
-        return best_index
+        return best, best_index
 
     @triton.jit(do_not_specialize=["num_points", "num_centers"])  # one compilation per head dim
     def _nearest_kernel(
@@ -213,8 +215,8 @@ if triton is not None:
         if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
             own = tl.minimum(tl.load(center_counts + row).to(tl.int32), num_centers)
             scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
-        best_index = nearest_in_row(
+        _, best_index = nearest_in_row(
             point_tile, centers + row * num_centers * dim, center_norms + row * num_centers,
-            num_centers, scanned, dim, feature, POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
+            num_centers, 0, scanned, dim, feature, POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
         )  # fmt: skip
         tl.store(nearest_index + row * num_points + point, best_index.to(tl.int64), mask=point < num_points)
