@@ -5,7 +5,8 @@ the size of its points written (``../shared/design/gpu-path.md``).
 ``[A, E, d]`` (the keys, then the values), and launches about 13 ops a Lloyd step (the centres' norms,
 the nearest centres, the flat cluster index, the sums and counts, the update): about 86 a group. On a
 GPU each launch costs the host ~20 us whatever its size, and each copy a pass over the points. Here a
-group (``reskv.residual.RowGroup``) is one zeroed allocation and 1 + 2 x iterations launches (9 at 4 steps):
+group (``reskv.residual.RowGroup``) is one zeroed allocation and 1 + 2 x iterations launches (9 at 4 steps;
+with families, below, one upload of their table besides):
 
 - a zeroed scratch ``[A, r, 2d + 1]`` fp32: each cluster's key sums, member count and value sums;
 - ``_centres_kernel``, ``"init"``: each row's first ``sizes[i]`` points (its best-scored evicted tokens)
@@ -15,6 +16,13 @@ group (``reskv.residual.RowGroup``) is one zeroed allocation and 1 + 2 x iterati
   layout ``reskv.residual.cluster_rows`` takes), each point's nearest centre
   (``nearest_kernel.nearest_in_row``, distances never written), and the point added to its cluster's
   sums and count; on the last step its value too, read by the same index;
+- the first step of a family shared (``families``, ``reskv.residual.nested_families``: rows of one
+  head whose initial centres, and points, are each the last of the next larger row's, as a
+  validation proxy's candidates of one budget are): the largest row's programs scan its centres'
+  suffixes, the smallest member's first, carrying the running minimum, and after each member's suffix
+  add the point to that member's sums where the member holds it (``_assign_kernel``, ``SHARED``); the
+  other members' programs scan nothing. Each member gets the assignment it gets alone (the same
+  distances, a tie to the lower index) for the largest's products;
 - between steps, ``_centres_kernel``, ``"update"``: each centre moved to its cluster's mean (an empty
   cluster's kept), its norm, and the sums zeroed for the next step;
 - ``_centres_kernel``, ``"final"``: the entries (reskv.md, Residual entries), the mean key and value
@@ -30,6 +38,7 @@ their last bits from run to run. CPU keeps the torch path. Tested on CPU under `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +73,7 @@ def cluster(
     entries: ResidualEntries,
     form: str,
     split_operands: str | None = None,
+    families: Sequence[Sequence[int]] = (),
 ) -> ResidualEntries:
     """``group``'s rows of ``entries`` after ``iterations`` Lloyd steps, as ``reskv.residual.cluster_rows``
     computes them (its arguments, ``sizes[i] <= point_counts[i]``), written in place; ``entries``.
@@ -103,14 +113,19 @@ def cluster(
     unused = dict(entry_keys=centers, entry_values=centers, entry_log_counts=center_norms)
     _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="init")
     value_rows = storage_rows(values)
+    family, family_width = family_table(group, families, device)
     for step in range(iterations):
         last = step + 1 == iterations
+        shared = step == 0 and family_width > 1
         _assign_kernel[(num_rows, triton.cdiv(group.max_points, nearest_kernel.POINT_TILE))](
             **layout,
             value_rows=value_rows,
             point_counts=point_counts,
             num_points=group.max_points,
+            family=family if shared else rows_index,  # not read unless shared
+            family_width=family_width,
             WITH_VALUES=last,
+            SHARED=shared,
             POINT_TILE=nearest_kernel.POINT_TILE,
             PRECISION=form,
             SPLIT_BF16=(split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16",
@@ -119,6 +134,28 @@ def cluster(
             _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="update")
     _centres_kernel[centres_grid](**layout, **outputs, entry_width=entries.keys.shape[1], MODE="final")
     return entries
+
+
+def family_table(
+    group: RowGroup, families: Sequence[Sequence[int]], device: torch.device
+) -> tuple[Tensor | None, int]:
+    """The first step's table of ``group`` (``cluster``): row ``i`` of the group lists, where it leads
+    a family of ``families`` (rows of the table, smallest size first, the largest leading), its
+    members' rows in the group, itself last, and otherwise itself alone, or nothing where another row
+    leads it; -1 past a row's members. With no family of two rows in the group: ``None, 1``."""
+    position = {row: index for index, row in enumerate(group.rows)}
+    kept = [[position[row] for row in members] for members in families if members[-1] in position]
+    if sum(map(len, kept)) != sum(row in position for members in families for row in members):
+        raise ValueError("a family's rows must be clustered in one group (reskv.residual.scratch_groups)")
+    width = max(map(len, kept), default=1)
+    if width == 1:
+        return None, 1
+    table = [[index] + [-1] * (width - 1) for index in range(len(group.rows))]
+    for members in kept:
+        for member in members[:-1]:
+            table[member] = [-1] * width
+        table[members[-1]] = members + [-1] * (width - len(members))
+    return uploaded(table, device), width
 
 
 if triton is not None:
@@ -222,7 +259,24 @@ if triton is not None:
             norms = tl.where(real, tl.sum(tile * tile, axis=1), float("inf"))
             tl.store(center_norms + slot, norms, mask=in_row)
 
-    @triton.jit(do_not_specialize=["row_stride", "order_stride", "num_centers", "num_points"])
+    @triton.jit
+    def add_points(
+        scratch, slot, point_tile, value_tile, valid, feature, dim, POINT_TILE: tl.constexpr,
+        WITH_VALUES: tl.constexpr,
+    ):  # fmt: skip
+        """The ``valid`` points of a tile added to the sums and counts of their clusters' ``slot``s of
+        the scratch (``cluster``'s layout); with ``WITH_VALUES``, their values too."""
+        sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
+        tile_mask = valid[:, None] & (feature[None, :] < dim)
+        # Relaxed: sums that no program reads before the launch ends need no ordering (the default,
+        # acq_rel, fences every add).
+        tl.atomic_add(sums_at, point_tile, mask=tile_mask, sem="relaxed")
+        ones = tl.full([POINT_TILE], 1.0, tl.float32)
+        tl.atomic_add(scratch + slot * (2 * dim + 1) + dim, ones, mask=valid, sem="relaxed")
+        if WITH_VALUES:
+            tl.atomic_add(sums_at + dim + 1, value_tile, mask=tile_mask, sem="relaxed")
+
+    @triton.jit(do_not_specialize=["row_stride", "order_stride", "num_centers", "num_points", "family_width"])
     def _assign_kernel(
         key_rows,
         value_rows,
@@ -232,6 +286,7 @@ if triton is not None:
         point_counts,
         sizes,
         rows_index,
+        family,
         scratch,
         centers,
         center_norms,
@@ -239,9 +294,11 @@ if triton is not None:
         order_stride,
         num_points,
         num_centers,
+        family_width,
         dim,
         HAS_OFFSETS: tl.constexpr,
         WITH_VALUES: tl.constexpr,
+        SHARED: tl.constexpr,
         POINT_TILE: tl.constexpr,
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
@@ -260,19 +317,45 @@ if triton is not None:
         )
         token_at = tokens[:, None] * dim + feature[None, :]
         point_tile = tl.load(key_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)
-        # The row's own centres; none for a tile wholly past its points.
-        scanned = tl.where(tl.program_id(1) * POINT_TILE < own_points, tl.load(sizes + table_row), 0)
-        nearest = nearest_in_row(
-            point_tile, centers + row * num_centers * dim, center_norms + row * num_centers,
-            num_centers, scanned.to(tl.int32), dim, feature, POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
-        )  # fmt: skip
-        slot = row * num_centers + nearest
-        sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
-        # Relaxed: sums that no program reads before the launch ends need no ordering (the default,
-        # acq_rel, fences every add).
-        tl.atomic_add(sums_at, point_tile, mask=tile_mask, sem="relaxed")
-        ones = tl.full([POINT_TILE], 1.0, tl.float32)
-        tl.atomic_add(scratch + slot * (2 * dim + 1) + dim, ones, mask=valid, sem="relaxed")
+        value_tile = point_tile
         if WITH_VALUES:
             value_tile = tl.load(value_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)
-            tl.atomic_add(sums_at + dim + 1, value_tile, mask=tile_mask, sem="relaxed")
+        # The row's own centres; none for a tile wholly past its points.
+        live = tl.program_id(1) * POINT_TILE < own_points
+        last = tl.where(live, tl.load(sizes + table_row), 0).to(tl.int32)
+        row_centers, row_norms = centers + row * num_centers * dim, center_norms + row * num_centers
+        if SHARED:  # the row's family's first step (``cluster``): its centres' suffixes, smallest first
+            size = tl.load(sizes + table_row).to(tl.int32)
+            best = tl.full([POINT_TILE], float("inf"), tl.float32)
+            best_index = tl.zeros([POINT_TILE], tl.int32)
+            for k in range(family_width):
+                member = tl.load(family + row * family_width + k)  # a row of the group, -1: none
+                present = member >= 0
+                member_size = tl.load(sizes + tl.load(rows_index + tl.maximum(member, 0))).to(tl.int32)
+                shift = size - member_size  # the member's centres and points start this much later
+                first = tl.where(present & live, shift, last)
+                range_best, range_index = nearest_in_row(
+                    point_tile, row_centers, row_norms, num_centers, first, last, dim, feature,
+                    POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
+                )  # fmt: skip
+                # The range's centres precede every one scanned before it: a tie goes to the range.
+                take = range_best <= best
+                best = tl.where(take, range_best, best)
+                best_index = tl.where(take, range_index, best_index)
+                last = first
+                # The member's points: the leader's from ``shift`` on (none where no member is).
+                held = valid & (point >= tl.where(present, shift, num_points))
+                # Within the scratch where no member is (its adds masked off: the interpreter reads them).
+                slot = tl.maximum(member, 0) * num_centers + tl.maximum(best_index - shift, 0)
+                add_points(
+                    scratch, slot, point_tile, value_tile, held, feature, dim, POINT_TILE, WITH_VALUES
+                )  # fmt: skip
+        else:
+            _, nearest = nearest_in_row(
+                point_tile, row_centers, row_norms, num_centers, 0, last, dim, feature, POINT_TILE,
+                CENTER_TILE, PRECISION, SPLIT_BF16,
+            )  # fmt: skip
+            add_points(
+                scratch, row * num_centers + nearest, point_tile, value_tile, valid, feature, dim, POINT_TILE,
+                WITH_VALUES,
+            )  # fmt: skip

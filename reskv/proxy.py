@@ -32,7 +32,7 @@ from torch import Tensor
 from reskv.attention import additive_mask, joint_attention, joint_bias
 from reskv.config import DEVICE_MEMORY_SHARE, ResidualConfig, candidate_sizes
 from reskv.decode_rule import DecodeRule
-from reskv.residual import ResidualEntries, cluster_rows, level_row_groups
+from reskv.residual import ResidualEntries, cluster_rows, level_row_groups, nested_families
 from reskv.scoring import LayerObservation, TokenScorer, attention_outputs
 from reskv.selection import gather_rows, padding_bias, score_order, token_rows, uploaded
 
@@ -248,10 +248,13 @@ class ValidationProxy:
             for first, width, candidates in spans
             for c in range(candidates)
         ]
-        groups = level_row_groups(levels, residual, evicted, keys)
+        # A head's candidates of one budget are nested: their first Lloyd step is shared.
+        families = nested_families([row for level in levels for row in level], heads, top, residual, evicted)
+        groups = level_row_groups(levels, residual, evicted, keys, families)
         entries = cluster_rows(
-            keys, values, heads_t, order, top_t, evicted_t, residual_t, groups, self.config.kmeans_iterations
-        )
+            keys, values, heads_t, order, top_t, evicted_t, residual_t, groups, self.config.kmeans_iterations,
+            families,
+        )  # fmt: skip
         main_rows = token_rows(heads_t, positions, keys)  # one index for both gathers
         every_row = CandidateCaches(
             heads_t, main_rows, counts_t, min(counts) < longest, entries, residual_t, evicted_t

@@ -8,6 +8,7 @@ unused slots end with ``log_count = -inf``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -402,23 +403,36 @@ def row_group(rows: list[int], sizes: list[int], point_counts: list[int]) -> Row
 
 
 def scratch_groups(
-    rows: list[int], sizes: list[int], point_counts: list[int], keys: Tensor
+    rows: list[int],
+    sizes: list[int],
+    point_counts: list[int],
+    keys: Tensor,
+    families: Sequence[Sequence[int]] = (),
 ) -> list[RowGroup]:
     """``rows`` as the k-means groups ``reskv.lloyd_kernel`` clusters (``fused_lloyd_form``). It reads
     the points in place and skips each row's padding, so a group takes rows of every level while what it
     holds, its scratch, centres and norms (rows x largest size x ``3 d + 2`` fp32), fits the memory
     planned for the points' fp32 copy that it does not make (``padding_free_capacity`` points of ``d``
-    fp32). Rows are taken largest size first."""
+    fp32). Rows are taken largest size first, a family of ``families`` (rows whose first step the
+    kernel shares, its largest last: ``cluster_rows``) with its largest, whole."""
     dim = keys.shape[-1]
     capacity = padding_free_capacity(keys) * dim
-    groups, current = [], []
-    for row in sorted(rows, key=lambda row: (-sizes[row], -point_counts[row], row)):
-        if current and (len(current) + 1) * sizes[current[0]] * (3 * dim + 2) > capacity:
+    family_of = {row: list(members) for members in families for row in members}
+    units = [family_of.get(row, [row]) for row in rows if family_of.get(row, [row])[-1] == row]
+
+    def largest_first(row: int) -> tuple[int, int, int]:
+        return -sizes[row], -point_counts[row], row
+
+    groups, current, largest = [], [], 0
+    for unit in sorted(units, key=lambda unit: largest_first(unit[-1])):
+        if current and (len(current) + len(unit)) * largest * (3 * dim + 2) > capacity:
             groups.append(current)
             current = []
-        current.append(row)
+        if not current:
+            largest = sizes[unit[-1]]  # units come largest first: a group's first holds its largest
+        current += unit
     groups.append(current)
-    return [row_group(group, sizes, point_counts) for group in groups if group]
+    return [row_group(sorted(group, key=largest_first), sizes, point_counts) for group in groups if group]
 
 
 def padding_free_capacity(keys: Tensor) -> int:
@@ -431,19 +445,39 @@ def padding_free_capacity(keys: Tensor) -> int:
 
 
 def level_row_groups(
-    levels: list[list[int]], sizes: list[int], point_counts: list[int], keys: Tensor
+    levels: list[list[int]],
+    sizes: list[int],
+    point_counts: list[int],
+    keys: Tensor,
+    families: Sequence[Sequence[int]] = (),
 ) -> list[RowGroup]:
     """The k-means groups of rows given by level (a validation proxy's candidate, or a final grid
     level: a level's sizes are close), ``sizes`` and ``point_counts`` host ints by row, points read
     from ``keys``: each level split by ``padded_groups``; where the nearest-centre step skips padding
     (``nearest_skips_padding``), every level's rows together, a group within ``padding_free_capacity``;
-    where ``reskv.lloyd_kernel`` clusters them (``fused_lloyd_form``), as ``scratch_groups``."""
+    where ``reskv.lloyd_kernel`` clusters them (``fused_lloyd_form``), as ``scratch_groups``, each of
+    ``families`` whole."""
     every_row = [row for level in levels for row in level]
     if fused_lloyd_form(keys) is not None:
-        return scratch_groups(every_row, sizes, point_counts, keys)
+        return scratch_groups(every_row, sizes, point_counts, keys, families)
     if nearest_skips_padding(keys):
         return padded_groups(every_row, sizes, point_counts, keys.device, padding_free_capacity(keys))
     return [group for level in levels for group in padded_groups(level, sizes, point_counts, keys.device)]
+
+
+def nested_families(
+    rows: list[int], heads: list[int], offsets: list[int], sizes: list[int], point_counts: list[int]
+) -> list[list[int]]:
+    """``rows`` (host ints by row: head, offset into its head's ranking, size, point count) in the
+    families whose first Lloyd step ``cluster_rows`` shares: a head's rows whose centres and points end
+    at the same places of its ranking (``offset + size``, ``offset + count``), by increasing size, ties
+    by row; a row with no such other is in none."""
+    by_ends: dict[tuple[int, int, int], list[int]] = {}
+    for row in rows:
+        ends = (heads[row], offsets[row] + sizes[row], offsets[row] + point_counts[row])
+        by_ends.setdefault(ends, []).append(row)
+    families = [members for members in by_ends.values() if len(members) > 1]
+    return [sorted(members, key=lambda row: (sizes[row], row)) for members in families]
 
 
 def cluster_rows(
@@ -456,6 +490,7 @@ def cluster_rows(
     sizes: Tensor,
     row_groups: list[RowGroup],
     iterations: int,
+    families: Sequence[Sequence[int]] = (),
 ) -> ResidualEntries:
     """Entries ``[R, r_max]`` for rows whose points are ``order[i, offset_i : offset_i + count_i]``.
 
@@ -466,6 +501,13 @@ def cluster_rows(
     get no entries. A group is one padded k-means whose rows get the entries they get alone:
     padded points weigh 0 and padded centres never win (``nearest_centers``); on CUDA with
     ``CUDA_FUSED_LLOYD``, ``reskv.lloyd_kernel`` clusters it, each row over its own points and centres.
+
+    ``families`` (each within one group, its rows by increasing size) are rows of one head, equal
+    ``order`` rows, whose centres and points end at the same places (``offset + size`` and ``offset +
+    count``): each one's initial centres are the last of the next's, and its points the last of the
+    next's, as a validation proxy's candidates of one head and budget are (``reskv.proxy``). Their
+    first Lloyd step is then one scan of the largest's centres (``reskv.lloyd_kernel``); the torch
+    path clusters every row alone, to the same entries.
     """
     rows, dim = order.shape[0], keys.shape[-1]
     max_size = max((group.max_size for group in row_groups), default=0)
@@ -481,7 +523,7 @@ def cluster_rows(
         for group in row_groups:
             lloyd_kernel.cluster(
                 keys, values, heads, order, point_offsets, point_counts, sizes, group, iterations, entries,
-                fused_form,
+                fused_form, families=families,
             )  # fmt: skip
         return entries
     for group in row_groups:

@@ -309,3 +309,31 @@ def test_final_levels_of_stacked_configurations_group_as_each_alone(monkeypatch)
     monkeypatch.setattr(reskv.residual, "nearest_skips_padding", lambda keys: True)
     together = reskv.compress.level_groups(sizes, points, budgets, grid, keys, rows_each=2)
     assert [group.rows for group in together] == [[1, 2, 0]]
+
+
+def test_nested_families_are_one_heads_rows_whose_centres_and_points_end_alike():
+    """``reskv.residual.nested_families`` by hand: rows (head, offset, size, count) whose ``offset +
+    size`` and ``offset + count`` agree within a head, by increasing size; a head of its own, or ends of
+    their own, leave a row in none."""
+    heads = [0, 0, 1, 0, 1, 0, 1]
+    offsets = [10, 5, 5, 0, 8, 10, 5]
+    sizes = [5, 10, 10, 15, 7, 6, 10]
+    counts = [80, 85, 85, 90, 82, 80, 84]  # ends (15, 90) but rows 5 (16, 90) and 6 (15, 89)
+    found = reskv.residual.nested_families(list(range(7)), heads, offsets, sizes, counts)
+    assert found == [[0, 1, 3], [4, 2]]
+
+
+def test_the_lloyd_kernels_groups_keep_a_family_whole(monkeypatch):
+    """``scratch_groups`` with a family: 808 rows of size 50 and a family of sizes 10, 30 and 50 over the
+    capacity of ``test_rows_the_lloyd_kernel_clusters_group_by_its_scratch`` (809 rows of size 50 a
+    group). Alone, the family's largest would join the first group and the two others the second;
+    with it, the family goes whole to the second, largest first."""
+    keys = torch.zeros(4, 100, 8)
+    monkeypatch.setattr(reskv.residual, "fused_lloyd_form", lambda keys: "bf16x3")
+    sizes, points = [50] * 808 + [10, 30, 50], [100] * 811
+    rows = list(range(811))
+    apart = reskv.residual.scratch_groups(rows, sizes, points, keys)
+    assert [group.rows for group in apart] == [[*range(808), 810], [809, 808]]
+    together = reskv.residual.scratch_groups(rows, sizes, points, keys, [[808, 809, 810]])
+    assert [group.rows for group in together] == [list(range(808)), [810, 809, 808]]
+    assert [group.max_size for group in together] == [50, 50]

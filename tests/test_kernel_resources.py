@@ -61,6 +61,8 @@ def test_the_tile_builds_are_the_k_means_kernels_at_the_given_tiles_and_the_laun
         "nearest (bf16x3)",
         "lloyd assign (bf16x3)",
         "lloyd assign (bf16x3, values)",
+        "lloyd assign (bf16x3, shared)",
+        "lloyd assign (bf16x3, values, shared)",
         *(f"lloyd centres ({mode})" for mode in ("init", "update", "final")),
     ]
     for build in builds:

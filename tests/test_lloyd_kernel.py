@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import reskv.residual
+from reskv.config import ResidualConfig
 from reskv.residual import ResidualEntries, RowGroup
 from tests.conftest import interpreted
 from tests.test_construction_plan import plain_entries
+from tests.test_loss_kernel import proxies_and_sets
 
 ENTRY_WIDTH = 45  # wider than any group's residual size: the slots past it stay unused
 
@@ -201,3 +203,111 @@ def test_the_lloyd_steps_launch_at_the_nearest_centre_kernels_tiles_as_they_are_
             16, 8, 2, False,
         )  # fmt: skip
     assert all((launch["CENTER_TILE"], launch["num_warps"]) == (8, 2) for _, launch in centres.calls)
+
+
+def nested_case(generator, dtype, dim, iterations, form, repeated=False):
+    """Rows over one ranking per head whose centres and points end where their family's do (as a
+    validation proxy's candidates of one head and ratio: ``reskv.proxy``), so that each one's initial
+    centres are the last of its leader's and its points the last of its leader's: head 0's family of
+    sizes 7, 19 and 30; head 1's two equal rows and a row alone; one row outside the group. With
+    ``repeated``, each head's tokens are 25 distinct ones, repeated, so that initial centres tie. The
+    arguments of ``lloyd_kernel.cluster``, families last."""
+    seq_len = 150
+    keys = clustered_keys(generator, 2, seq_len, dim, dtype)
+    values = torch.randn(2, seq_len, dim, generator=generator).to(dtype)
+    if repeated:
+        keys, values = keys[:, torch.arange(seq_len) % 25], values[:, torch.arange(seq_len) % 25]
+    ranking = torch.stack([torch.randperm(seq_len, generator=generator) for _ in range(2)])
+    heads = torch.tensor([0, 1, 0, 1, 1, 0, 0])
+    sizes = torch.tensor([19, 12, 7, 12, 9, 30, 11])
+    offsets = torch.tensor([21, 20, 33, 20, 5, 10, 0])  # a family's offset + size: 40 (head 0), 32
+    point_counts = torch.tensor([119, 100, 107, 100, 120, 130, 140])  # offset + count: 140, 120
+    group = RowGroup([5, 3, 0, 4, 1, 2], 30, 130, equal_sizes=False)
+    entries = ResidualEntries(
+        keys.new_zeros(7, ENTRY_WIDTH, dim),
+        values.new_zeros(7, ENTRY_WIDTH, dim),
+        torch.full((7, ENTRY_WIDTH), float("-inf")),
+    )
+    order = ranking[heads]
+    families = [[2, 0, 5], [1, 3]]
+    return (
+        keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form, "tf32",
+        families,
+    )  # fmt: skip
+
+
+def test_a_familys_first_step_shared_gives_each_row_the_plain_loops_entries(tmp_path):
+    """Families clustered with their first step shared (``cluster``'s ``families``: the leader scans
+    its centres' suffixes, smallest first, and adds each point to every member whose points hold it)
+    give every row the plain per-head loop's entries over its own points and size, bit for bit in the
+    keys and values, the log-counts within one fp32 ulp; the row outside the group untouched. Cases:
+    fp32 keys (IEEE products) and bf16 keys (the exact bf16 split), 4 steps, and 1 (the shared step
+    the last: the values summed in it), and repeated tokens, whose ties go to the lowest centre."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(4)
+    cases = [
+        nested_case(generator, torch.float32, 24, 4, "ieee"),
+        nested_case(generator, torch.bfloat16, 64, 4, "bf16x3"),
+        nested_case(generator, torch.bfloat16, 64, 1, "bf16x3"),
+        nested_case(generator, torch.bfloat16, 64, 4, "bf16x3", repeated=True),
+    ]
+    found_cases = interpreted("tests.test_lloyd_kernel:clustered_fields", cases, tmp_path)
+    for (keys, values, heads, order, offsets, counts, sizes, group, iterations, *_), found in zip(
+        cases, found_cases, strict=True
+    ):
+        found_keys, found_values, found_log_counts = found
+        for row in range(order.shape[0]):
+            used = torch.isfinite(found_log_counts[row])
+            if row not in group.rows:
+                assert not used.any() and not found_keys[row].any()
+                continue
+            start = int(offsets[row])
+            points = order[row, start : start + int(counts[row])].tolist()
+            head = int(heads[row])
+            plain_keys, plain_values, plain_log_counts = plain_entries(
+                keys[head], values[head], points, int(sizes[row]), iterations
+            )
+            assert torch.equal(found_keys[row, used], plain_keys.to(keys.dtype)), row
+            assert torch.equal(found_values[row, used], plain_values.to(values.dtype)), row
+            assert within_one_ulp(found_log_counts[row, used], plain_log_counts)
+
+
+def candidates_by_the_kernel(proxy, sets):
+    """``proxy.candidate_rows(sets)`` with its k-means by ``lloyd_kernel`` (as ``CUDA_FUSED_LLOYD`` on a
+    GPU; IEEE products, the tiny model's keys being fp32): the entries' fields, and the families the
+    kernel was given."""
+    from reskv import lloyd_kernel  # imports Triton
+
+    with (
+        mock.patch.object(reskv.residual, "fused_lloyd_form", lambda keys: "ieee"),
+        mock.patch.object(lloyd_kernel, "cluster", wraps=lloyd_kernel.cluster) as cluster,
+    ):
+        every_row, _ = proxy.candidate_rows(sets)
+    return every_row.residual.fields(), [call.kwargs["families"] for call in cluster.call_args_list]
+
+
+def test_a_proxys_candidates_cluster_with_their_first_step_shared_to_the_torch_paths_entries(tmp_path):
+    """A validation proxy's candidates at two ratios (SnapKV's budgets: every head's equal, so each
+    head's candidates of a ratio form one family), built by the kernel with their first step shared,
+    give the torch path's entries (each row clustered alone): the keys and values bit for bit, the
+    log-counts within one fp32 ulp. Each family is one head's rows whose centres and points end alike,
+    by increasing size."""
+    pytest.importorskip("triton")
+    proxy, sets = next(proxies_and_sets("snapkv", (ResidualConfig(),)))
+    [(found, families)] = interpreted(
+        "tests.test_lloyd_kernel:candidates_by_the_kernel", [(proxy, sets)], tmp_path
+    )
+    plain = proxy.candidate_rows(sets)[0]
+    assert torch.equal(found[0], plain.residual.keys) and torch.equal(found[1], plain.residual.values)
+    assert within_one_ulp(found[2], plain.residual.log_counts)
+    # By the layout (``candidate_rows``: a set's rows after the last's, candidate by candidate, head by
+    # head), a family is a set's one head's candidates with entries, by increasing size.
+    sizes, expected, first = plain.entry_counts.tolist(), [], 0
+    for budgets, candidates in sets:
+        heads = len(budgets)
+        for head in range(heads):
+            rows = [first + c * heads + head for c in range(len(candidates))]
+            expected.append(sorted((row for row in rows if sizes[row]), key=lambda row: (sizes[row], row)))
+        first += heads * len(candidates)
+    assert families == [[members for members in expected if len(members) > 1]]
+    assert max(map(len, expected)) > 2  # nested three deep or more

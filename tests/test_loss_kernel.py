@@ -29,11 +29,11 @@ RULES = {
 }
 
 
-def proxies_and_candidates(base: str = "adakv"):
-    """For each of ``RULES``, a proxy over layer 1 of a tiny Qwen2 (3 query heads a KV head) prefilled
-    on a 300-token prompt, and its candidates at ratios 0.5 and 0.7 built together
-    (``candidate_rows``) under ``base`` (AdaKV: budgets of every head its own, so main caches are
-    padded; candidates of every grid level, and the main-only one with no entries)."""
+def proxies_and_sets(base: str = "adakv", rules: tuple[ResidualConfig, ...] | None = None):
+    """For each of ``rules`` (``RULES`` by default), a proxy over layer 1 of a tiny Qwen2 (3 query heads
+    a KV head) prefilled on a 300-token prompt, and its candidates' budget sets at ratios 0.5 and 0.7
+    (``candidate_rows``' argument) under ``base`` (AdaKV: budgets of every head its own, so main caches
+    are padded; candidates of every grid level, and the main-only one with no entries)."""
     prefill = Prefill(
         cached_tiny_backbone("tiny-qwen2", 6, 2), random_prompt(TOKENS, PROMPT_LENGTH, seed=11),
         PROMPT_LENGTH, [build_method("h2o", 0.5)],
@@ -41,13 +41,19 @@ def proxies_and_candidates(base: str = "adakv"):
     obs = prefill.prefilled("agnostic").cache.layers[1].observation(1, prefill.scaling)
     scorer = build_scorer(base)
     scores = scorer.prompt_scores(obs)
-    for rule in RULES.values():
+    for rule in rules or RULES.values():
         proxy = ValidationProxy(obs, scorer, rule, observation_split(obs, rule))
         sets = []
         for ratio in RATIOS:
             budgets = scorer.head_budgets(scores, budget_for(PROMPT_LENGTH, ratio)).tolist()
             sizes = candidate_sizes(rule, budgets, proxy.prefix_window, proxy.validation_count)
             sets.append((budgets, [[0] * len(budgets), *sizes]))
+        yield proxy, sets
+
+
+def proxies_and_candidates(base: str = "adakv"):
+    """``proxies_and_sets``' proxies, each with its candidates built together (``candidate_rows``)."""
+    for proxy, sets in proxies_and_sets(base):
         yield proxy, proxy.candidate_rows(sets)
 
 

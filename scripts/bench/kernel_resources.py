@@ -240,7 +240,8 @@ def loss_build(dim_tile: int, cache_dtype: str) -> KernelBuild:
 def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
     """``reskv.lloyd_kernel``'s compilations for keys and values in ``cache_dtype``, where the nearest
     centres of such keys have a product form (``nearest_kernel.precision``; none: no build): its
-    assignment step, without the values and with them, and its centres' three modes."""
+    assignment step, without the values and with them, each alone and shared by a family, and its
+    centres' three modes."""
     form = nearest_kernel.precision(cache_dtype == "bf16")
     if form is None:
         return []
@@ -251,17 +252,20 @@ def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
     )
     shape = dict.fromkeys(["row_stride", "order_stride", "num_centers", "dim"], "i32")
     tiles = {"HAS_OFFSETS": True, "CENTER_TILE": nearest_kernel.CENTER_TILE, "DIM_TILE": dim_tile}
+    steps = {"value_rows": f"*{cache_dtype}", "point_counts": "*i64", "family": "*i64"}
+    steps |= {"num_points": "i32", "family_width": "i32"}
     assign = [
         KernelBuild(
-            f"lloyd assign ({form}{', values' if with_values else ''})",
+            f"lloyd assign ({form}{', values' if with_values else ''}{', shared' if shared else ''})",
             lloyd_kernel._assign_kernel,
-            layout | {"value_rows": f"*{cache_dtype}", "point_counts": "*i64", "num_points": "i32"} | shape,
+            layout | steps | shape,
             tiles
-            | {"WITH_VALUES": with_values, "POINT_TILE": nearest_kernel.POINT_TILE, "PRECISION": form}
-            | {"SPLIT_BF16": nearest_kernel.SPLIT_OPERANDS == "bf16"},
+            | {"WITH_VALUES": with_values, "SHARED": shared, "POINT_TILE": nearest_kernel.POINT_TILE}
+            | {"PRECISION": form, "SPLIT_BF16": nearest_kernel.SPLIT_OPERANDS == "bf16"},
             nearest_kernel.NUM_WARPS,
             True,  # Triton's default: the launcher names none
         )
+        for shared in (False, True)  # a family's first step shared (``lloyd_kernel.cluster``)
         for with_values in (False, True)
     ]
     entries = dict.fromkeys(["entry_keys", "entry_values"], f"*{cache_dtype}") | {"entry_log_counts": "*fp32"}
@@ -342,7 +346,8 @@ def tiles_table(arch: int) -> Table:
         for points, centers, warps in NEAREST_TILES:
             for build in tile_builds(head_dim, (points, centers, warps)):
                 resources = compiled_resources(build, arch)
-                scan = build.name == "nearest (bf16x3)" or build.name.startswith("lloyd assign")
+                # The shared step's longest loop is its members', around the scan.
+                scan = build.name.startswith(("nearest", "lloyd assign")) and "shared" not in build.name
                 issued = resources.loop_instructions * warps
                 flop = f"{2 * points * centers * head_dim / issued:.0f}" if scan else "-"
                 table.add_row(
