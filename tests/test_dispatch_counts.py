@@ -259,3 +259,17 @@ def test_attention_sums_by_the_fused_kernels_count_their_launches_by_hand():
         outputs = scoring.attention_outputs(queries, keys, values, positions, scaling)
     assert (counts.ops, counts.syncs, dict(counts.by_op)) == (1, 0, {"attention sums": 1})
     assert torch.equal(outputs, scoring.attention_outputs(queries, keys, values, positions, scaling))
+
+
+def test_the_k_means_flops_launched_leave_out_the_first_steps_a_family_shares():
+    """``grid_constructions.KmeansWork``: a group whose kernel skips padding (3 rows: 100, 50 and 90
+    points; 10, 5 and 20 centres; 2 d x 4 steps = 128) launches the formula's 128 x (1,000 + 250 +
+    1,800) = 390,400 FLOP; where rows 1 and 0 share their first step with row 2 (2 d = 32), their
+    32 x (250 + 1,000) = 40,000 are not launched."""
+    from scripts.bench.grid_constructions import KmeansWork
+
+    counts, sizes = torch.tensor([100, 50, 90]), torch.tensor([10, 5, 20])
+    work = KmeansWork(groups=[(counts, sizes, 128, True)])
+    assert work.formula() == work.launched() == 390_400
+    work.shared.append((counts, sizes, 32, [[1, 0, 2]]))
+    assert work.saved() == 40_000 and work.launched() == 350_400 and work.formula() == 390_400

@@ -18,8 +18,9 @@ methods in the whole grid then counted as its own):
 - **ops**: launching aten ops;
 - **k-means FLOPs over the unpadded formula**: the nearest-centre products the k-means launches
   (rows x padded points x padded centres x 2 d a Lloyd step; where the GPU's kernel skips a group's
-  padding, ``reskv.residual.nearest_skips_padding``, each row's own) over ``2 d |E| r`` a step summed
-  over its rows, each with its own point count and residual size;
+  padding, ``reskv.residual.nearest_skips_padding``, each row's own; where ``reskv.lloyd_kernel``
+  shares a family's first step, its largest row's alone) over ``2 d |E| r`` a step summed over its
+  rows, each with its own point count and residual size;
 - **fp32 bytes written**: fp32 results of the construction's ops, apart from the nearest-centre step's
   distance blocks (the torch path's here; on CUDA the kernel writes none, ``reskv.nearest_kernel``),
   which are given beside them; and the largest fp32 result one op wrote.
@@ -89,6 +90,9 @@ class KmeansWork:
     # skips padding); read after the count, so that the formula's reads of the device are not counted
     # as the construction's.
     groups: list = dataclasses.field(default_factory=list)
+    # Per call of ``cluster_rows`` whose families ``reskv.lloyd_kernel`` clusters with their first step
+    # shared: (point counts, residual sizes, 2 d, the families).
+    shared: list = dataclasses.field(default_factory=list)
 
     def formula(self, skipping_padding_only: bool = False) -> float:
         return sum(
@@ -97,18 +101,27 @@ class KmeansWork:
             if skips or not skipping_padding_only
         )
 
+    def saved(self) -> float:
+        """The first step's products that a family's rows but its largest do not launch."""
+        return sum(
+            factor * float((counts[members[:-1]] * sizes[members[:-1]]).sum())
+            for counts, sizes, factor, families in self.shared
+            for members in families
+        )
+
     def launched(self) -> float:
-        return self.padded + self.formula(skipping_padding_only=True)
+        return self.padded + self.formula(skipping_padding_only=True) - self.saved()
 
 
 @contextlib.contextmanager
 def probed(work: dict[str, KmeansWork]):
     """Every construction in a stage of its (method, setting) (``Prefill.compressed_layers``), its
     nearest-centre step in a stage of its own, and its k-means groups recorded in ``work``."""
-    compressed_layers, nearest_centers, cluster = (
+    compressed_layers, nearest_centers, cluster, cluster_rows = (
         Prefill.compressed_layers,
         reskv.residual.nearest_centers,
         reskv.residual._cluster,
+        reskv.proxy.cluster_rows,
     )
 
     def in_stage(prefill, method, setting="aware"):
@@ -127,10 +140,22 @@ def probed(work: dict[str, KmeansWork]):
         found.groups.append((point_counts.clone(), sizes.clone(), factor, skips))
         return cluster(keys, values, heads, order, offsets, point_counts, sizes, group, iterations)
 
+    def families_recorded(
+        keys, values, heads, order, offsets, point_counts, sizes, groups, iterations, families
+    ):
+        if families and reskv.residual.fused_lloyd_form(keys) is not None:
+            with uncounted():
+                shared = (point_counts.clone(), sizes.clone(), 2 * keys.shape[-1], families)
+            work[current_stage()].shared.append(shared)
+        return cluster_rows(
+            keys, values, heads, order, offsets, point_counts, sizes, groups, iterations, families
+        )
+
     with (
         mock.patch.object(Prefill, "compressed_layers", in_stage),
         mock.patch.object(reskv.residual, "nearest_centers", nearest),
         mock.patch.object(reskv.residual, "_cluster", recorded),
+        mock.patch.object(reskv.proxy, "cluster_rows", families_recorded),
     ):
         yield
 
@@ -174,9 +199,23 @@ def fused_lloyd_launches():
     cluster = lloyd_kernel.cluster
 
     def counted_cluster(
-        keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form
+        keys,
+        values,
+        heads,
+        order,
+        offsets,
+        point_counts,
+        sizes,
+        group,
+        iterations,
+        entries,
+        form,
+        families=(),
     ):
-        cluster(keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form)
+        cluster(
+            keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form,
+            families=families,
+        )  # fmt: skip
         with uncounted(), mock.patch.object(reskv.residual, "fused_lloyd_form", lambda keys: None):
             host_sizes, host_points = sizes.tolist(), point_counts.tolist()
             each = max(1, STAND_IN_POINTS_BYTES // (group.max_points * keys.shape[-1] * 4))
