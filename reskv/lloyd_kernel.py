@@ -322,10 +322,10 @@ if triton is not None:
             value_tile = tl.load(value_rows + token_at, mask=tile_mask, other=0.0).to(tl.float32)
         # The row's own centres; none for a tile wholly past its points.
         live = tl.program_id(1) * POINT_TILE < own_points
-        last = tl.where(live, tl.load(sizes + table_row), 0).to(tl.int32)
+        size = tl.load(sizes + table_row).to(tl.int32)
+        last = tl.where(live, size, 0)
         row_centers, row_norms = centers + row * num_centers * dim, center_norms + row * num_centers
         if SHARED:  # the row's family's first step (``cluster``): its centres' suffixes, smallest first
-            size = tl.load(sizes + table_row).to(tl.int32)
             best = tl.full([POINT_TILE], float("inf"), tl.float32)
             best_index = tl.zeros([POINT_TILE], tl.int32)
             for k in range(family_width):
@@ -345,8 +345,7 @@ if triton is not None:
                 last = first
                 # The member's points: the leader's from ``shift`` on (none where no member is).
                 held = valid & (point >= tl.where(present, shift, num_points))
-                # Within the scratch where no member is (its adds masked off: the interpreter reads them).
-                slot = tl.maximum(member, 0) * num_centers + tl.maximum(best_index - shift, 0)
+                slot = member * num_centers + best_index - shift
                 add_points(
                     scratch, slot, point_tile, value_tile, held, feature, dim, POINT_TILE, WITH_VALUES
                 )  # fmt: skip
