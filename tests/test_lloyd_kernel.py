@@ -77,6 +77,37 @@ def within_one_ulp(found: torch.Tensor, plain: torch.Tensor) -> bool:
     return bool(((found == plain) | (found == up) | (found == down)).all())
 
 
+def empty_slots_of_plain_entries(cases, found_cases) -> int:
+    """Asserts that each case's clustered entries (``clustered_fields``) give every row of its group the
+    plain per-head loop's entries (``plain_entries``: the row's points ``order[i, offset_i :][:
+    point_counts[i]]`` of head ``heads[i]``, its best-scored as the initial centres) bit for bit in the
+    keys and values and within one fp32 ulp in the log-counts, the non-empty clusters in centre order
+    and the rest unused, and rows outside the group untouched; the unused slots within the rows' sizes."""
+    empty_slots = 0
+    for (keys, values, heads, order, offsets, counts, sizes, group, iterations, *_), found in zip(
+        cases, found_cases, strict=True
+    ):
+        found_keys, found_values, found_log_counts = found
+        for row in range(order.shape[0]):
+            used = torch.isfinite(found_log_counts[row])
+            if row not in group.rows:
+                assert not used.any() and not found_keys[row].any() and not found_values[row].any()
+                continue
+            start = 0 if offsets is None else int(offsets[row])
+            points = order[row, start : start + int(counts[row])].tolist()
+            head = int(heads[row])
+            plain_keys, plain_values, plain_log_counts = plain_entries(
+                keys[head], values[head], points, int(sizes[row]), iterations
+            )
+            assert used.nonzero().max() < sizes[row]
+            assert torch.equal(found_keys[row, used], plain_keys.to(keys.dtype)), row
+            assert torch.equal(found_values[row, used], plain_values.to(values.dtype)), row
+            assert within_one_ulp(found_log_counts[row, used], plain_log_counts)
+            assert not found_keys[row, ~used].any() and not found_values[row, ~used].any()
+            empty_slots += int(sizes[row]) - int(used.sum())
+    return empty_slots
+
+
 def test_fused_lloyd_gives_each_row_the_plain_loops_entries(tmp_path):
     """Each case's group, clustered by the kernel, gives every row of it the plain per-head loop's
     entries (``plain_entries``: the row's points ``order[i, offset_i :][: point_counts[i]]`` of head
@@ -110,29 +141,7 @@ def test_fused_lloyd_gives_each_row_the_plain_loops_entries(tmp_path):
             )
         )  # fmt: skip
     found_cases = interpreted("tests.test_lloyd_kernel:clustered_fields", cases, tmp_path)
-    empty_slots = 0
-    for (keys, values, heads, order, offsets, counts, sizes, group, iterations, *_), found in zip(
-        cases, found_cases, strict=True
-    ):
-        found_keys, found_values, found_log_counts = found
-        for row in range(order.shape[0]):
-            used = torch.isfinite(found_log_counts[row])
-            if row not in group.rows:
-                assert not used.any() and not found_keys[row].any() and not found_values[row].any()
-                continue
-            start = 0 if offsets is None else int(offsets[row])
-            points = order[row, start : start + int(counts[row])].tolist()
-            head = int(heads[row])
-            plain_keys, plain_values, plain_log_counts = plain_entries(
-                keys[head], values[head], points, int(sizes[row]), iterations
-            )
-            assert used.nonzero().max() < sizes[row]
-            assert torch.equal(found_keys[row, used], plain_keys.to(keys.dtype))
-            assert torch.equal(found_values[row, used], plain_values.to(values.dtype))
-            assert within_one_ulp(found_log_counts[row, used], plain_log_counts)
-            assert not found_keys[row, ~used].any() and not found_values[row, ~used].any()
-            empty_slots += int(sizes[row]) - int(used.sum())
-    assert empty_slots > 0  # the repeated tokens left clusters empty
+    assert empty_slots_of_plain_entries(cases, found_cases) > 0  # the repeated tokens left clusters empty
 
 
 def built_by_the_kernel(keys, values, evicted, scores, sizes):
@@ -252,24 +261,7 @@ def test_a_familys_first_step_shared_gives_each_row_the_plain_loops_entries(tmp_
         nested_case(generator, torch.bfloat16, 64, 4, "bf16x3", repeated=True),
     ]
     found_cases = interpreted("tests.test_lloyd_kernel:clustered_fields", cases, tmp_path)
-    for (keys, values, heads, order, offsets, counts, sizes, group, iterations, *_), found in zip(
-        cases, found_cases, strict=True
-    ):
-        found_keys, found_values, found_log_counts = found
-        for row in range(order.shape[0]):
-            used = torch.isfinite(found_log_counts[row])
-            if row not in group.rows:
-                assert not used.any() and not found_keys[row].any()
-                continue
-            start = int(offsets[row])
-            points = order[row, start : start + int(counts[row])].tolist()
-            head = int(heads[row])
-            plain_keys, plain_values, plain_log_counts = plain_entries(
-                keys[head], values[head], points, int(sizes[row]), iterations
-            )
-            assert torch.equal(found_keys[row, used], plain_keys.to(keys.dtype)), row
-            assert torch.equal(found_values[row, used], plain_values.to(values.dtype)), row
-            assert within_one_ulp(found_log_counts[row, used], plain_log_counts)
+    empty_slots_of_plain_entries(cases, found_cases)
 
 
 def candidates_by_the_kernel(proxy, sets):

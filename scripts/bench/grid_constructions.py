@@ -198,24 +198,9 @@ def fused_lloyd_launches():
 
     cluster = lloyd_kernel.cluster
 
-    def counted_cluster(
-        keys,
-        values,
-        heads,
-        order,
-        offsets,
-        point_counts,
-        sizes,
-        group,
-        iterations,
-        entries,
-        form,
-        families=(),
-    ):
-        cluster(
-            keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, form,
-            families=families,
-        )  # fmt: skip
+    def counted_cluster(*arguments, families=()):
+        cluster(*arguments, families=families)
+        keys, values, heads, order, offsets, point_counts, sizes, group, iterations, entries, _ = arguments
         with uncounted(), mock.patch.object(reskv.residual, "fused_lloyd_form", lambda keys: None):
             host_sizes, host_points = sizes.tolist(), point_counts.tolist()
             each = max(1, STAND_IN_POINTS_BYTES // (group.max_points * keys.shape[-1] * 4))
