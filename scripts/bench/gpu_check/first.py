@@ -114,7 +114,7 @@ from scripts.measure import random_prompt, release_memory, timed
 
 STAGES = ("kernels", "nearest", "tiles", "constructions", "profile", "grid", "decode", "efficiency", "views")
 # Seconds the late stages need on an H100 (results/gpu/README.md, the prepared call, says how they
-# are estimated): each starts only with this much of the budget left; the first two always run.
+# are estimated): each starts only with this much of the budget left; those at 0 always run.
 STAGE_SECONDS = {
     "kernels": 0,
     "nearest": 0,
