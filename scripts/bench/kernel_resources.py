@@ -24,6 +24,7 @@ four schedulers can issue (``results/README.md`` gives the H200's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import subprocess
 import tempfile
@@ -319,15 +320,19 @@ def longest_loop(sass: str) -> int:
     return max((span // 16 + 1 for span in spans if span > 0), default=0)
 
 
+def tile_switches(tiles: tuple[int, int, int]) -> list[tuple]:
+    """The switches (module, flag, value) that set ``tiles`` (``NEAREST_TILES``' points, centres, warps)
+    as the nearest-centre kernel's, and so the Lloyd steps'."""
+    flags = ("POINT_TILE", "CENTER_TILE", "NUM_WARPS")
+    return [(nearest_kernel, flag, value) for flag, value in zip(flags, tiles, strict=True)]
+
+
 def tile_builds(head_dim: int, tiles: tuple[int, int, int]) -> list[KernelBuild]:
-    """The k-means' bf16x3 compilations for a bf16 cache at ``tiles`` (``NEAREST_TILES``' points,
-    centres, warps): the nearest-centre kernel's and the Lloyd steps' (``lloyd_builds``)."""
-    points, centers, warps = tiles
-    with (
-        mock.patch.object(nearest_kernel, "POINT_TILE", points),
-        mock.patch.object(nearest_kernel, "CENTER_TILE", centers),
-        mock.patch.object(nearest_kernel, "NUM_WARPS", warps),
-    ):
+    """The k-means' bf16x3 compilations for a bf16 cache at ``tiles`` (``tile_switches``): the
+    nearest-centre kernel's and the Lloyd steps' (``lloyd_builds``)."""
+    with contextlib.ExitStack() as stack:
+        for switch in tile_switches(tiles):
+            stack.enter_context(mock.patch.object(*switch))
         builds = kernel_builds(head_dim, "bf16")
     return [build for build in builds if build.name == "nearest (bf16x3)" or build.name.startswith("lloyd")]
 

@@ -106,7 +106,7 @@ from scripts.bench.grid_gpu import (
     grid_sample,
     paper_ruler_requests,
 )
-from scripts.bench.kernel_resources import NEAREST_TILES
+from scripts.bench.kernel_resources import NEAREST_TILES, tile_switches
 from scripts.harness.dry_run import cost, rates
 from scripts.harness.dry_run.workload import Workload
 from scripts.harness.plan import compose_plan
@@ -473,13 +473,6 @@ def nearest_tiles(
 def tile_name(tiles: tuple[int, int, int]) -> str:
     points, centers, warps = tiles
     return f"{points}x{centers}, {warps} warps"
-
-
-def tile_switches(tiles: tuple[int, int, int]) -> list[tuple]:
-    """The switches (module, flag, value) that set the nearest-centre kernel's, and so the Lloyd
-    steps', points and centres a program takes and its warps."""
-    flags = ("POINT_TILE", "CENTER_TILE", "NUM_WARPS")
-    return [(nearest_kernel, flag, value) for flag, value in zip(flags, tiles, strict=True)]
 
 
 def nearest_variants(
