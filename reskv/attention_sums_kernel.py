@@ -43,10 +43,13 @@ except ImportError:
 
 # Query and key tiles, and warps per program: FlashAttention-2's forward tiles at head dim 128; not
 # timed on a GPU yet. The outputs' query tile is ``tl.dot``'s smallest: the proxy's 32 validation
-# queries a head, and an fp32 accumulator of a tile's outputs beside the logits in registers.
+# queries a head, and an fp32 accumulator of a tile's outputs beside the logits in registers. Their key
+# tile is half the sums': with 64 keys ptxas spilled at head dim 128 in bf16 and fp16, compiled as a
+# launch specializes the kernel (``python -m scripts.bench.kernel_resources``).
 QUERY_TILE = 64
 OUTPUT_QUERY_TILE = 16
 KEY_TILE = 64
+OUTPUT_KEY_TILE = 32
 NUM_WARPS = 4
 
 
@@ -130,7 +133,7 @@ def outputs(
     first_position: int,
     scaling: float,
     query_tile: int = OUTPUT_QUERY_TILE,
-    key_tile: int = KEY_TILE,
+    key_tile: int = OUTPUT_KEY_TILE,
 ) -> Tensor:
     """``[H, n, d]`` fp32: each query's causal attention output over ``keys`` and ``values``
     ``[H_kv, s, d]``, as ``column_sums`` takes them. One launch; tiles of at least 16."""

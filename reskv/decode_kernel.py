@@ -55,10 +55,13 @@ except ImportError:
 # and the main slots' apart, so at most 2 more: 8 KV heads make 128-144 programs, about an H100's
 # 132 SMs); warps per program. Not timed on a GPU yet, but sized so that ptxas keeps every tile in
 # registers on sm_90 at head dims 64 and 128 in fp32, bf16 and fp16 (``python -m
-# scripts.bench.kernel_resources``; 64-slot tiles with 4 warps spill at head dim 128).
+# scripts.bench.kernel_resources``; 64-slot tiles with 4 warps spill at head dim 128). One stage: the
+# slots' loads are not software-pipelined, since with 2 or 3 stages a bf16 cache's buffered tiles spilled
+# at head dim 128; programs resident side by side hide the loads' latency instead.
 SLOT_TILE = 32
 MAX_CHUNKS = 16
 NUM_WARPS = 8
+NUM_STAGES = 1
 # No contraction of a multiply and an add into one FMA outside the products: the softmax's updates
 # round as torch's elementwise ops do, whatever Triton's default (on up to 3.9, off from 3.10).
 FP_FUSION = False
@@ -70,12 +73,13 @@ MAX_ROWS = 16
 # heads, all reading one values tensor), the slots it reads at a time, its warps: not timed on a GPU
 # yet, but sized so that ptxas keeps every tile in registers on sm_90 at head dims 64 and 128 in bf16
 # and fp16 (``python -m scripts.bench.kernel_resources``; FlashAttention's 64 x 64 tiles spill up to
-# 1 KB a thread there). In fp32 every tile tried spills (5-9 KB a thread), so fp32 caches take the
-# torch form (``VIEW_DTYPES``). The values tensors one launch reads: the shared values and up to two
-# adjusted ones (CaM's, query-aware and query-agnostic); more take the torch form.
+# 1 KB a thread there, and 4 warps spilled at head dim 64). In fp32 every tile tried spills (5-9 KB a
+# thread), so fp32 caches take the torch form (``VIEW_DTYPES``). The values tensors one launch reads:
+# the shared values and up to two adjusted ones (CaM's, query-aware and query-agnostic); more take the
+# torch form.
 VIEW_ROW_TILE = 32
 VIEW_SLOT_TILE = 32
-VIEW_NUM_WARPS = 4
+VIEW_NUM_WARPS = 8
 VIEW_DTYPES = (torch.bfloat16, torch.float16)
 VIEW_SOURCES = 3
 
@@ -115,7 +119,7 @@ def gated_attention(
         queries, keys, values, bias, partial_max, partial_sum, partial_output,
         rows, num_slots, dim, residual_slots, chunk_slots, entry_chunks, scaling,
         ROW_TILE=row_tile, SLOT_TILE=SLOT_TILE, DIM_TILE=dim_tile,
-        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     output = values.new_empty(num_heads, rows, dim)
     _merge_kernel[(num_heads,)](

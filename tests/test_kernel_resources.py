@@ -9,6 +9,7 @@ import pytest
 from reskv import nearest_kernel
 from scripts.bench.kernel_resources import (
     NEAREST_TILES,
+    aligned_arguments,
     compiled_resources,
     kernel_builds,
     longest_loop,
@@ -70,3 +71,17 @@ def test_the_tile_builds_are_the_k_means_kernels_at_the_given_tiles_and_the_laun
         assert build.constexprs.get("POINT_TILE", 128) == 128
     assert (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS) == launchers
     assert NEAREST_TILES[0] == launchers
+
+
+def test_a_build_is_compiled_with_the_alignment_a_launch_gives_its_pointers_and_head_dim():
+    """Triton's JIT marks a 16-byte-aligned pointer and an integer multiple of 16 divisible by 16
+    unless the kernel names it in ``do_not_specialize``: the nearest-centre kernel's pointers and head
+    dim, not its point and centre counts (which it names), nor the proxy's validation count."""
+    nearest = next(build for build in kernel_builds(128, "fp32") if build.name == "nearest (ieee)")
+    assert aligned_arguments(nearest) == [
+        "points", "centers", "center_norms", "nearest_index", "point_counts", "center_counts", "dim",
+    ]  # fmt: skip
+    errors = next(build for build in kernel_builds(128, "bf16") if build.name == "proxy errors")
+    aligned = aligned_arguments(errors)
+    assert {"queries_head", "queries_query", "full_head", "full_query", "dim"} <= set(aligned)
+    assert not {"validation_count", "num_queries", "row_stride", "boundary"} & set(aligned)

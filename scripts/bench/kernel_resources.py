@@ -53,8 +53,9 @@ NEAREST_TILES = (
 
 @dataclass(frozen=True)
 class KernelBuild:
-    """One compilation of a kernel: its argument types, constexpr values, warps per program and
-    whether multiplies and adds may fuse (the launcher's ``num_warps`` and ``enable_fp_fusion``)."""
+    """One compilation of a kernel: its argument types, constexpr values, warps per program, whether
+    multiplies and adds may fuse and its loops' pipeline stages (the launcher's ``num_warps``,
+    ``enable_fp_fusion`` and ``num_stages``, ``None`` where it names none)."""
 
     name: str
     kernel: object
@@ -62,6 +63,7 @@ class KernelBuild:
     constexprs: dict
     num_warps: int
     fp_fusion: bool
+    num_stages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
         {"ROW_TILE": rows, "SLOT_TILE": decode_kernel.SLOT_TILE, "DIM_TILE": dim_tile},
         decode_kernel.NUM_WARPS,
         decode_kernel.FP_FUSION,
+        decode_kernel.NUM_STAGES,
     )
     merge = KernelBuild(
         "decode merge",
@@ -148,13 +151,23 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
             name,
             attention_sums_kernel._log_sum_exp_kernel,
             lse_arguments,
-            column_tiles | {"QUERY_TILE": query_tile, "OUTPUTS": with_outputs},
+            column_tiles | {"QUERY_TILE": query_tile, "KEY_TILE": key_tile, "OUTPUTS": with_outputs},
             attention_sums_kernel.NUM_WARPS,
             True,  # Triton's default: the launcher names none
         )
-        for name, query_tile, with_outputs in [
-            ("column sums: log-sum-exp", attention_sums_kernel.QUERY_TILE, False),
-            ("attention outputs", attention_sums_kernel.OUTPUT_QUERY_TILE, True),
+        for name, query_tile, key_tile, with_outputs in [
+            (
+                "column sums: log-sum-exp",
+                attention_sums_kernel.QUERY_TILE,
+                attention_sums_kernel.KEY_TILE,
+                False,
+            ),
+            (
+                "attention outputs",
+                attention_sums_kernel.OUTPUT_QUERY_TILE,
+                attention_sums_kernel.OUTPUT_KEY_TILE,
+                True,
+            ),
         ]
     )
     columns = KernelBuild(
@@ -291,10 +304,13 @@ def compiled_resources(build: KernelBuild, arch: int) -> Resources:
     from triton.compiler import ASTSource
 
     signature = build.signature | dict.fromkeys(build.constexprs, "constexpr")
+    index = build.kernel.arg_names.index
+    attrs = {(index(name),): [["tt.divisibility", 16]] for name in aligned_arguments(build)}
     compiled = triton.compile(
-        ASTSource(fn=build.kernel, signature=signature, constexprs=build.constexprs),
+        ASTSource(fn=build.kernel, signature=signature, constexprs=build.constexprs, attrs=attrs),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": build.num_warps, "enable_fp_fusion": build.fp_fusion},
+        options={"num_warps": build.num_warps, "enable_fp_fusion": build.fp_fusion}
+        | ({"num_stages": build.num_stages} if build.num_stages is not None else {}),
     )
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as folder:
@@ -307,6 +323,22 @@ def compiled_resources(build: KernelBuild, arch: int) -> Resources:
     figures = dict(re.findall(r"(REG|STACK):(\d+)", usage.stdout))
     loop = longest_loop(sass.stdout)
     return Resources(int(figures["REG"]), int(figures["STACK"]), compiled.metadata.shared, loop)
+
+
+def aligned_arguments(build: KernelBuild) -> list[str]:
+    """The arguments a launch marks divisible by 16, as Triton's JIT does (``triton/runtime/jit.py``'s
+    specialization: a pointer 16-byte aligned, an integer a multiple of 16, unless the kernel names it
+    in ``do_not_specialize``): every pointer, torch's allocations being aligned, and the integers that
+    are the head dim or a stride of one head's or one query's rows, multiples of the head dim (64 and
+    128 here). Left out, the compiler cannot prove a tile's rows contiguous and aligned: it loads them
+    element by element and does not pipeline the loads, so the figures would not be the GPU's."""
+    params = {param.name: param for param in build.kernel.params}
+    return [
+        name
+        for name, kind in build.signature.items()
+        if kind.startswith("*")
+        or (not params[name].do_not_specialize and (name == "dim" or name.endswith(("_head", "_query"))))
+    ]
 
 
 def longest_loop(sass: str) -> int:
