@@ -10,7 +10,8 @@ with families, below, one upload of their table besides):
 
 - a zeroed scratch ``[A, r, 2d + 1]`` fp32: each cluster's key sums, member count and value sums;
 - ``_centres_kernel``, ``"init"``: each row's first ``sizes[i]`` points (its best-scored evicted tokens)
-  as its initial centres, and their squared norms (``+inf`` past the row's size: never nearest);
+  as its initial centres, and their squared norms (``+inf`` past the row's size: never nearest); in
+  ``"bf16x3"``, their exact split too (``nearest_kernel.write_parts``), which the scan reads;
 - each Lloyd step, ``_assign_kernel``: a tile of one row's points read by index from the keys (row
   ``i``: head ``heads[i]``'s tokens ``order[i, offset_i :]``, its first ``point_counts[i]``; the
   layout ``reskv.residual.cluster_rows`` takes), each point's nearest centre
@@ -24,7 +25,7 @@ with families, below, one upload of their table besides):
   other members' programs scan nothing. Each member gets the assignment it gets alone (the same
   distances, a tie to the lower index) for the largest's products;
 - between steps, ``_centres_kernel``, ``"update"``: each centre moved to its cluster's mean (an empty
-  cluster's kept), its norm, and the sums zeroed for the next step;
+  cluster's kept), its norm (and split), and the sums zeroed for the next step;
 - ``_centres_kernel``, ``"final"``: the entries (reskv.md, Residual entries), the mean key and value
   (``sums / max(count, 1)``: an empty slot's stay 0) and ``log(count)`` (``-inf`` for an empty one),
   written into the group's rows of the entries in their dtype.
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 if triton is not None:
     import triton.language as tl
 
-    from reskv.nearest_kernel import nearest_in_row
+    from reskv.nearest_kernel import nearest_in_row, write_parts
 
 # ``_centres_kernel``'s modes (module docstring).
 CENTRE_MODES = ("init", "update", "final")
@@ -87,6 +88,11 @@ def cluster(
     rows_index = uploaded(group.rows, device)
     scratch = torch.zeros(num_rows, num_centers, 2 * dim + 1, device=device)
     centers = torch.empty(num_rows, num_centers, dim, device=device)
+    center_parts = centers  # the centres' split, which "bf16x3" scans (not read otherwise)
+    if form == "bf16x3":
+        center_parts = nearest_kernel.empty_parts(
+            centers, (split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16"
+        )
     center_norms = torch.empty(num_rows, num_centers, device=device)
     has_offsets = offsets is not None
     layout = dict(
@@ -98,12 +104,14 @@ def cluster(
         rows_index=rows_index,
         scratch=scratch,
         centers=centers,
+        center_parts=center_parts,
         center_norms=center_norms,
         row_stride=row_stride(keys),
         order_stride=order.stride(0),
         num_centers=num_centers,
         dim=dim,
         HAS_OFFSETS=has_offsets,
+        PRECISION=form,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
         CENTER_TILE=nearest_kernel.CENTER_TILE,
         num_warps=nearest_kernel.NUM_WARPS,
@@ -127,8 +135,6 @@ def cluster(
             WITH_VALUES=last,
             SHARED=shared,
             POINT_TILE=nearest_kernel.POINT_TILE,
-            PRECISION=form,
-            SPLIT_BF16=(split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16",
         )
         if not last:
             _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="update")
@@ -190,6 +196,7 @@ if triton is not None:
         rows_index,
         scratch,
         centers,
+        center_parts,
         center_norms,
         entry_keys,
         entry_values,
@@ -201,6 +208,7 @@ if triton is not None:
         dim,
         MODE: tl.constexpr,
         HAS_OFFSETS: tl.constexpr,
+        PRECISION: tl.constexpr,
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
     ):
@@ -256,6 +264,10 @@ if triton is not None:
                 tl.store(sums_at, tl.zeros([CENTER_TILE, DIM_TILE], tl.float32), mask=tile_mask)
                 tl.store(counts_at, tl.zeros([CENTER_TILE], tl.float32), mask=in_row)
             tl.store(centers + slot[:, None] * dim + feature[None, :], tile, mask=tile_mask)
+            if PRECISION == "bf16x3":
+                at = center[:, None] * dim + feature[None, :]
+                row_parts = center_parts + row * 3 * num_centers * dim
+                write_parts(row_parts, at, tile, tile_mask, num_centers * dim)
             norms = tl.where(real, tl.sum(tile * tile, axis=1), float("inf"))
             tl.store(center_norms + slot, norms, mask=in_row)
 
@@ -289,6 +301,7 @@ if triton is not None:
         family,
         scratch,
         centers,
+        center_parts,
         center_norms,
         row_stride,
         order_stride,
@@ -303,7 +316,6 @@ if triton is not None:
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
         PRECISION: tl.constexpr,
-        SPLIT_BF16: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         table_row = tl.load(rows_index + row)
@@ -324,7 +336,11 @@ if triton is not None:
         live = tl.program_id(1) * POINT_TILE < own_points
         size = tl.load(sizes + table_row).to(tl.int32)
         last = tl.where(live, size, 0)
-        row_centers, row_norms = centers + row * num_centers * dim, center_norms + row * num_centers
+        row_norms = center_norms + row * num_centers
+        if PRECISION == "bf16x3":  # the scan reads the centres' parts
+            row_centers = center_parts + row * 3 * num_centers * dim
+        else:
+            row_centers = centers + row * num_centers * dim
         if SHARED:  # the row's family's first step (``cluster``): its centres' suffixes, smallest first
             best = tl.full([POINT_TILE], float("inf"), tl.float32)
             best_index = tl.zeros([POINT_TILE], tl.int32)
@@ -336,7 +352,7 @@ if triton is not None:
                 first = tl.where(present & live, shift, last)
                 range_best, range_index = nearest_in_row(
                     point_tile, row_centers, row_norms, num_centers, first, last, dim, feature,
-                    POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
+                    POINT_TILE, CENTER_TILE, PRECISION,
                 )  # fmt: skip
                 # The range's centres precede every one scanned before it: a tie goes to the range.
                 take = range_best <= best
@@ -352,7 +368,7 @@ if triton is not None:
         else:
             _, nearest = nearest_in_row(
                 point_tile, row_centers, row_norms, num_centers, 0, last, dim, feature, POINT_TILE,
-                CENTER_TILE, PRECISION, SPLIT_BF16,
+                CENTER_TILE, PRECISION,
             )  # fmt: skip
             add_points(
                 scratch, row * num_centers + nearest, point_tile, value_tile, valid, feature, dim, POINT_TILE,

@@ -23,7 +23,11 @@ smaller to win). The products
   runs as three tensor-core products whose every term ``p_i c_i`` is exact in their fp32
   accumulators. Their operands are bf16, or TF32 (``SPLIT_OPERANDS``), which holds 8-bit values
   exactly too, at half bf16's rate; Triton's interpreter multiplies bf16 operands wrongly, so the
-  CPU tests run the split with TF32 operands.
+  CPU tests run the split with TF32 operands. The centres are split once, not in every program's
+  loop (``split_centers``; the Lloyd steps' centre updates write their parts too): the loop loads
+  the parts straight into the products' operands: it converts nothing, the compiler copies the
+  parts into shared memory ahead of the products, and a warp issues fewer instructions a tile
+  (results/README.md, the k-means' scan).
 
 Only the products' summation order and the accumulators' rounding differ from cuBLAS's, so near
 ties may go another way on the GPU, as they may between two BLAS libraries; the CPU keeps the torch
@@ -90,22 +94,25 @@ def nearest(
 
     ``points`` ``[R, E, d]`` and ``centers`` ``[R, r, d]`` fp32 (read contiguous); ``center_norms``
     ``[R, r]``: ``||c||²`` plus the centres' bias, a row's minimum finite. ``form``: the products'
-    (``PRECISIONS``; ``"bf16x3"`` only where every point is a bf16 value), whose split operands are
-    ``split_operands`` (``SPLIT_OPERANDS`` when ``None``). ``extents``, each row's points and centres
-    ``[R]`` each (int64) where rows are padded to a group's ``E`` and ``r``: a program then scans only
-    its row's own centres, and a tile wholly past its row's points none (their index is 0), so a
-    group's padding costs no products.
+    (``PRECISIONS``; ``"bf16x3"`` only where every point is a bf16 value, the centres then split by
+    ``split_centers`` first), whose split operands are ``split_operands`` (``SPLIT_OPERANDS`` when
+    ``None``). ``extents``, each row's points and centres ``[R]`` each (int64) where rows are padded to
+    a group's ``E`` and ``r``: a program then scans only its row's own centres, and a tile wholly past
+    its row's points none (their index is 0), so a group's padding costs no products.
     """
     if form not in PRECISIONS:
         raise ValueError(f"unknown product form {form!r}; choose one of {list(PRECISIONS)}")
     num_rows, num_points, dim = points.shape
     points, centers, center_norms = points.contiguous(), centers.contiguous(), center_norms.contiguous()
+    scanned = centers
+    if form == "bf16x3":
+        scanned = split_centers(centers, (split_operands or SPLIT_OPERANDS) == "bf16")
     nearest_index = torch.empty(num_rows, num_points, dtype=torch.long, device=points.device)
     grid = (num_rows, triton.cdiv(num_points, POINT_TILE))
     point_counts, center_counts = extents if extents is not None else (nearest_index, nearest_index)
     _nearest_kernel[grid](
         points,
-        centers,
+        scanned,
         center_norms,
         nearest_index,
         point_counts.contiguous(),
@@ -118,20 +125,68 @@ def nearest(
         CENTER_TILE=CENTER_TILE,
         DIM_TILE=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
         PRECISION=form,
-        SPLIT_BF16=(split_operands or SPLIT_OPERANDS) == "bf16",
         num_warps=NUM_WARPS,
         enable_fp_fusion=FP_FUSION,
     )
     return nearest_index
 
 
+def empty_parts(centers: Tensor, split_bf16: bool) -> Tensor:
+    """Room for ``centers``' (``[R, r, d]``) split: ``[R, 3, r, d]``, in bf16 (``split_bf16``) or fp32."""
+    num_rows, num_centers, dim = centers.shape
+    dtype = torch.bfloat16 if split_bf16 else torch.float32
+    return torch.empty(num_rows, 3, num_centers, dim, dtype=dtype, device=centers.device)
+
+
+def split_centers(centers: Tensor, split_bf16: bool) -> Tensor:
+    """``centers`` ``[R, r, d]`` (fp32, contiguous) split exactly into three parts of bf16 precision
+    (module docstring), ``[R, 3, r, d]``, the smallest first, in bf16 (``split_bf16``) or fp32 (TF32
+    operands): one launch, so that no program of the scan splits them again."""
+    num_rows, num_centers, dim = centers.shape
+    parts = empty_parts(centers, split_bf16)
+    _split_kernel[(num_rows, triton.cdiv(num_centers, CENTER_TILE))](
+        centers,
+        parts,
+        num_centers,
+        dim,
+        CENTER_TILE=CENTER_TILE,
+        DIM_TILE=max(16, triton.next_power_of_2(dim)),
+    )
+    return parts
+
+
 if triton is not None:
 
     @triton.jit
-    def split_product(point_tile, part, accumulator, SPLIT_BF16: tl.constexpr):
-        """``point_tile @ part.T (+ accumulator)`` of 8-bit values, exact, on the tensor cores."""
-        if SPLIT_BF16:
-            return tl.dot(point_tile.to(tl.bfloat16), tl.trans(part.to(tl.bfloat16)), accumulator)
+    def write_parts(parts, at, tile, mask, part_stride):
+        """fp32 centres ``tile`` split exactly into three parts of bf16 precision (module docstring),
+        written at ``at`` of ``parts``' three planes ``part_stride`` apart, the smallest first, in
+        ``parts``' dtype (bf16 or fp32: either holds an 8-bit value exactly). Exact whatever the casts'
+        rounding (the interpreter truncates): each part is the top 8 bits of what the larger left."""
+        high = tile.to(tl.bfloat16).to(tl.float32)
+        rest = tile - high
+        middle = rest.to(tl.bfloat16).to(tl.float32)
+        dtype = parts.dtype.element_ty
+        tl.store(parts + at, (rest - middle).to(dtype), mask=mask)
+        tl.store(parts + part_stride + at, middle.to(dtype), mask=mask)
+        tl.store(parts + 2 * part_stride + at, high.to(dtype), mask=mask)
+
+    @triton.jit(do_not_specialize=["num_centers"])
+    def _split_kernel(centers, parts, num_centers, dim, CENTER_TILE: tl.constexpr, DIM_TILE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        center = tl.program_id(1) * CENTER_TILE + tl.arange(0, CENTER_TILE)
+        feature = tl.arange(0, DIM_TILE)
+        at = center[:, None] * dim + feature[None, :]
+        mask = (center[:, None] < num_centers) & (feature[None, :] < dim)
+        tile = tl.load(centers + row * num_centers * dim + at, mask=mask)
+        write_parts(parts + row * 3 * num_centers * dim, at, tile, mask, num_centers * dim)
+
+    @triton.jit
+    def split_product(point_tile, part, accumulator):
+        """``point_tile @ part.T (+ accumulator)`` of 8-bit values in bf16 or fp32 (TF32 operands),
+        exact, on the tensor cores."""
+        if part.dtype == tl.bfloat16:
+            return tl.dot(point_tile, tl.trans(part), accumulator)
         return tl.dot(point_tile, tl.trans(part), accumulator, input_precision="tf32")
 
     @triton.jit
@@ -147,33 +202,32 @@ if triton is not None:
         POINT_TILE: tl.constexpr,
         CENTER_TILE: tl.constexpr,
         PRECISION: tl.constexpr,
-        SPLIT_BF16: tl.constexpr,
     ):
         """The distance (fp32, ``+inf`` where none is scanned) and index (int32) of each of
         ``point_tile``'s points' nearest centre among one row's centres ``first`` to ``scanned``
-        (``centers`` ``[num_centers, dim]`` fp32 and their ``center_norms``, the row's), by the rule and
-        in the ``PRECISION`` of the module docstring: the centres a tile at a time, a running minimum,
-        no distance written."""
+        (``centers`` ``[num_centers, dim]`` fp32, for ``"bf16x3"`` their parts ``[3, num_centers, dim]``
+        from ``write_parts``, and their ``center_norms``, the row's), by the rule and in the
+        ``PRECISION`` of the module docstring: the centres a tile at a time, a running minimum, no
+        distance written."""
         best = tl.full([POINT_TILE], float("inf"), tl.float32)
         best_index = tl.zeros([POINT_TILE], tl.int32)
+        operands = point_tile.to(centers.dtype.element_ty)  # the parts' dtype; fp32 otherwise
+        part_stride = num_centers * dim
         for start in range(first, scanned, CENTER_TILE):
             center = start + tl.arange(0, CENTER_TILE)
-            center_tile = tl.load(
-                centers + center[:, None] * dim + feature[None, :],
-                mask=(center[:, None] < scanned) & (feature[None, :] < dim),
-                other=0.0,
-            )
+            at = center[:, None] * dim + feature[None, :]
+            mask = (center[:, None] < scanned) & (feature[None, :] < dim)
             norms = tl.load(center_norms + center, mask=center < scanned, other=float("inf"))
-            if PRECISION == "bf16x3":  # the exact split, smallest part first (module docstring)
-                high = center_tile.to(tl.bfloat16).to(tl.float32)
-                rest = center_tile - high
-                middle = rest.to(tl.bfloat16).to(tl.float32)
-                low = rest - middle
-                products = split_product(point_tile, low, None, SPLIT_BF16)
-                products = split_product(point_tile, middle, products, SPLIT_BF16)
-                products = split_product(point_tile, high, products, SPLIT_BF16)
+            if PRECISION == "bf16x3":  # the parts, smallest first (module docstring)
+                low = tl.load(centers + at, mask=mask, other=0.0)
+                products = split_product(operands, low, None)
+                middle = tl.load(centers + part_stride + at, mask=mask, other=0.0)
+                products = split_product(operands, middle, products)
+                high = tl.load(centers + 2 * part_stride + at, mask=mask, other=0.0)
+                products = split_product(operands, high, products)
             else:
-                products = tl.dot(point_tile, tl.trans(center_tile), input_precision=PRECISION)
+                center_tile = tl.load(centers + at, mask=mask, other=0.0)
+                products = tl.dot(operands, tl.trans(center_tile), input_precision=PRECISION)
             distances = norms[None, :] - 2.0 * products
             tile_best = tl.min(distances, axis=1)
             # The tile's first minimum, written out: the interpreter's argmin ignores tie_break_left.
@@ -201,7 +255,6 @@ if triton is not None:
         CENTER_TILE: tl.constexpr,
         DIM_TILE: tl.constexpr,
         PRECISION: tl.constexpr,
-        SPLIT_BF16: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # row * num_points * dim passes 2^31 at long prompts
         point = tl.program_id(1) * POINT_TILE + tl.arange(0, POINT_TILE)
@@ -215,8 +268,9 @@ if triton is not None:
         if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
             own = tl.minimum(tl.load(center_counts + row).to(tl.int32), num_centers)
             scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
+        planes = 3 if PRECISION == "bf16x3" else 1  # the centres' parts (``split_centers``)
         _, best_index = nearest_in_row(
-            point_tile, centers + row * num_centers * dim, center_norms + row * num_centers,
-            num_centers, 0, scanned, dim, feature, POINT_TILE, CENTER_TILE, PRECISION, SPLIT_BF16,
+            point_tile, centers + row * planes * num_centers * dim, center_norms + row * num_centers,
+            num_centers, 0, scanned, dim, feature, POINT_TILE, CENTER_TILE, PRECISION,
         )  # fmt: skip
         tl.store(nearest_index + row * num_points + point, best_index.to(tl.int64), mask=point < num_points)

@@ -39,7 +39,7 @@ def test_the_resource_reading_sees_the_spills_of_tiles_too_large_for_the_registe
 def test_the_longest_loop_spans_the_widest_backward_branch_of_the_listing():
     """``cuobjdump -sass``'s listing, written by hand: a forward branch, a predicated backward branch
     over 2 instructions, a plain one over 6 (0x10 to 0x60, 16 bytes each) and the end's branch to
-    itself; without a backward branch, no loop."""
+    itself; the loop's opcodes counted, without their modifiers; without a backward branch, none."""
     listing = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                      /* 0x00000a00ff017b82 */
         /*0010*/                   S2R R0, SR_TID.X ;                          /* 0x0000000000007919 */
@@ -50,9 +50,26 @@ def test_the_longest_loop_spans_the_widest_backward_branch_of_the_listing():
         /*0060*/                   BRA 0x10 ;                                  /* 0xffffffd80034b947 */
         /*0070*/                   BRA 0x70;                                   /* 0xfffffffc00fc7947 */
     """
-    assert longest_loop(listing) == 6
-    assert longest_loop(listing.replace("BRA 0x10", "BRA 0x70")) == 2
-    assert longest_loop("        /*0000*/                   EXIT ;") == 0
+    assert longest_loop(listing) == {"S2R": 1, "BRA": 3, "FADD": 1, "HGMMA": 1}
+    assert longest_loop(listing.replace("BRA 0x10", "BRA 0x70")) == {"FADD": 1, "BRA": 1}
+    assert longest_loop("        /*0000*/                   EXIT ;") == {}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_bf16x3_scans_load_the_centres_parts_asynchronously_and_split_nothing_in_their_loops(head_dim):
+    """The centres are split once (``nearest_kernel.split_centers``, the Lloyd steps' centre updates), so
+    the scans' loops convert nothing (no ``F2F``, ``F2FP``, ``PRMT``: fp32 to bf16 and packing) and
+    copy the parts into shared memory asynchronously (``LDGSTS``), ahead of the products (``HGMMA``)."""
+    scans = [
+        build
+        for build in kernel_builds(head_dim, "bf16")
+        if build.name in ("nearest (bf16x3)", "lloyd assign (bf16x3)", "lloyd assign (bf16x3, values)")
+    ]
+    assert len(scans) == 3
+    for build in scans:
+        opcodes = compiled_resources(build, 90).loop_opcodes
+        assert opcodes["LDGSTS"] > 0 and opcodes["HGMMA"] > 0, build.name
+        assert not {"F2F", "F2FP", "PRMT"} & set(opcodes), build.name
 
 
 def test_the_tile_builds_are_the_k_means_kernels_at_the_given_tiles_and_the_launchers_left_as_they_were():

@@ -190,10 +190,10 @@ class Launches:
 
 
 def test_the_lloyd_steps_launch_at_the_nearest_centre_kernels_tiles_as_they_are_at_the_call(monkeypatch):
-    """The tiles, warps and split operands are ``reskv.nearest_kernel``'s when ``cluster`` runs (a GPU
-    check sets them there): 2 rows of up to 150 points and 40 centres, 16-point and 8-centre tiles,
-    4 steps: 4 assignment launches over 2 x 10 programs, 5 of the centres' (the initial ones, 3 updates,
-    the entries) over 2 x 5."""
+    """The tiles, warps and split operands (the dtype of the centres' parts) are
+    ``reskv.nearest_kernel``'s when ``cluster`` runs (a GPU check sets them there): 2 rows of up to 150
+    points and 40 centres, 16-point and 8-centre tiles, 4 steps: 4 assignment launches over 2 x 10
+    programs, 5 of the centres' (the initial ones, 3 updates, the entries) over 2 x 5."""
     pytest.importorskip("triton")
     from reskv import lloyd_kernel, nearest_kernel
 
@@ -208,10 +208,10 @@ def test_the_lloyd_steps_launch_at_the_nearest_centre_kernels_tiles_as_they_are_
     assert [grid for grid, _ in assign.calls] == [(2, 10)] * 4
     assert [grid for grid, _ in centres.calls] == [(2, 5)] * 5
     for _, launch in assign.calls:
-        assert (launch["POINT_TILE"], launch["CENTER_TILE"], launch["num_warps"], launch["SPLIT_BF16"]) == (
-            16, 8, 2, False,
-        )  # fmt: skip
-    assert all((launch["CENTER_TILE"], launch["num_warps"]) == (8, 2) for _, launch in centres.calls)
+        assert (launch["POINT_TILE"], launch["CENTER_TILE"], launch["num_warps"]) == (16, 8, 2)
+    for _, launch in [*assign.calls, *centres.calls]:
+        assert (launch["CENTER_TILE"], launch["num_warps"]) == (8, 2)
+        assert launch["center_parts"].dtype == torch.float32  # TF32 operands: the parts in fp32
 
 
 def nested_case(generator, dtype, dim, iterations, form, repeated=False):

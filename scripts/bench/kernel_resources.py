@@ -28,6 +28,7 @@ import contextlib
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -73,7 +74,7 @@ class Resources:
     registers: int  # per thread
     stack_bytes: int  # per thread, in local memory: spilled registers
     shared_bytes: int  # per program
-    loop_instructions: int  # per warp, in the longest loop's body (``longest_loop``)
+    loop_opcodes: Counter[str]  # the instructions a warp issues in the longest loop's body (``longest_loop``)
 
 
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
@@ -86,12 +87,18 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     (``attention_sums_kernel``). A tile is
     a power of two, at least 16 (``tl.dot``'s least), as the launchers round them."""
     dim_tile, rows = (max(16, 1 << (size - 1).bit_length()) for size in (head_dim, decode_kernel.MAX_ROWS))
+    parts = parts_type()
     nearest = [
         KernelBuild(
             f"nearest ({precision})",
             nearest_kernel._nearest_kernel,
-            {"points": "*fp32", "centers": "*fp32", "center_norms": "*fp32", "nearest_index": "*i64"}
-            | {"point_counts": "*i64", "center_counts": "*i64"}
+            {"points": "*fp32", "centers": parts if precision == "bf16x3" else "*fp32"}
+            | {
+                "center_norms": "*fp32",
+                "nearest_index": "*i64",
+                "point_counts": "*i64",
+                "center_counts": "*i64",
+            }
             | dict.fromkeys(["num_points", "num_centers", "dim"], "i32"),
             {
                 "HAS_EXTENTS": True,  # a k-means group's rows each over its own (reskv.residual._cluster)
@@ -99,13 +106,20 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
                 "CENTER_TILE": nearest_kernel.CENTER_TILE,
                 "DIM_TILE": dim_tile,
                 "PRECISION": precision,
-                "SPLIT_BF16": nearest_kernel.SPLIT_OPERANDS == "bf16",
             },
             nearest_kernel.NUM_WARPS,
             nearest_kernel.FP_FUSION,
         )
         for precision in nearest_kernel.PRECISIONS
     ]
+    split = KernelBuild(
+        "centres' split",
+        nearest_kernel._split_kernel,
+        {"centers": "*fp32", "parts": parts, "num_centers": "i32", "dim": "i32"},
+        {"CENTER_TILE": nearest_kernel.CENTER_TILE, "DIM_TILE": dim_tile},
+        4,  # Triton's default: the launcher names none
+        True,
+    )
     partials = dict.fromkeys(["partial_max", "partial_sum", "partial_output"], "*fp32")
     chunk = KernelBuild(
         "decode chunks",
@@ -213,12 +227,19 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
     half = [*views, log_sum_exp, columns, outputs] if cache_dtype != "fp32" else []
     return [
         *nearest,
+        split,
         *lloyd_builds(dim_tile, cache_dtype),
         loss_build(dim_tile, cache_dtype),
         chunk,
         merge,
         *half,
     ]
+
+
+def parts_type() -> str:
+    """The pointer type of the centres' split that the bf16x3 scans read (``nearest_kernel.split_centers``):
+    bf16, or fp32 for TF32 operands (``nearest_kernel.SPLIT_OPERANDS``)."""
+    return "*bf16" if nearest_kernel.SPLIT_OPERANDS == "bf16" else "*fp32"
 
 
 def loss_build(dim_tile: int, cache_dtype: str) -> KernelBuild:
@@ -262,10 +283,13 @@ def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
     layout = (
         dict.fromkeys(["key_rows"], f"*{cache_dtype}")
         | dict.fromkeys(["order", "offsets", "heads", "sizes", "rows_index"], "*i64")
-        | dict.fromkeys(["scratch", "centers", "center_norms"], "*fp32")
+        | dict.fromkeys(["scratch", "centers"], "*fp32")
+        | {"center_parts": parts_type()}
+        | {"center_norms": "*fp32"}
     )
     shape = dict.fromkeys(["row_stride", "order_stride", "num_centers", "dim"], "i32")
-    tiles = {"HAS_OFFSETS": True, "CENTER_TILE": nearest_kernel.CENTER_TILE, "DIM_TILE": dim_tile}
+    tiles = {"HAS_OFFSETS": True, "PRECISION": form, "CENTER_TILE": nearest_kernel.CENTER_TILE}
+    tiles |= {"DIM_TILE": dim_tile}
     steps = {"value_rows": f"*{cache_dtype}", "point_counts": "*i64", "family": "*i64"}
     steps |= {"num_points": "i32", "family_width": "i32"}
     assign = [
@@ -273,9 +297,7 @@ def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
             f"lloyd assign ({form}{', values' if with_values else ''}{', shared' if shared else ''})",
             lloyd_kernel._assign_kernel,
             layout | steps | shape,
-            tiles
-            | {"WITH_VALUES": with_values, "SHARED": shared, "POINT_TILE": nearest_kernel.POINT_TILE}
-            | {"PRECISION": form, "SPLIT_BF16": nearest_kernel.SPLIT_OPERANDS == "bf16"},
+            tiles | {"WITH_VALUES": with_values, "SHARED": shared, "POINT_TILE": nearest_kernel.POINT_TILE},
             nearest_kernel.NUM_WARPS,
             True,  # Triton's default: the launcher names none
         )
@@ -341,15 +363,20 @@ def aligned_arguments(build: KernelBuild) -> list[str]:
     ]
 
 
-def longest_loop(sass: str) -> int:
-    """The instructions from a backward branch's target to the branch, the longest such span of
-    ``cuobjdump -sass``'s listing (sm_90's instructions are 16 bytes each, addressed in bytes): a
-    kernel's inner loop, as the compiler laid it out; 0 where nothing branches back."""
+def longest_loop(sass: str) -> Counter[str]:
+    """The opcodes (``HGMMA``, ``LDGSTS``, ...), counted, of the instructions from a backward branch's
+    target to the branch, the longest such span of ``cuobjdump -sass``'s listing (addressed in bytes):
+    a kernel's inner loop, as the compiler laid it out; none where nothing branches back."""
+    predicate = r"(?:@!?U?P\w+\s+)?"
+    branches = re.findall(rf"/\*([0-9a-f]+)\*/\s+{predicate}BRA\s+0x([0-9a-f]+)", sass)
     spans = [
-        int(branch, 16) - int(target, 16)
-        for branch, target in re.findall(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
+        (int(target, 16), int(branch, 16)) for branch, target in branches if int(branch, 16) > int(target, 16)
     ]
-    return max((span // 16 + 1 for span in spans if span > 0), default=0)
+    if not spans:
+        return Counter()
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    listing = re.findall(rf"/\*([0-9a-f]+)\*/\s+{predicate}([A-Z][A-Z0-9_]*)", sass)
+    return Counter(opcode for address, opcode in listing if first <= int(address, 16) <= last)
 
 
 def tile_switches(tiles: tuple[int, int, int]) -> list[tuple]:
@@ -385,12 +412,13 @@ def tiles_table(arch: int) -> Table:
                 resources = compiled_resources(build, arch)
                 # The shared step's longest loop is its members', around the scan.
                 scan = build.name.startswith(("nearest", "lloyd assign")) and "shared" not in build.name
-                issued = resources.loop_instructions * warps
+                loop_instructions = resources.loop_opcodes.total()
+                issued = loop_instructions * warps
                 flop = f"{2 * points * centers * head_dim / issued:.0f}" if scan else "-"
                 table.add_row(
                     build.name, str(head_dim), f"{points} x {centers}", str(warps), str(resources.registers),
                     str(resources.stack_bytes), f"{resources.shared_bytes / 1024:.0f}",
-                    str(resources.loop_instructions), flop,
+                    str(loop_instructions), flop,
                 )  # fmt: skip
     return table
 
