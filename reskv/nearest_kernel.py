@@ -24,9 +24,9 @@ smaller to win). The products
   accumulators. Their operands are bf16, or TF32 (``SPLIT_OPERANDS``), which holds 8-bit values
   exactly too, at half bf16's rate; Triton's interpreter multiplies bf16 operands wrongly, so the
   CPU tests run the split with TF32 operands. The centres are split once, not in every program's
-  loop (``split_centers``; the Lloyd steps' centre updates write their parts too): the loop loads
-  the parts straight into the products' operands: it converts nothing, the compiler copies the
-  parts into shared memory ahead of the products, and a warp issues fewer instructions a tile
+  loop (``split_centers``; the Lloyd steps' centre updates write their parts too). The loop then
+  loads the parts straight into the products' operands and converts nothing; the compiler copies
+  the parts into shared memory ahead of the products, and a warp issues fewer instructions a tile
   (results/README.md, the k-means' scan).
 
 Only the products' summation order and the accumulators' rounding differ from cuBLAS's, so near
