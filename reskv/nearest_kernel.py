@@ -10,10 +10,11 @@ the index: one launch per Lloyd step, no distance block. Given each row's own po
 (a k-means group's rows padded to its largest), it runs over those alone: padding costs no product.
 
 The rule is the torch path's: ``||c||² + bias - 2<p, c>`` (``center_norms`` holds the first two
-terms, ``+inf`` on padding centres), ties to the lower centre index (within a tile the smallest
-index holding the tile's minimum; tiles come in increasing order and a later one must be strictly
-smaller to win). The products
-``<p, c>`` run in one of three forms (``PRECISION``):
+terms, ``+inf`` on padding centres), ties to the lower centre index: each column of the tiles keeps
+its first minimum (tiles come in increasing order and a later one must be strictly smaller to win),
+and after the scan the row takes the lowest index among the columns holding its minimum. No
+reduction across a tile's columns runs in the loop, where it would take shuffles and, between
+warpgroups, barriers. The products ``<p, c>`` run in one of three forms (``PRECISION``):
 
 - ``"ieee"``: fp32 arithmetic on the CUDA cores, as cuBLAS's fp32 ``baddbmm`` (no TF32);
 - ``"tf32x3"``: three TF32 tensor-core products, fp32-like accuracy;
@@ -209,8 +210,9 @@ if triton is not None:
         from ``write_parts``, and their ``center_norms``, the row's), by the rule and in the
         ``PRECISION`` of the module docstring: the centres a tile at a time, a running minimum, no
         distance written."""
-        best = tl.full([POINT_TILE], float("inf"), tl.float32)
-        best_index = tl.zeros([POINT_TILE], tl.int32)
+        # Each column's first minimum (module docstring), the columns reduced after the scan.
+        best = tl.full([POINT_TILE, CENTER_TILE], float("inf"), tl.float32)
+        best_center = tl.zeros([POINT_TILE, CENTER_TILE], tl.int32)
         operands = point_tile.to(centers.dtype.element_ty)  # the parts' dtype; fp32 otherwise
         part_stride = num_centers * dim
         for start in range(first, scanned, CENTER_TILE):
@@ -229,15 +231,13 @@ if triton is not None:
                 center_tile = tl.load(centers + at, mask=mask, other=0.0)
                 products = tl.dot(operands, tl.trans(center_tile), input_precision=PRECISION)
             distances = norms[None, :] - 2.0 * products
-            tile_best = tl.min(distances, axis=1)
-            # The tile's first minimum, written out: the interpreter's argmin ignores tie_break_left.
-            tile_index = tl.min(
-                tl.where(distances == tile_best[:, None], center[None, :], num_centers), axis=1
-            )
-            better = tile_best < best
-            best = tl.where(better, tile_best, best)
-            best_index = tl.where(better, tile_index, best_index)
-        return best, best_index
+            better = distances < best
+            best = tl.where(better, distances, best)
+            best_center = tl.where(better, center[None, :], best_center)
+        nearest = tl.min(best, axis=1)
+        # The first minimum: the lowest centre among the columns holding it, written out (the
+        # interpreter's argmin ignores tie_break_left).
+        return nearest, tl.min(tl.where(best == nearest[:, None], best_center, num_centers), axis=1)
 
     @triton.jit(do_not_specialize=["num_points", "num_centers"])  # one compilation per head dim
     def _nearest_kernel(

@@ -29,11 +29,11 @@ def test_every_kernel_compiles_for_sm90_without_spilling_at_the_paper_backbones_
 
 def test_the_resource_reading_sees_the_spills_of_tiles_too_large_for_the_registers(monkeypatch):
     """64 x 64 point-by-centre tiles with 4 warps, the nearest-centre kernel's first tiles: at head dim
-    128 in IEEE fp32 ptxas spilled several KiB a thread (Triton 3.6 and 3.9)."""
+    128 in IEEE fp32 ptxas spills them (Triton 3.6 and 3.9)."""
     monkeypatch.setattr(nearest_kernel, "CENTER_TILE", 64)
     monkeypatch.setattr(nearest_kernel, "NUM_WARPS", 4)
     ieee = next(build for build in kernel_builds(128, "fp32") if build.name == "nearest (ieee)")
-    assert compiled_resources(ieee, 90).stack_bytes > 1024
+    assert compiled_resources(ieee, 90).stack_bytes > 0
 
 
 def test_the_longest_loop_spans_the_widest_backward_branch_of_the_listing():
