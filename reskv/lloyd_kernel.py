@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 if triton is not None:
     import triton.language as tl
 
-    from reskv.nearest_kernel import nearest_in_row, write_parts
+    from reskv.nearest_kernel import nearest_in_row, row_parts, write_parts
 
 # ``_centres_kernel``'s modes (module docstring).
 CENTRE_MODES = ("init", "update", "final")
@@ -266,8 +266,9 @@ if triton is not None:
             tl.store(centers + slot[:, None] * dim + feature[None, :], tile, mask=tile_mask)
             if PRECISION == "bf16x3":
                 at = center[:, None] * dim + feature[None, :]
-                row_parts = center_parts + row * 3 * num_centers * dim
-                write_parts(row_parts, at, tile, tile_mask, num_centers * dim)
+                write_parts(
+                    row_parts(center_parts, row, num_centers, dim), at, tile, tile_mask, num_centers * dim
+                )
             norms = tl.where(real, tl.sum(tile * tile, axis=1), float("inf"))
             tl.store(center_norms + slot, norms, mask=in_row)
 
@@ -338,7 +339,7 @@ if triton is not None:
         last = tl.where(live, size, 0)
         row_norms = center_norms + row * num_centers
         if PRECISION == "bf16x3":  # the scan reads the centres' parts
-            row_centers = center_parts + row * 3 * num_centers * dim
+            row_centers = row_parts(center_parts, row, num_centers, dim)
         else:
             row_centers = centers + row * num_centers * dim
         if SHARED:  # the row's family's first step (``cluster``): its centres' suffixes, smallest first

@@ -172,6 +172,11 @@ if triton is not None:
         tl.store(parts + part_stride + at, middle.to(dtype), mask=mask)
         tl.store(parts + 2 * part_stride + at, high.to(dtype), mask=mask)
 
+    @triton.jit
+    def row_parts(parts, row, num_centers, dim):
+        """Row ``row``'s three planes of the centres' split ``[R, 3, r, d]`` (``empty_parts``)."""
+        return parts + row * 3 * num_centers * dim
+
     @triton.jit(do_not_specialize=["num_centers"])
     def _split_kernel(centers, parts, num_centers, dim, CENTER_TILE: tl.constexpr, DIM_TILE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -180,7 +185,7 @@ if triton is not None:
         at = center[:, None] * dim + feature[None, :]
         mask = (center[:, None] < num_centers) & (feature[None, :] < dim)
         tile = tl.load(centers + row * num_centers * dim + at, mask=mask)
-        write_parts(parts + row * 3 * num_centers * dim, at, tile, mask, num_centers * dim)
+        write_parts(row_parts(parts, row, num_centers, dim), at, tile, mask, num_centers * dim)
 
     @triton.jit
     def split_product(point_tile, part, accumulator):
@@ -268,9 +273,12 @@ if triton is not None:
         if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
             own = tl.minimum(tl.load(center_counts + row).to(tl.int32), num_centers)
             scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
-        planes = 3 if PRECISION == "bf16x3" else 1  # the centres' parts (``split_centers``)
+        if PRECISION == "bf16x3":  # the centres' parts (``split_centers``)
+            row_centers = row_parts(centers, row, num_centers, dim)
+        else:
+            row_centers = centers + row * num_centers * dim
         _, best_index = nearest_in_row(
-            point_tile, centers + row * planes * num_centers * dim, center_norms + row * num_centers,
-            num_centers, 0, scanned, dim, feature, POINT_TILE, CENTER_TILE, PRECISION,
+            point_tile, row_centers, center_norms + row * num_centers, num_centers, 0, scanned, dim, feature,
+            POINT_TILE, CENTER_TILE, PRECISION,
         )  # fmt: skip
         tl.store(nearest_index + row * num_points + point, best_index.to(tl.int64), mask=point < num_points)
