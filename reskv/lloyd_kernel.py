@@ -8,7 +8,8 @@ GPU each launch costs the host ~20 us whatever its size, and each copy a pass ov
 group (``reskv.residual.RowGroup``) is one zeroed allocation and 1 + 2 x iterations launches (9 at 4 steps;
 with families, below, one upload of their table besides):
 
-- a zeroed scratch ``[A, r, 2d + 1]`` fp32: each cluster's key sums, member count and value sums;
+- a zeroed scratch of fp32: each cluster's key and value sums ``[A, r, 2, d]``, then its member count
+  ``[A, r]`` (a cluster's sums a row of ``2d``, so that a thread adds four aligned floats an atomic);
 - ``_centres_kernel``, ``"init"``: each row's first ``sizes[i]`` points (its best-scored evicted tokens)
   as its initial centres, and their squared norms (``+inf`` past the row's size: never nearest); in
   ``"bf16x3"``, their exact split too (``nearest_kernel.write_parts``), which the scan reads;
@@ -86,7 +87,8 @@ def cluster(
     device, dim = keys.device, keys.shape[-1]
     num_rows, num_centers = len(group.rows), group.max_size
     rows_index = uploaded(group.rows, device)
-    scratch = torch.zeros(num_rows, num_centers, 2 * dim + 1, device=device)
+    scratch = torch.zeros(num_rows * num_centers * (2 * dim + 1), device=device)
+    cluster_sums, cluster_counts = scratch.split([num_rows * num_centers * 2 * dim, num_rows * num_centers])
     centers = torch.empty(num_rows, num_centers, dim, device=device)
     center_parts = centers  # the centres' split, which "bf16x3" scans (not read otherwise)
     if form == "bf16x3":
@@ -102,7 +104,8 @@ def cluster(
         heads=heads,
         sizes=sizes,
         rows_index=rows_index,
-        scratch=scratch,
+        cluster_sums=cluster_sums,
+        cluster_counts=cluster_counts,
         centers=centers,
         center_parts=center_parts,
         center_norms=center_norms,
@@ -194,7 +197,8 @@ if triton is not None:
         heads,
         sizes,
         rows_index,
-        scratch,
+        cluster_sums,
+        cluster_counts,
         centers,
         center_parts,
         center_norms,
@@ -218,14 +222,14 @@ if triton is not None:
         feature = tl.arange(0, DIM_TILE)
         in_row = center < num_centers
         tile_mask = in_row[:, None] & (feature[None, :] < dim)
-        slot = row * num_centers + center  # the centre's row of ``centers`` and of the scratch
-        sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
-        counts_at = scratch + slot * (2 * dim + 1) + dim
+        slot = row * num_centers + center  # the centre's row of ``centers``, its cluster's sums and count
+        sums_at = cluster_sums + slot[:, None] * (2 * dim) + feature[None, :]
+        counts_at = cluster_counts + slot
         if MODE == "final":
             counts = tl.load(counts_at, mask=in_row, other=0.0)
             denominators = tl.maximum(counts, 1.0)[:, None]
             key_sums = tl.load(sums_at, mask=tile_mask, other=0.0)
-            value_sums = tl.load(sums_at + dim + 1, mask=tile_mask, other=0.0)
+            value_sums = tl.load(sums_at + dim, mask=tile_mask, other=0.0)
             out = table_row * entry_width + center
             out_at = out[:, None] * dim + feature[None, :]
             tl.store(
@@ -274,20 +278,20 @@ if triton is not None:
 
     @triton.jit
     def add_points(
-        scratch, slot, point_tile, value_tile, valid, feature, dim, POINT_TILE: tl.constexpr,
-        WITH_VALUES: tl.constexpr,
+        cluster_sums, cluster_counts, slot, point_tile, value_tile, valid, feature, dim,
+        POINT_TILE: tl.constexpr, WITH_VALUES: tl.constexpr,
     ):  # fmt: skip
-        """The ``valid`` points of a tile added to the sums and counts of their clusters' ``slot``s of
-        the scratch (``cluster``'s layout); with ``WITH_VALUES``, their values too."""
-        sums_at = scratch + slot[:, None] * (2 * dim + 1) + feature[None, :]
+        """The ``valid`` points of a tile added to the sums and counts of their clusters' ``slot``s
+        (``cluster``'s layout); with ``WITH_VALUES``, their values too."""
+        sums_at = cluster_sums + slot[:, None] * (2 * dim) + feature[None, :]
         tile_mask = valid[:, None] & (feature[None, :] < dim)
         # Relaxed: sums that no program reads before the launch ends need no ordering (the default,
         # acq_rel, fences every add).
         tl.atomic_add(sums_at, point_tile, mask=tile_mask, sem="relaxed")
         ones = tl.full([POINT_TILE], 1.0, tl.float32)
-        tl.atomic_add(scratch + slot * (2 * dim + 1) + dim, ones, mask=valid, sem="relaxed")
+        tl.atomic_add(cluster_counts + slot, ones, mask=valid, sem="relaxed")
         if WITH_VALUES:
-            tl.atomic_add(sums_at + dim + 1, value_tile, mask=tile_mask, sem="relaxed")
+            tl.atomic_add(sums_at + dim, value_tile, mask=tile_mask, sem="relaxed")
 
     @triton.jit(do_not_specialize=["row_stride", "order_stride", "num_centers", "num_points", "family_width"])
     def _assign_kernel(
@@ -300,7 +304,8 @@ if triton is not None:
         sizes,
         rows_index,
         family,
-        scratch,
+        cluster_sums,
+        cluster_counts,
         centers,
         center_parts,
         center_norms,
@@ -364,7 +369,8 @@ if triton is not None:
                 held = valid & (point >= tl.where(present, shift, num_points))
                 slot = member * num_centers + best_index - shift
                 add_points(
-                    scratch, slot, point_tile, value_tile, held, feature, dim, POINT_TILE, WITH_VALUES
+                    cluster_sums, cluster_counts, slot, point_tile, value_tile, held, feature, dim,
+                    POINT_TILE, WITH_VALUES,
                 )  # fmt: skip
         else:
             _, nearest = nearest_in_row(
@@ -372,6 +378,6 @@ if triton is not None:
                 CENTER_TILE, PRECISION,
             )  # fmt: skip
             add_points(
-                scratch, row * num_centers + nearest, point_tile, value_tile, valid, feature, dim, POINT_TILE,
-                WITH_VALUES,
+                cluster_sums, cluster_counts, row * num_centers + nearest, point_tile, value_tile, valid,
+                feature, dim, POINT_TILE, WITH_VALUES,
             )  # fmt: skip

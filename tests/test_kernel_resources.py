@@ -72,6 +72,23 @@ def test_the_bf16x3_scans_load_the_centres_parts_asynchronously_and_split_nothin
         assert not {"F2F", "F2FP", "PRMT"} & set(opcodes), build.name
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_lloyd_steps_add_a_points_key_and_value_to_its_cluster_four_floats_an_atomic(head_dim):
+    """A cluster's key and value sums are rows of ``2 d`` floats, 16-byte aligned, so each thread adds
+    its share of a tile of points (``POINT_TILE x d`` floats over the program's threads, the keys and,
+    on the last step, the values) by vector atomics of four fp32 (``REDG.E.ADD.F32x4``, sm_90's
+    ``red.global.add.v4.f32``), and one scalar atomic adds its point to the count."""
+    steps = [build for build in kernel_builds(head_dim, "bf16") if build.name.startswith("lloyd assign")]
+    assert len(steps) == 4  # with and without the values, alone and a family's shared first step
+    for build in steps:
+        atomics = compiled_resources(build, 90).atomics
+        floats = nearest_kernel.POINT_TILE * head_dim * (2 if "values" in build.name else 1)
+        per_thread = floats // (32 * nearest_kernel.NUM_WARPS)
+        vector = sum(count for mnemonic, count in atomics.items() if mnemonic.startswith("REDG.E.ADD.F32x4."))
+        scalar = sum(count for mnemonic, count in atomics.items() if mnemonic.startswith("REDG.E.ADD.F32."))
+        assert (vector, scalar, atomics.total()) == (per_thread // 4, 1, per_thread // 4 + 1), build.name
+
+
 def test_the_tile_builds_are_the_k_means_kernels_at_the_given_tiles_and_the_launchers_left_as_they_were():
     launchers = (nearest_kernel.POINT_TILE, nearest_kernel.CENTER_TILE, nearest_kernel.NUM_WARPS)
     builds = tile_builds(128, (128, 64, 4))

@@ -177,11 +177,12 @@ class CountedKernel:
 
 
 def lloyd_writes(arguments: dict) -> list[torch.Tensor]:
-    """What a ``reskv.lloyd_kernel`` launch writes in fp32: an assignment step its scratch; an init or
-    update the centres and their norms; the final entries their log-counts (as many as the norms)."""
+    """What a ``reskv.lloyd_kernel`` launch writes in fp32: an assignment step its clusters' sums and
+    counts; an init or update the centres and their norms; the final entries their log-counts (as many
+    as the norms)."""
     mode = arguments.get("MODE")
     if mode is None:
-        return [arguments["scratch"]]
+        return [arguments["cluster_sums"], arguments["cluster_counts"]]
     if mode == "final":
         return [arguments["center_norms"]]
     return [arguments["centers"], arguments["center_norms"]]

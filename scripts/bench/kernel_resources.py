@@ -75,6 +75,7 @@ class Resources:
     stack_bytes: int  # per thread, in local memory: spilled registers
     shared_bytes: int  # per program
     loop_opcodes: Counter[str]  # the instructions a warp issues in the longest loop's body (``longest_loop``)
+    atomics: Counter[str]  # the listing's atomic instructions, by mnemonic (``REDG.E.ADD.F32x4...``)
 
 
 def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
@@ -283,7 +284,7 @@ def lloyd_builds(dim_tile: int, cache_dtype: str) -> list[KernelBuild]:
     layout = (
         dict.fromkeys(["key_rows"], f"*{cache_dtype}")
         | dict.fromkeys(["order", "offsets", "heads", "sizes", "rows_index"], "*i64")
-        | dict.fromkeys(["scratch", "centers"], "*fp32")
+        | dict.fromkeys(["cluster_sums", "cluster_counts", "centers"], "*fp32")
         | {"center_parts": parts_type()}
         | {"center_norms": "*fp32"}
     )
@@ -344,7 +345,8 @@ def compiled_resources(build: KernelBuild, arch: int) -> Resources:
         )
     figures = dict(re.findall(r"(REG|STACK):(\d+)", usage.stdout))
     loop = longest_loop(sass.stdout)
-    return Resources(int(figures["REG"]), int(figures["STACK"]), compiled.metadata.shared, loop)
+    atomics = Counter(re.findall(r"\s((?:REDG|ATOMG)\.[A-Z0-9_.x]+)", sass.stdout))
+    return Resources(int(figures["REG"]), int(figures["STACK"]), compiled.metadata.shared, loop, atomics)
 
 
 def aligned_arguments(build: KernelBuild) -> list[str]:
