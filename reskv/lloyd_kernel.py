@@ -87,15 +87,9 @@ def cluster(
     device, dim = keys.device, keys.shape[-1]
     num_rows, num_centers = len(group.rows), group.max_size
     rows_index = uploaded(group.rows, device)
-    scratch = torch.zeros(num_rows * num_centers * (2 * dim + 1), device=device)
-    cluster_sums, cluster_counts = scratch.split([num_rows * num_centers * 2 * dim, num_rows * num_centers])
-    centers = torch.empty(num_rows, num_centers, dim, device=device)
-    center_parts = centers  # the centres' split, which "bf16x3" scans (not read otherwise)
-    if form == "bf16x3":
-        center_parts = nearest_kernel.empty_parts(
-            centers, (split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16"
-        )
-    center_norms = torch.empty(num_rows, num_centers, device=device)
+    cluster_sums, cluster_counts, centers, center_parts, center_norms = group_buffers(
+        num_rows, num_centers, dim, form, split_operands, device
+    )
     has_offsets = offsets is not None
     layout = dict(
         key_rows=storage_rows(keys),
@@ -107,7 +101,7 @@ def cluster(
         cluster_sums=cluster_sums,
         cluster_counts=cluster_counts,
         centers=centers,
-        center_parts=center_parts,
+        center_parts=centers if center_parts is None else center_parts,  # not read without a split
         center_norms=center_norms,
         row_stride=row_stride(keys),
         order_stride=order.stride(0),
@@ -143,6 +137,32 @@ def cluster(
             _centres_kernel[centres_grid](**layout, **unused, entry_width=0, MODE="update")
     _centres_kernel[centres_grid](**layout, **outputs, entry_width=entries.keys.shape[1], MODE="final")
     return entries
+
+
+def group_buffers(
+    num_rows: int, num_centers: int, dim: int, form: str, split_operands: str | None, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """What ``cluster`` holds for a group of ``num_rows`` rows of ``num_centers`` centres (the module
+    docstring's layout): its clusters' key and value sums and member counts, two views of one zeroed
+    allocation; the centres; in ``"bf16x3"`` their split (``nearest_kernel.empty_parts``, else
+    ``None``); the centres' norms."""
+    slots = num_rows * num_centers
+    scratch = torch.zeros(slots * (2 * dim + 1), device=device)
+    cluster_sums, cluster_counts = scratch.split([slots * 2 * dim, slots])
+    centers = torch.empty(num_rows, num_centers, dim, device=device)
+    center_parts = None
+    if form == "bf16x3":
+        split_bf16 = (split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16"
+        center_parts = nearest_kernel.empty_parts(centers, split_bf16)
+    center_norms = torch.empty(num_rows, num_centers, device=device)
+    return cluster_sums, cluster_counts, centers, center_parts, center_norms
+
+
+def bytes_a_centre(dim: int, form: str) -> int:
+    """The bytes ``cluster`` holds for each centre of a group in ``form`` (``group_buffers``), what
+    ``reskv.residual.scratch_groups`` sizes a group by."""
+    held = group_buffers(1, 1, dim, form, None, torch.device("meta"))
+    return sum(buffer.nbytes for buffer in held if buffer is not None)
 
 
 def family_table(

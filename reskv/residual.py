@@ -411,12 +411,16 @@ def scratch_groups(
 ) -> list[RowGroup]:
     """``rows`` as the k-means groups ``reskv.lloyd_kernel`` clusters (``fused_lloyd_form``). It reads
     the points in place and skips each row's padding, so a group takes rows of every level while what it
-    holds, its scratch, centres and norms (rows x largest size x ``3 d + 2`` fp32), fits the memory
-    planned for the points' fp32 copy that it does not make (``padding_free_capacity`` points of ``d``
-    fp32). Rows are taken largest size first, a family of ``families`` (rows whose first step the
-    kernel shares, its largest last: ``cluster_rows``) with its largest, whole."""
+    holds (rows x largest size x ``lloyd_kernel.bytes_a_centre``: the clusters' sums and counts, the
+    centres, their split and norms) fits the memory planned for the points' fp32 copy that it does not
+    make (``padding_free_capacity`` points of ``d`` fp32). Rows are taken largest size first, a family
+    of ``families`` (rows whose first step the kernel shares, its largest last: ``cluster_rows``) with
+    its largest, whole."""
+    from reskv import lloyd_kernel  # imports Triton, which only the kernel's form runs
+
     dim = keys.shape[-1]
-    capacity = padding_free_capacity(keys) * dim
+    capacity = padding_free_capacity(keys) * dim * 4
+    held_a_centre = lloyd_kernel.bytes_a_centre(dim, fused_lloyd_form(keys))
     family_of = {row: list(members) for members in families for row in members}
     units = [family_of.get(row, [row]) for row in rows if family_of.get(row, [row])[-1] == row]
 
@@ -425,7 +429,7 @@ def scratch_groups(
 
     groups, current, largest = [], [], 0
     for unit in sorted(units, key=lambda unit: largest_first(unit[-1])):
-        if current and (len(current) + len(unit)) * largest * (3 * dim + 2) > capacity:
+        if current and (len(current) + len(unit)) * largest * held_a_centre > capacity:
             groups.append(current)
             current = []
         if not current:

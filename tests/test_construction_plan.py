@@ -275,19 +275,20 @@ def test_levels_group_apart_unless_the_kernel_skips_padding(monkeypatch):
 
 
 def test_rows_the_lloyd_kernel_clusters_group_by_its_scratch(monkeypatch):
-    """Where ``reskv.lloyd_kernel`` clusters (``fused_lloyd_form``), levels group together while a
-    group's scratch, centres and norms (rows x largest size x (3 d + 2) fp32) fit the capacity's
-    points of d fp32, whatever their padding: keys [4, 100, 8] give (4 x 100 + 4 MiB / 32) x 8 =
-    1,051,776 fp32, so rows of size 50 (26 fp32 a centre: 1,300 a row) group 809 at a time, here 1,000
-    rows of two levels (sizes 50 and 3, points 100 and 3,000, 997 padded points each) as 809 and 191,
-    largest size first."""
+    """Where ``reskv.lloyd_kernel`` clusters (``fused_lloyd_form``), levels group together while what a
+    group holds (rows x largest size x the bytes of a centre) fits the capacity's points of d fp32,
+    whatever their padding: keys [4, 100, 8] give (4 x 100 + 4 MiB / 32) x 8 = 1,051,776 fp32
+    (4,207,104 bytes). A centre holds, in bf16x3, its cluster's key and value sums and count (2 x 8 + 1
+    fp32), itself and its norm (8 + 1 fp32) and its split (3 x 8 bf16): 152 bytes, 7,600 a row of size
+    50. So such rows group 553 at a time, here 1,000 rows of two levels (sizes 50 and 3, points 100 and
+    3,000, 997 padded points each) as 553 and 447, largest size first."""
     keys = torch.zeros(4, 100, 8)
     monkeypatch.setattr(reskv.residual, "fused_lloyd_form", lambda keys: "bf16x3")
     levels = [list(range(500)), list(range(500, 1000))]
     sizes, points = [50] * 500 + [3] * 500, [100] * 500 + [3_000] * 500
     found = reskv.residual.level_row_groups(levels, sizes, points, keys)
-    assert [len(group.rows) for group in found] == [809, 191]
-    assert found[0].rows == list(range(500)) + list(range(500, 809))
+    assert [len(group.rows) for group in found] == [553, 447]
+    assert found[0].rows == list(range(500)) + list(range(500, 553))
     assert [(group.max_size, group.max_points, group.equal_sizes) for group in found] == [
         (50, 3_000, False),
         (3, 3_000, True),
@@ -324,16 +325,16 @@ def test_nested_families_are_one_heads_rows_whose_centres_and_points_end_alike()
 
 
 def test_the_lloyd_kernels_groups_keep_a_family_whole(monkeypatch):
-    """``scratch_groups`` with a family: 808 rows of size 50 and a family of sizes 10, 30 and 50 over the
-    capacity of ``test_rows_the_lloyd_kernel_clusters_group_by_its_scratch`` (809 rows of size 50 a
+    """``scratch_groups`` with a family: 552 rows of size 50 and a family of sizes 10, 30 and 50 over the
+    capacity of ``test_rows_the_lloyd_kernel_clusters_group_by_its_scratch`` (553 rows of size 50 a
     group). Alone, the family's largest would join the first group and the two others the second;
     with it, the family goes whole to the second, largest first."""
     keys = torch.zeros(4, 100, 8)
     monkeypatch.setattr(reskv.residual, "fused_lloyd_form", lambda keys: "bf16x3")
-    sizes, points = [50] * 808 + [10, 30, 50], [100] * 811
-    rows = list(range(811))
+    sizes, points = [50] * 552 + [10, 30, 50], [100] * 555
+    rows = list(range(555))
     apart = reskv.residual.scratch_groups(rows, sizes, points, keys)
-    assert [group.rows for group in apart] == [[*range(808), 810], [809, 808]]
-    together = reskv.residual.scratch_groups(rows, sizes, points, keys, [[808, 809, 810]])
-    assert [group.rows for group in together] == [list(range(808)), [810, 809, 808]]
+    assert [group.rows for group in apart] == [[*range(552), 554], [553, 552]]
+    together = reskv.residual.scratch_groups(rows, sizes, points, keys, [[552, 553, 554]])
+    assert [group.rows for group in together] == [list(range(552)), [554, 553, 552]]
     assert [group.max_size for group in together] == [50, 50]
