@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 if triton is not None:
     import triton.language as tl
 
-    from reskv.nearest_kernel import nearest_in_row, row_parts, write_parts
+    from reskv.nearest_kernel import nearest_in_row, row_parts, scanned_row, write_parts
 
 # ``_centres_kernel``'s modes (module docstring).
 CENTRE_MODES = ("init", "update", "final")
@@ -152,8 +152,7 @@ def group_buffers(
     centers = torch.empty(num_rows, num_centers, dim, device=device)
     center_parts = None
     if form == "bf16x3":
-        split_bf16 = (split_operands or nearest_kernel.SPLIT_OPERANDS) == "bf16"
-        center_parts = nearest_kernel.empty_parts(centers, split_bf16)
+        center_parts = nearest_kernel.empty_parts(centers, split_operands)
     center_norms = torch.empty(num_rows, num_centers, device=device)
     return cluster_sums, cluster_counts, centers, center_parts, center_norms
 
@@ -363,10 +362,7 @@ if triton is not None:
         size = tl.load(sizes + table_row).to(tl.int32)
         last = tl.where(live, size, 0)
         row_norms = center_norms + row * num_centers
-        if PRECISION == "bf16x3":  # the scan reads the centres' parts
-            row_centers = row_parts(center_parts, row, num_centers, dim)
-        else:
-            row_centers = centers + row * num_centers * dim
+        row_centers = scanned_row(center_parts, row, num_centers, dim, PRECISION)  # the centres if no split
         if SHARED:  # the row's family's first step (``cluster``): its centres' suffixes, smallest first
             best = tl.full([POINT_TILE], float("inf"), tl.float32)
             best_index = tl.zeros([POINT_TILE], tl.int32)

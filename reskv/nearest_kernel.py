@@ -107,7 +107,7 @@ def nearest(
     points, centers, center_norms = points.contiguous(), centers.contiguous(), center_norms.contiguous()
     scanned = centers
     if form == "bf16x3":
-        scanned = split_centers(centers, (split_operands or SPLIT_OPERANDS) == "bf16")
+        scanned = split_centers(centers, split_operands)
     nearest_index = torch.empty(num_rows, num_points, dtype=torch.long, device=points.device)
     grid = (num_rows, triton.cdiv(num_points, POINT_TILE))
     point_counts, center_counts = extents if extents is not None else (nearest_index, nearest_index)
@@ -132,19 +132,25 @@ def nearest(
     return nearest_index
 
 
-def empty_parts(centers: Tensor, split_bf16: bool) -> Tensor:
-    """Room for ``centers``' (``[R, r, d]``) split: ``[R, 3, r, d]``, in bf16 (``split_bf16``) or fp32."""
+def parts_dtype(split_operands: str | None = None) -> torch.dtype:
+    """The dtype of the centres' split whose products take ``split_operands`` (``SPLIT_OPERANDS`` when
+    ``None``): bf16, or fp32 for TF32 operands."""
+    return torch.bfloat16 if (split_operands or SPLIT_OPERANDS) == "bf16" else torch.float32
+
+
+def empty_parts(centers: Tensor, split_operands: str | None) -> Tensor:
+    """Room for ``centers``' (``[R, r, d]``) split: ``[R, 3, r, d]``, in ``parts_dtype(split_operands)``."""
     num_rows, num_centers, dim = centers.shape
-    dtype = torch.bfloat16 if split_bf16 else torch.float32
+    dtype = parts_dtype(split_operands)
     return torch.empty(num_rows, 3, num_centers, dim, dtype=dtype, device=centers.device)
 
 
-def split_centers(centers: Tensor, split_bf16: bool) -> Tensor:
+def split_centers(centers: Tensor, split_operands: str | None) -> Tensor:
     """``centers`` ``[R, r, d]`` (fp32, contiguous) split exactly into three parts of bf16 precision
-    (module docstring), ``[R, 3, r, d]``, the smallest first, in bf16 (``split_bf16``) or fp32 (TF32
-    operands): one launch, so that no program of the scan splits them again."""
+    (module docstring), ``[R, 3, r, d]``, the smallest first, in ``parts_dtype(split_operands)``: one
+    launch, so that no program of the scan splits them again."""
     num_rows, num_centers, dim = centers.shape
-    parts = empty_parts(centers, split_bf16)
+    parts = empty_parts(centers, split_operands)
     _split_kernel[(num_rows, triton.cdiv(num_centers, CENTER_TILE))](
         centers,
         parts,
@@ -176,6 +182,16 @@ if triton is not None:
     def row_parts(parts, row, num_centers, dim):
         """Row ``row``'s three planes of the centres' split ``[R, 3, r, d]`` (``empty_parts``)."""
         return parts + row * 3 * num_centers * dim
+
+    @triton.jit
+    def scanned_row(scanned, row, num_centers, dim, PRECISION: tl.constexpr):
+        """Row ``row`` of what a scan in ``PRECISION`` reads: the three planes of the centres' split
+        ``[R, 3, r, d]`` in ``"bf16x3"``, the centres ``[R, r, d]`` otherwise."""
+        if PRECISION == "bf16x3":
+            at = row_parts(scanned, row, num_centers, dim)
+        else:
+            at = scanned + row * num_centers * dim
+        return at
 
     @triton.jit(do_not_specialize=["num_centers"])
     def _split_kernel(centers, parts, num_centers, dim, CENTER_TILE: tl.constexpr, DIM_TILE: tl.constexpr):
@@ -273,10 +289,7 @@ if triton is not None:
         if HAS_EXTENTS:  # the row's own centres; none for a tile of its padding points
             own = tl.minimum(tl.load(center_counts + row).to(tl.int32), num_centers)
             scanned = tl.where(tl.program_id(1) * POINT_TILE < tl.load(point_counts + row), own, 0)
-        if PRECISION == "bf16x3":  # the centres' parts (``split_centers``)
-            row_centers = row_parts(centers, row, num_centers, dim)
-        else:
-            row_centers = centers + row * num_centers * dim
+        row_centers = scanned_row(centers, row, num_centers, dim, PRECISION)  # ``split_centers``' in bf16x3
         _, best_index = nearest_in_row(
             point_tile, row_centers, center_norms + row * num_centers, num_centers, 0, scanned, dim, feature,
             POINT_TILE, CENTER_TILE, PRECISION,

@@ -419,7 +419,7 @@ def scratch_groups(
     from reskv import lloyd_kernel  # imports Triton, which only the kernel's form runs
 
     dim = keys.shape[-1]
-    capacity = padding_free_capacity(keys) * dim * 4
+    capacity = padding_free_capacity(keys) * dim * 4  # bytes: the points of d fp32
     held_a_centre = lloyd_kernel.bytes_a_centre(dim, fused_lloyd_form(keys))
     family_of = {row: list(members) for members in families for row in members}
     units = [family_of.get(row, [row]) for row in rows if family_of.get(row, [row])[-1] == row]

@@ -239,8 +239,9 @@ def kernel_builds(head_dim: int, cache_dtype: str) -> list[KernelBuild]:
 
 def parts_type() -> str:
     """The pointer type of the centres' split that the bf16x3 scans read (``nearest_kernel.split_centers``):
-    bf16, or fp32 for TF32 operands (``nearest_kernel.SPLIT_OPERANDS``)."""
-    return "*bf16" if nearest_kernel.SPLIT_OPERANDS == "bf16" else "*fp32"
+    ``nearest_kernel.parts_dtype``."""
+    dtype = nearest_kernel.parts_dtype()
+    return "*" + next(name for name, named in DTYPES.items() if named == dtype)
 
 
 def loss_build(dim_tile: int, cache_dtype: str) -> KernelBuild:
